@@ -1,0 +1,1 @@
+"""Learner: turns scored rollouts into policy updates (DAPO loss, optimiser step, weight publication)."""

@@ -1,0 +1,152 @@
+"""Memory-light token entropy and sampled-token log-probs from logits.
+
+Logits of a long response batch are the largest activation in the learner ([B, T, V] with
+V ~ 150k). A plain ``log_softmax`` materialises a second tensor of that size, and autograd
+keeps it alive until backward. Here both functions walk over chunks of ``chunk_size`` rows of
+the flattened [B*T, V] logits: the forward pass keeps only per-row results ([B*T]), and the
+backward pass recomputes each chunk's softmax and writes its gradient straight into the
+single [B*T, V] gradient buffer. Extra memory is therefore one chunk's worth, on top of the
+logits and their gradient. Each chunk is computed in float32 (float64 logits stay float64)
+and results are returned in that dtype, not the logits' dtype: the PPO ratio
+``exp(logp - old_logp)`` needs more than bf16's 8 mantissa bits.
+
+Not guaranteed: a non-contiguous ``logits`` is copied once by ``reshape``; double backward
+(gradient of a gradient) is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["entropy_from_logits", "log_probs_from_logits"]
+
+
+def _row_chunks(n_rows: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_size, n_rows)) for s in range(0, n_rows, chunk_size)]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision logits, float64 kept as is."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _finite(z: Tensor) -> Tensor:
+    """Replace -inf logits (vocabulary masking) by the lowest finite value, so that
+    ``p * z`` is 0 rather than ``0 * -inf = nan`` for impossible tokens."""
+    return z.clamp(min=torch.finfo(z.dtype).min)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """H = logsumexp(z) - sum(p * z) per row; dH/dz = -p * (z - sum(p * z)), p = softmax(z)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, chunk_size: int) -> Tensor:
+        # logits: (N, V) -> (N,)
+        dtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
+        lse_all = torch.empty_like(out)  # (N,)
+        for s, e in _row_chunks(logits.shape[0], chunk_size):
+            z = _finite(logits[s:e].to(dtype))  # (c, V)
+            lse = torch.logsumexp(z, dim=-1)  # (c,)
+            p = (z - lse.unsqueeze(-1)).exp()  # (c, V)
+            out[s:e] = lse - (p * z).sum(dim=-1)
+            lse_all[s:e] = lse
+        ctx.save_for_backward(logits, lse_all)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None]:
+        logits, lse_all = ctx.saved_tensors
+        dtype = lse_all.dtype
+        grad = torch.empty_like(logits)  # (N, V)
+        for s, e in _row_chunks(logits.shape[0], ctx.chunk_size):
+            z = _finite(logits[s:e].to(dtype))  # (c, V)
+            p = (z - lse_all[s:e].unsqueeze(-1)).exp()  # (c, V)
+            mean_z = (p * z).sum(dim=-1, keepdim=True)  # (c, 1)
+            g = grad_out[s:e].to(dtype).unsqueeze(-1)  # (c, 1)
+            grad[s:e] = (-g * p * (z - mean_z)).to(grad.dtype)
+        return grad, None
+
+
+class _ChunkedLogProb(torch.autograd.Function):
+    """log p(y) = z_y - logsumexp(z) per row; d/dz = onehot(y) - softmax(z)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
+        # logits: (N, V), labels: (N,) -> (N,)
+        dtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
+        lse_all = torch.empty_like(out)  # (N,)
+        for s, e in _row_chunks(logits.shape[0], chunk_size):
+            z = logits[s:e].to(dtype)  # (c, V)
+            lse = torch.logsumexp(z, dim=-1)  # (c,)
+            picked = z.gather(-1, labels[s:e].unsqueeze(-1)).squeeze(-1)  # (c,)
+            out[s:e] = picked - lse
+            lse_all[s:e] = lse
+        ctx.save_for_backward(logits, labels, lse_all)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        logits, labels, lse_all = ctx.saved_tensors
+        dtype = lse_all.dtype
+        grad = torch.empty_like(logits)  # (N, V)
+        for s, e in _row_chunks(logits.shape[0], ctx.chunk_size):
+            g = grad_out[s:e].to(dtype).unsqueeze(-1)  # (c, 1)
+            p = (logits[s:e].to(dtype) - lse_all[s:e].unsqueeze(-1)).exp()  # (c, V)
+            chunk = -g * p  # (c, V)
+            chunk.scatter_add_(-1, labels[s:e].unsqueeze(-1), g)
+            grad[s:e] = chunk.to(grad.dtype)
+        return grad, None, None
+
+
+# torch types ``Function.apply`` as untyped; these aliases give the calls their real signature.
+_entropy_rows: Callable[[Tensor, int], Tensor] = _ChunkedEntropy.apply
+_log_prob_rows: Callable[[Tensor, Tensor, int], Tensor] = _ChunkedLogProb.apply
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def entropy_from_logits(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """Entropy of the softmax distribution at every position; [B, T, V] -> [B, T].
+
+    Differentiable w.r.t. ``logits``. ``chunk_size`` rows of the flattened [B*T, V] logits
+    are processed at a time (module docstring).
+    """
+    _check_chunk_size(chunk_size)
+    if logits.ndim != 3:
+        raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
+    b, t, v = logits.shape
+    flat = logits.reshape(b * t, v)  # (B*T, V)
+    out = _entropy_rows(flat, chunk_size)  # (B*T,)
+    return out.view(b, t)
+
+
+def log_probs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """``log_softmax(logits)`` gathered at ``labels``; logits [B, T, V], labels [B, T] -> [B, T].
+
+    Differentiable w.r.t. ``logits``. ``labels`` must be valid token ids in ``[0, V)`` at
+    every position, padding included (use the pad token id, then mask the result).
+    """
+    _check_chunk_size(chunk_size)
+    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"expected logits [B, T, V] and labels [B, T], got {tuple(logits.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
+    b, t, v = logits.shape
+    flat = logits.reshape(b * t, v)  # (B*T, V)
+    out = _log_prob_rows(flat, labels.reshape(b * t).long(), chunk_size)  # (B*T,)
+    return out.view(b, t)

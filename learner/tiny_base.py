@@ -1,0 +1,407 @@
+"""Build a tiny Qwen2-architecture "base model" with partial arithmetic skill, on CPU.
+
+DAPO starts from a pretrained base model (Qwen2.5-32B in the paper). Here that is out of reach,
+so a ~1M-parameter Qwen2 model is made from scratch and warm-started by supervised learning on
+prompt -> "Answer: N" + EOS until its *sampling* accuracy (temperature 1.0, as DAPO samples)
+first lands in a target band, e.g. 15-45%. A base that is at 0% gives RL no signal and one that
+is saturated gives no room; dynamic sampling (DAPO s3.2) needs groups with mixed outcomes.
+
+Departures from the paper: the tokenizer is a tiny BPE trained here on the prompts (Qwen2's
+pre-tokenizer regex, so digits are single tokens and `AutoTokenizer` reloads it faithfully,
+see ENVIRONMENT.md "Tokenizers"); there is no chat template; accuracy during the build uses a
+minimal local form of the DAPO verifier (last `Answer:` in the last 300 characters, compared
+as a string after dropping spaces and thousands commas), not the reward service.
+
+The output directory is a normal Hugging Face checkpoint (safetensors + tokenizer) plus
+`build_info.json`; it is written to a temporary sibling and renamed, so a directory with
+`build_info.json` is always complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from services.data import PromptRecord, parse_row, render_prompt
+
+logger = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+EOS_TOKEN_ID = 0  # the trainer gives special tokens the first ids, in SPECIAL_TOKENS order
+BUILD_INFO = "build_info.json"
+
+_ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and model
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE with Qwen2's pre-tokenizer; no chat template.
+
+    Qwen2's split regex isolates every digit (`\\p{N}`), so numbers are spelled digit by digit
+    whatever the merges. Using the same normalizer and pre-tokenizer as transformers'
+    Qwen2Tokenizer means a checkpoint whose config says `qwen2` reloads through
+    `AutoTokenizer` with identical encodings.
+    """
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
+        raise RuntimeError(f"{EOS_TOKEN} got id {tok.token_to_id(EOS_TOKEN)}, expected 0")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=EOS_TOKEN,
+        extra_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
+
+
+def tiny_qwen2_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 512,
+    eos_token_id: int = EOS_TOKEN_ID,
+) -> Qwen2Config:
+    """A small Qwen2 config. `eos_token_id` also serves as bos and pad, as in Qwen2.
+
+    head_dim must be >= 32 (vLLM's CPU attention rejects 16, ENVIRONMENT.md), and the
+    embeddings are untied (vLLM on CPU keeps stale output weights after a reload when tied).
+    """
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    head_dim = hidden_size // num_heads
+    assert head_dim >= 32, f"head_dim {head_dim} < 32: vLLM CPU attention needs >= 32"
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Data for the warm start
+
+
+def answer_correct(response: str, ground_truth: str) -> bool:
+    """Minimal DAPO verifier: the last `Answer:` line within the last 300 characters, compared
+    with the ground truth after dropping spaces and commas. (The reward service's verifier
+    also normalises LaTeX; integer answers need none of that.)"""
+    matches = _ANSWER_RE.findall(response[-300:])
+    if not matches:
+        return False
+    pred = matches[-1].strip().replace(" ", "").replace(",", "")
+    return bool(pred == ground_truth.strip().replace(" ", "").replace(",", ""))
+
+
+def _completion_text(ground_truth: str) -> str:
+    return f"Answer: {ground_truth}"
+
+
+def _encode_sft(
+    tokenizer: PreTrainedTokenizerFast, records: list[PromptRecord], max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, labels, lengths) for prompt + "Answer: N" + EOS.
+
+    Labels are -100 on the prompt and the padding, so the loss is on the completion only.
+    Returns tensors of shape (N, T), (N, T), (N,).
+    """
+    prompts = tokenizer([render_prompt(tokenizer, r.messages) for r in records])["input_ids"]
+    answers = tokenizer([_completion_text(r.ground_truth) for r in records])["input_ids"]
+    seqs = [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(p) + len(c) for p, c in seqs)
+    if width > max_len:
+        raise ValueError(f"a training sequence has {width} tokens > max positions {max_len}")
+    input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    lengths = torch.empty(len(seqs), dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(p + c)
+        labels[i, len(p) : n] = torch.tensor(c)
+        lengths[i] = n
+    return input_ids, labels, lengths
+
+
+@torch.no_grad()
+def sampling_accuracy(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    records: list[PromptRecord],
+    *,
+    max_new_tokens: int = 12,
+    batch_size: int = 128,
+) -> float:
+    """Fraction of records answered correctly by one sample each at temperature 1.0, top_p 1.0
+    (top_k off), the way DAPO samples rollouts."""
+    if not records:
+        raise ValueError("no evaluation records")
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    correct = 0
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
+        enc = tokenizer(
+            [render_prompt(tokenizer, r.messages) for r in chunk], return_tensors="pt", padding=True
+        )
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        correct += sum(answer_correct(t, r.ground_truth) for t, r in zip(texts, chunk, strict=True))
+    model.train(was_training)
+    return correct / len(records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+
+
+def _band_distance(acc: float, band: tuple[float, float]) -> float:
+    low, high = band
+    return 0.0 if low <= acc <= high else min(abs(acc - low), abs(acc - high))
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def build_tiny_base(
+    out_dir: Path,
+    *,
+    train_rows: list[dict[str, Any]],
+    eval_rows: list[dict[str, Any]],
+    seed: int = 0,
+    max_sft_steps: int = 600,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    target_acc: tuple[float, float] = (0.15, 0.45),
+    eval_every: int = 50,
+    eval_samples: int = 128,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train tokenizer + tiny Qwen2 and warm-start it until sampling accuracy is in `target_acc`.
+
+    Stops at the first evaluation (every `eval_every` steps, on the first `eval_samples`
+    eval rows) whose accuracy lies in the band; if none does by `max_sft_steps`, keeps the
+    evaluated checkpoint closest to the band. Accuracy swings between checkpoints, which is
+    why the step is chosen by measurement, not fixed (ENVIRONMENT.md).
+
+    Returns the build info written to `out_dir/build_info.json`.
+    """
+    out_dir = Path(out_dir)
+    low, high = target_acc
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"target_acc must satisfy 0 <= low <= high <= 1, got {target_acc}")
+    if eval_every < 1 or max_sft_steps < 1:
+        raise ValueError("eval_every and max_sft_steps must be >= 1")
+    train = [parse_row(r, row_number=i, source="train_rows") for i, r in enumerate(train_rows)]
+    evals = [parse_row(r, row_number=i, source="eval_rows") for i, r in enumerate(eval_rows)]
+    evals = evals[:eval_samples]
+    if not train or not evals:
+        raise ValueError("train_rows and eval_rows must be non-empty")
+
+    def report(msg: str) -> None:
+        logger.info(msg)
+        if progress is not None:
+            progress(msg)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(_cpu_count())
+    t0 = time.monotonic()
+    try:
+        torch.manual_seed(seed)
+        # No chat template yet, so render_prompt's plain join is the prompt text.
+        corpus = [render_prompt(None, r.messages) for r in train]
+        corpus += [_completion_text(r.ground_truth) for r in train]
+        tokenizer = train_tokenizer(corpus)
+        config = tiny_qwen2_config(len(tokenizer))
+        model = Qwen2ForCausalLM(config)
+        input_ids, labels, lengths = _encode_sft(
+            tokenizer, train, config.max_position_embeddings
+        )
+        report(
+            f"tiny base: vocab {len(tokenizer)}, {model.num_parameters():,} params, "
+            f"{len(train)} train rows, threads {torch.get_num_threads()}"
+        )
+        info = _warm_start(
+            model, tokenizer, input_ids, labels, lengths, evals,
+            seed=seed, max_steps=max_sft_steps, batch_size=batch_size, lr=lr,
+            band=(low, high), eval_every=eval_every, report=report,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads_before)
+    info.update(
+        seconds=round(time.monotonic() - t0, 2),
+        seed=seed,
+        target_acc=[low, high],
+        lr=lr,
+        batch_size=batch_size,
+        vocab_size=len(tokenizer),
+        num_parameters=model.num_parameters(),
+        train_rows=len(train),
+        eval_samples=len(evals),
+    )
+    return _save_atomically(out_dir, model, tokenizer, info, report)
+
+
+def _warm_start(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    input_ids: torch.Tensor,  # (N, T)
+    labels: torch.Tensor,  # (N, T)
+    lengths: torch.Tensor,  # (N,)
+    evals: list[PromptRecord],
+    *,
+    seed: int,
+    max_steps: int,
+    batch_size: int,
+    lr: float,
+    band: tuple[float, float],
+    eval_every: int,
+    report: Callable[[str], None],
+) -> dict[str, Any]:
+    """The supervised loop; leaves `model` holding the chosen checkpoint's weights."""
+    gen = torch.Generator().manual_seed(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = min(20, max_steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    model.train()
+    history: list[dict[str, float]] = []
+    losses: list[float] = []
+    best: tuple[float, int, float, dict[str, torch.Tensor] | None] = (math.inf, 0, 0.0, None)
+    for step in range(1, max_steps + 1):
+        idx = torch.randint(0, input_ids.shape[0], (batch_size,), generator=gen)
+        width = int(lengths[idx].max())
+        batch_ids, batch_labels = input_ids[idx, :width], labels[idx, :width]  # (B, T)
+        mask = (torch.arange(width) < lengths[idx, None]).long()  # (B, T)
+        loss = model(input_ids=batch_ids, attention_mask=mask, labels=batch_labels).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        losses.append(float(loss))
+        if step % eval_every != 0 and step != max_steps:
+            continue
+        acc = sampling_accuracy(model, tokenizer, evals)
+        recent = sum(losses[-eval_every:]) / len(losses[-eval_every:])
+        history.append({"step": step, "accuracy": acc, "loss": round(recent, 4)})
+        report(f"tiny base: step {step} loss {recent:.3f} sampling accuracy {acc:.3f}")
+        dist = _band_distance(acc, band)
+        if dist < best[0]:
+            state = None if dist == 0.0 else copy.deepcopy(model.state_dict())
+            best = (dist, step, acc, state)
+        if dist == 0.0:
+            break
+    dist, best_step, best_acc, state = best
+    if state is not None:
+        model.load_state_dict(state)
+    if dist > 0.0:
+        report(f"tiny base: no evaluation in band {band}; keeping step {best_step} ({best_acc:.3f})")
+    return {
+        "accuracy": best_acc,
+        "steps": best_step,
+        "in_band": dist == 0.0,
+        "initial_loss": round(sum(losses[:10]) / len(losses[:10]), 4),
+        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "evals": history,
+    }
+
+
+def _save_atomically(
+    out_dir: Path,
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    info: dict[str, Any],
+    report: Callable[[str], None],
+) -> dict[str, Any]:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        try:
+            # rename(2) replaces an empty directory but not a non-empty one.
+            os.rename(tmp, out_dir)
+        except OSError:
+            existing = out_dir / BUILD_INFO
+            if not existing.exists():
+                raise
+            # Another builder finished first; its checkpoint is as good as ours.
+            report(f"tiny base: {out_dir} appeared during the build; keeping it")
+            shutil.rmtree(tmp)
+            return dict(json.loads(existing.read_text(encoding="utf-8")))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report(f"tiny base: saved to {out_dir} (accuracy {info['accuracy']:.3f}, {info['seconds']} s)")
+    return info
+
+
+def ensure_tiny_base(out_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    """Return `out_dir`'s build info if it exists (no rebuild), else `build_tiny_base`."""
+    out_dir = Path(out_dir)
+    info_path = out_dir / BUILD_INFO
+    if info_path.exists():
+        logger.info("tiny base: using the existing build in %s", out_dir)
+        return dict(json.loads(info_path.read_text(encoding="utf-8")))
+    return build_tiny_base(out_dir, **kwargs)

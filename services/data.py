@@ -1,0 +1,413 @@
+"""Prompt data: loading DAPO-Math-17K style files and making synthetic arithmetic sets.
+
+Rows follow the DAPO-Math-17K schema (DAPO.md s7)::
+
+    {"data_source": "math_dapo",
+     "prompt": [{"role": "user", "content": "..."}],
+     "ability": "MATH",
+     "reward_model": {"ground_truth": "34", "style": "rule"},
+     "extra_info": {"index": 0, ...}}
+
+`load_prompts` also accepts AIME-style evaluation rows whose `prompt` is a plain string, or
+that carry `problem` + `answer` columns; each becomes one user message.
+
+`synth_rows` makes word problems with integer answers in the same schema, for runs that must
+learn within minutes on a CPU. Its `difficulty` knob (see `DIFFICULTY_LEVELS`) sets how hard
+the arithmetic is.
+
+Pure module: stdlib only; pyarrow is imported when a parquet file is read or written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+SYNTH_DATA_SOURCE = "synth_arith"
+
+# The DAPO-Math-17K prompt template (DAPO.md s7). The data set's rows hold the instruction
+# as one line; DAPO.md wraps it only for display.
+DAPO_PROMPT_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+    "\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+DIFFICULTY_LEVELS: dict[int, str] = {
+    1: "a + b, two 2-digit numbers (10-99)",
+    2: "a + b - c, three 2-digit numbers; the result is never negative",
+    3: "a * k + b, 3-digit a and b (100-999) and a 1-digit multiplier k (2-9)",
+    4: "a * k + b - c, 3-digit a, b, c and a 1-digit k; the result is never negative",
+    5: "a * b + c, 2-digit a and b and a 3-digit c",
+}
+"""What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
+in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits."""
+
+_NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines", "Kofi", "Lena")
+_ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards")
+
+# One list of sentence templates per level. Placeholders: {name}, {item} and the numbers
+# a, b, c, k in the order of the level's expression.
+_TEMPLATES: dict[int, tuple[str, ...]] = {
+    1: (
+        "{name} has {a} {item} and buys {b} more. How many {item} does {name} have?",
+        "{name} picked {a} {item} in the morning and {b} {item} in the afternoon. "
+        "How many {item} did {name} pick in total?",
+        "A basket holds {a} {item}. {name} adds {b} more. How many {item} are in the basket now?",
+        "There are {a} {item} on one shelf and {b} {item} on another. "
+        "How many {item} are there altogether?",
+    ),
+    2: (
+        "{name} has {a} {item}, buys {b} more and then gives {c} to a friend. "
+        "How many {item} does {name} have now?",
+        "A shop had {a} {item}. It received {b} more and sold {c}. "
+        "How many {item} does the shop have left?",
+        "{name} collected {a} {item} on Monday and {b} on Tuesday, then lost {c}. "
+        "How many {item} does {name} have?",
+    ),
+    3: (
+        "{name} buys {k} boxes with {a} {item} in each and already had {b} {item}. "
+        "How many {item} does {name} have?",
+        "A farm packs {k} crates of {a} {item} and has {b} {item} left over. "
+        "How many {item} does the farm have in total?",
+    ),
+    4: (
+        "{name} buys {k} boxes with {a} {item} in each, already had {b} {item} "
+        "and gives away {c}. How many {item} does {name} have left?",
+        "A warehouse receives {k} shipments of {a} {item} each. It had {b} {item} before "
+        "and then sends out {c}. How many {item} are in the warehouse now?",
+    ),
+    5: (
+        "{name} lays out {item} in {a} rows of {b} and keeps {c} more in a bag. "
+        "How many {item} does {name} have?",
+        "A club orders {a} packs of {b} {item} and already owns {c} {item}. "
+        "How many {item} does the club have?",
+    ),
+}
+
+
+class DataError(ValueError):
+    """A prompt file or row that cannot be read; the message names the file, row and field."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt ready for rollout: chat messages plus the verifier's ground truth."""
+
+    index: int
+    messages: list[dict[str, str]]
+    ground_truth: str
+    data_source: str
+    extra_info: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def parse_row(
+    row: Mapping[str, Any], *, row_number: int = 0, source: str = "<rows>", line: int | None = None
+) -> PromptRecord:
+    """Turn one row (DAPO-Math-17K or AIME style) into a `PromptRecord`.
+
+    `extra_info.index` becomes `index` when it is an integer (or a string of digits);
+    otherwise (e.g. the UUID strings some releases use) the row number does, and the original
+    stays in `extra_info`. A missing `data_source` becomes `source`'s file stem.
+
+    Raises:
+        DataError: naming `source`, `row_number` (and `line`, for JSON lines) and the
+            missing or invalid field.
+    """
+    where = f"{source}: row {row_number}" + (f" (line {line})" if line is not None else "")
+
+    def fail(field: str, problem: str) -> DataError:
+        return DataError(f"{where}: field {field!r} {problem}")
+
+    if not isinstance(row, Mapping):
+        raise fail("<row>", f"must be an object, got {type(row).__name__}")
+    messages = _parse_messages(row, fail)
+    ground_truth = _parse_ground_truth(row, fail)
+
+    extra_info = row.get("extra_info")
+    if extra_info is None:
+        extra_info = {}
+    if not isinstance(extra_info, Mapping):
+        raise fail("extra_info", f"must be an object, got {type(extra_info).__name__}")
+    index = _as_index(extra_info.get("index"), row_number)
+
+    data_source = row.get("data_source")
+    if data_source is None:
+        data_source = Path(source).stem
+    if not isinstance(data_source, str):
+        raise fail("data_source", f"must be a string, got {type(data_source).__name__}")
+    return PromptRecord(
+        index=index,
+        messages=messages,
+        ground_truth=ground_truth,
+        data_source=data_source,
+        extra_info=dict(extra_info),
+    )
+
+
+def _parse_messages(
+    row: Mapping[str, Any], fail: Callable[[str, str], DataError]
+) -> list[dict[str, str]]:
+    if "prompt" in row and row["prompt"] is not None:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise fail("prompt", "is empty")
+            return [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, Sequence) or not prompt:
+            raise fail("prompt", "must be a non-empty list of chat messages or a string")
+        messages = []
+        for i, msg in enumerate(prompt):
+            if not isinstance(msg, Mapping):
+                raise fail(f"prompt[{i}]", "must be an object with 'role' and 'content'")
+            role, content = msg.get("role"), msg.get("content")
+            if not isinstance(role, str) or not role:
+                raise fail(f"prompt[{i}].role", "is missing or not a string")
+            if not isinstance(content, str):
+                raise fail(f"prompt[{i}].content", "is missing or not a string")
+            messages.append({"role": role, "content": content})
+        return messages
+    problem = row.get("problem")
+    if problem is None:
+        raise fail("prompt", "is missing (and there is no 'problem' column)")
+    if not isinstance(problem, str) or not problem:
+        raise fail("problem", "must be a non-empty string")
+    return [{"role": "user", "content": problem}]
+
+
+def _parse_ground_truth(row: Mapping[str, Any], fail: Callable[[str, str], DataError]) -> str:
+    if "reward_model" in row and row["reward_model"] is not None:
+        reward_model = row["reward_model"]
+        if not isinstance(reward_model, Mapping):
+            raise fail("reward_model", "must be an object with 'ground_truth'")
+        field, value = "reward_model.ground_truth", reward_model.get("ground_truth")
+    elif "answer" in row:
+        field, value = "answer", row["answer"]
+    else:
+        raise fail("reward_model.ground_truth", "is missing (and there is no 'answer' column)")
+    if value is None:
+        raise fail(field, "is missing")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise fail(field, f"must be a string or a number, got {type(value).__name__}")
+    if isinstance(value, float):
+        text = str(int(value)) if value.is_integer() else repr(value)
+    else:
+        text = str(value).strip()
+    if not text:
+        raise fail(field, "is empty")
+    return text
+
+
+def _as_index(value: Any, row_number: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return row_number
+
+
+def load_prompts(path: str | Path) -> list[PromptRecord]:
+    """Read prompts from a .parquet file or a JSON-lines file (.jsonl, or .json).
+
+    A .json file may also hold one JSON array of rows. Rows are numbered from 0 in error
+    messages; JSON-lines errors also give the 1-based line.
+
+    Raises:
+        DataError: unknown extension, unreadable JSON, or a bad row.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        rows: list[tuple[Any, int | None]] = [(row, None) for row in _read_parquet(path)]
+    elif suffix in (".jsonl", ".json"):
+        rows = _read_json_rows(path)
+    else:
+        raise DataError(f"{path}: unknown extension {suffix!r}; use .parquet, .jsonl or .json")
+    records = [
+        parse_row(row, row_number=i, source=str(path), line=line)
+        for i, (row, line) in enumerate(rows)
+    ]
+    logger.info("loaded %d prompts from %s", len(records), path)
+    return records
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError) or OSError
+        raise DataError(f"{path}: cannot read parquet: {exc}") from exc
+    rows: list[dict[str, Any]] = table.to_pylist()
+    return rows
+
+
+def _read_json_rows(path: Path) -> list[tuple[Any, int | None]]:
+    """Rows with their 1-based line number (None for a JSON array)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            array = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: invalid JSON: {exc}") from exc
+        if not isinstance(array, list):
+            raise DataError(f"{path}: a .json file must hold an array of rows or JSON lines")
+        return [(row, None) for row in array]
+    rows: list[tuple[Any, int | None]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {exc}") from exc
+        rows.append((row, lineno))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_rows(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Write rows as parquet (.parquet) or JSON lines (.jsonl / .json), creating parent dirs.
+
+    The file appears whole or not at all (written beside the target, then renamed).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".parquet", ".jsonl", ".json"):
+        raise DataError(f"{path}: unknown extension {suffix!r}; use .parquet, .jsonl or .json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist([dict(r) for r in rows]), tmp_name)
+        else:
+            with open(tmp_name, "w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    logger.info("wrote %d rows to %s", len(rows), path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic arithmetic
+
+
+def synth_rows(
+    n: int,
+    *,
+    difficulty: int = 1,
+    seed: int = 0,
+    template: Literal["short", "dapo"] = "short",
+    start_index: int = 0,
+) -> list[dict[str, Any]]:
+    """Make `n` arithmetic word problems with integer answers, in the DAPO-Math-17K schema.
+
+    Args:
+        n: number of rows.
+        difficulty: a key of `DIFFICULTY_LEVELS` (1 = 2-digit addition).
+        seed: the rows are a function of (n, difficulty, seed, template, start_index).
+        template: "dapo" wraps each problem in the DAPO-Math-17K prompt (DAPO.md s7);
+            "short" is the bare problem plus "\\n", far fewer tokens for a tiny CPU model.
+        start_index: `extra_info.index` of the first row.
+
+    `extra_info` also holds `difficulty`, `expression` (e.g. "23 + 45") and `numbers` (the
+    operands in the expression's order), so the answer can be checked independently.
+    """
+    if difficulty not in DIFFICULTY_LEVELS:
+        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTY_LEVELS)}, got {difficulty}")
+    if template not in ("short", "dapo"):
+        raise ValueError(f"template must be 'short' or 'dapo', got {template!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(f"synth_arith:{seed}:{difficulty}")
+    rows = []
+    for i in range(n):
+        numbers, expression, answer = _draw_problem(rng, difficulty)
+        problem = _render_problem(rng, difficulty, numbers)
+        if template == "dapo":
+            content = DAPO_PROMPT_TEMPLATE.format(problem=problem)
+        else:
+            content = problem + "\n"
+        rows.append(
+            {
+                "data_source": SYNTH_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": content}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                "extra_info": {
+                    "index": start_index + i,
+                    "difficulty": difficulty,
+                    "expression": expression,
+                    "numbers": numbers,
+                },
+            }
+        )
+    return rows
+
+
+def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str, int]:
+    """(operands, expression, answer) for one problem of the given level."""
+    if difficulty == 1:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return [a, b], f"{a} + {b}", a + b
+    if difficulty == 2:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        c = rng.randint(10, min(99, a + b))
+        return [a, b, c], f"{a} + {b} - {c}", a + b - c
+    if difficulty == 3:
+        a, k, b = rng.randint(100, 999), rng.randint(2, 9), rng.randint(100, 999)
+        return [a, k, b], f"{a} * {k} + {b}", a * k + b
+    if difficulty == 4:
+        a, k, b = rng.randint(100, 999), rng.randint(2, 9), rng.randint(100, 999)
+        c = rng.randint(100, min(999, a * k + b))
+        return [a, k, b, c], f"{a} * {k} + {b} - {c}", a * k + b - c
+    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(100, 999)
+    return [a, b, c], f"{a} * {b} + {c}", a * b + c
+
+
+def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> str:
+    sentence = rng.choice(_TEMPLATES[difficulty])
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    # Placeholder names in the order `_draw_problem` lists the operands.
+    keys = {1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
+    return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The text the policy sees: the chat template if the tokenizer has one, else the message
+    contents joined with "\\n" (the tiny tokenizers here have no template)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
+        return text
+    return "\n".join(m["content"] for m in messages)

@@ -1,0 +1,82 @@
+"""Dynamic sampling (DAPO.md section 6) as a stream stage: `dapo gatekeeper`.
+
+Reads scored groups, keeps a group only if its metric (default `acc`, not the shaped reward)
+differs across the group's responses, and forwards kept groups to the train stream. A dropped
+group is counted `filtered` in the ledger; the learner's feeder sees the shortfall and issues
+replacement prompts, so a high filter rate slows the run down but never stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from services.keys import LEDGER_FILTERED
+from services.schemas import RolloutGroup, SchemaError, decode_group
+from services.streams import Entry, StreamBus
+
+log = logging.getLogger(__name__)
+
+
+def keep_group(values: Sequence[float | bool | int]) -> bool:
+    """True when a group carries learning signal: its metric is not identical across the group.
+
+    values: the metric of each response of one group, shape [G].
+    A single-response group is always kept (DAPO.md s6). NaN never counts as variance: NaNs are
+    ignored, and a group whose values are all NaN is dropped.
+    """
+    if len(values) == 1:
+        return True
+    finite = [float(v) for v in values if not (isinstance(v, float) and math.isnan(v))]
+    if not finite:
+        return False
+    return max(finite) != min(finite)
+
+
+def group_metric(group: RolloutGroup, metric: str) -> list[float]:
+    """The per-response values the gatekeeper compares."""
+    if metric == "acc":
+        assert group.acc is not None
+        return [float(a) for a in group.acc]
+    if metric == "score":
+        assert group.scores is not None
+        return list(group.scores)
+    if metric == "reward":
+        assert group.rewards is not None
+        return list(group.rewards)
+    raise ValueError(f"unknown gatekeeper metric {metric!r}; expected acc, score or reward")
+
+
+class Gatekeeper:
+    """The stage handler: decide, then hop each group to `train` or count it as filtered."""
+
+    def __init__(self, bus: StreamBus, *, metric: str = "acc", enabled: bool = True) -> None:
+        self.bus, self.metric, self.enabled = bus, metric, enabled
+        self.kept = 0
+        self.filtered = 0
+
+    @property
+    def pass_rate(self) -> float:
+        seen = self.kept + self.filtered
+        return self.kept / seen if seen else 0.0
+
+    def handle(self, entries: list[Entry]) -> None:
+        stage = self.bus.keys.scored
+        for entry_id, fields in entries:
+            try:
+                group = decode_group(fields)
+                if not group.is_scored:
+                    raise SchemaError(f"group {group.job.group_id} reached the gatekeeper unscored")
+            except SchemaError as exc:
+                self.bus.dead_letter(stage, entry_id, fields, f"gatekeeper: {exc}")
+                continue
+            if not self.enabled or keep_group(group_metric(group, self.metric)):
+                done = self.bus.hop(
+                    stage, entry_id, downstream=self.bus.keys.train.stream,
+                    fields={k.decode(): v for k, v in fields.items()}, counter="gate_kept",
+                )  # fmt: skip
+                self.kept += done
+            else:
+                done = self.bus.hop(stage, entry_id, outcome=LEDGER_FILTERED)
+                self.filtered += done

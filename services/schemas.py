@@ -1,0 +1,216 @@
+"""Versioned message schemas and their compact wire encoding.
+
+One message = one prompt group (ARCHITECTURE.md): a `PromptJob` issued by the feeder grows into a
+`RolloutGroup` (G responses + behaviour log-probs + the policy version that generated them) and then
+into a scored group (the same model with `scores` filled in). Scalars travel as one small JSON
+field; token ids and log-probs travel as packed little-endian int32 / float32 arrays, never as
+JSON lists. Nothing is pickled. Anything that does not decode raises `SchemaError`, which the
+stream layer turns into a dead letter with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SchemaError(ValueError):
+    """A stream entry could not be decoded into a valid message."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class PromptJob(_Msg):
+    """Work for a rollout replica: generate `group_size` responses to one prompt."""
+
+    group_id: str
+    """Unique per issued job (`<run>-<cursor>`), the identity the ledger counts."""
+    prompt_index: int
+    """Row of the training set (data cursor position modulo epoch)."""
+    prompt_ids: list[int]
+    ground_truth: str
+    data_source: str = ""
+    issued_version: int
+    """Learner policy version when issued; a replica must hold at least this version."""
+    issued_at: float
+
+
+class Response(_Msg):
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour log-probs of each sampled token under the generating policy."""
+    finish_reason: FinishReason
+    text: str = ""
+
+
+class RolloutGroup(_Msg):
+    """A prompt job's G responses, optionally scored by the reward service."""
+
+    job: PromptJob
+    policy_version: int
+    """Version of the weights that generated every response of this group."""
+    replica_id: str
+    responses: list[Response]
+    gen_seconds: float = 0.0
+    # Filled by the reward service (None before scoring).
+    scores: list[float] | None = None
+    """Verifier score per response (+1 / -1)."""
+    acc: list[bool] | None = None
+    rewards: list[float] | None = None
+    """Shaped reward per response (score + overlong penalty), placed on the last token."""
+    preds: list[str] | None = None
+    reward_timeouts: int = Field(0, ge=0)
+
+    @property
+    def is_scored(self) -> bool:
+        return self.rewards is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# wire encoding
+
+
+def _pack_ints(values: list[int]) -> bytes:
+    return array("i", values).tobytes()
+
+
+def _pack_floats(values: list[float]) -> bytes:
+    return array("f", values).tobytes()
+
+
+def _unpack(kind: str, raw: bytes, what: str) -> list[int] | list[float]:
+    arr = array(kind)
+    if len(raw) % arr.itemsize:
+        raise SchemaError(f"{what}: {len(raw)} bytes is not a whole number of {arr.itemsize}-byte items")
+    arr.frombytes(raw)
+    return arr.tolist()
+
+
+def encode_job(job: PromptJob) -> dict[str, bytes]:
+    meta = job.model_dump(exclude={"prompt_ids"})
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": b"job",
+        "gid": job.group_id.encode(),
+        "meta": json.dumps(meta, separators=(",", ":")).encode(),
+        "prompt_ids": _pack_ints(job.prompt_ids),
+    }
+
+
+def encode_group(group: RolloutGroup) -> dict[str, bytes]:
+    meta = group.model_dump(exclude={"job": {"prompt_ids"}, "responses": True})
+    meta["responses"] = [
+        {"n": len(r.token_ids), "finish_reason": r.finish_reason, "text": r.text} for r in group.responses
+    ]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for r in group.responses:
+        if len(r.token_ids) != len(r.logprobs):
+            raise SchemaError(
+                f"group {group.job.group_id}: response has {len(r.token_ids)} tokens but "
+                f"{len(r.logprobs)} log-probs"
+            )
+        tokens.extend(r.token_ids)
+        logprobs.extend(r.logprobs)
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": b"group",
+        "gid": group.job.group_id.encode(),
+        "meta": json.dumps(meta, separators=(",", ":")).encode(),
+        "prompt_ids": _pack_ints(group.job.prompt_ids),
+        "tokens": _pack_ints(tokens),
+        "logprobs": _pack_floats(logprobs),
+    }
+
+
+def _header(fields: dict[bytes, bytes], kind: str) -> dict[str, object]:
+    version = fields.get(b"v")
+    if version != str(SCHEMA_VERSION).encode():
+        raise SchemaError(f"schema version {version!r}, expected {SCHEMA_VERSION}")
+    if fields.get(b"kind") != kind.encode():
+        raise SchemaError(f"message kind {fields.get(b'kind')!r}, expected {kind!r}")
+    for name in (b"meta", b"prompt_ids"):
+        if name not in fields:
+            raise SchemaError(f"missing field {name.decode()!r}")
+    try:
+        meta = json.loads(fields[b"meta"])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SchemaError(f"meta is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise SchemaError("meta is not a JSON object")
+    return meta
+
+
+def decode_job(fields: dict[bytes, bytes]) -> PromptJob:
+    meta = _header(fields, "job")
+    meta["prompt_ids"] = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
+    try:
+        return PromptJob.model_validate(meta)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid prompt job: {_first_error(exc)}") from None
+
+
+def decode_group(fields: dict[bytes, bytes]) -> RolloutGroup:
+    meta = _header(fields, "group")
+    for name in (b"tokens", b"logprobs"):
+        if name not in fields:
+            raise SchemaError(f"missing field {name.decode()!r}")
+    tokens = _unpack("i", fields[b"tokens"], "tokens")
+    logprobs = _unpack("f", fields[b"logprobs"], "logprobs")
+    if len(tokens) != len(logprobs):
+        raise SchemaError(f"{len(tokens)} tokens but {len(logprobs)} log-probs")
+    heads = meta.get("responses")
+    if not isinstance(heads, list) or not heads:
+        raise SchemaError("group has no responses")
+    responses, offset = [], 0
+    for i, head in enumerate(heads):
+        if not isinstance(head, dict) or not isinstance(head.get("n"), int) or head["n"] < 0:
+            raise SchemaError(f"response {i}: missing or invalid token count")
+        n = head["n"]
+        if offset + n > len(tokens):
+            raise SchemaError(f"response {i}: token count {n} runs past the packed arrays")
+        responses.append(
+            {
+                "token_ids": tokens[offset : offset + n],
+                "logprobs": logprobs[offset : offset + n],
+                "finish_reason": head.get("finish_reason"),
+                "text": head.get("text", ""),
+            }
+        )
+        offset += n
+    if offset != len(tokens):
+        raise SchemaError(f"{len(tokens) - offset} packed tokens belong to no response")
+    meta["responses"] = responses
+    job = meta.get("job")
+    if not isinstance(job, dict):
+        raise SchemaError("missing job")
+    job["prompt_ids"] = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
+    try:
+        group = RolloutGroup.model_validate(meta)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid group: {_first_error(exc)}") from None
+    _check_group_lengths(group)
+    return group
+
+
+def _check_group_lengths(group: RolloutGroup) -> None:
+    n = len(group.responses)
+    for name in ("scores", "acc", "rewards", "preds"):
+        values = getattr(group, name)
+        if values is not None and len(values) != n:
+            raise SchemaError(f"group {group.job.group_id}: {name} has {len(values)} entries for {n} responses")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    return f"{loc}: {err['msg']}" + (f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else "")

@@ -1,0 +1,264 @@
+"""The Redis streams transport: atomic hops, reclaim, dead letters and the ledger.
+
+Every stage reads its stream through a consumer group (XREADGROUP), does its work, then makes
+one atomic *hop*: a Lua script that acknowledges and deletes the upstream entry, appends the
+result downstream and updates the ledger. A Lua script is one atomic step like MULTI/EXEC, and
+it can also make the hop conditional: if XACK reports the entry was already acknowledged (a
+slow worker whose entry was reclaimed by another finished first), nothing is written, so a
+group is never forwarded twice.
+
+Because acknowledged entries are deleted, a stage stream's length is exactly the work waiting
+or being processed at that stage, and the ledger balance is a real check, not a tautology:
+
+    issued == trained + filtered + stale + dead + sum(XLEN of the four stage streams)
+
+What this does NOT guarantee: work done by a worker that dies before its hop is redone by
+whoever reclaims the entry (at-least-once processing, exactly-once forwarding).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from services.keys import LEDGER_DEAD, LEDGER_ISSUED, LEDGER_OUTCOMES, Keys, Stage
+
+log = logging.getLogger(__name__)
+
+Fields = dict[bytes, bytes]
+Entry = tuple[str, Fields]
+
+# KEYS: upstream, downstream ("" = none), ledger, counters
+# ARGV: group, entry id, ledger field ("" = none), counter field ("" = none), then field/value
+# pairs for XADD downstream.
+_HOP = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if acked == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[2] ~= '' and #ARGV > 4 then
+  local kv = {}
+  for i = 5, #ARGV do kv[#kv + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[2], '*', unpack(kv))
+end
+if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
+if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
+return 1
+"""
+
+# KEYS: prompts stream, ledger. ARGV: n_fields, then n_fields*2 values per job, repeated.
+_ISSUE = """
+local n = tonumber(ARGV[1])
+local count = 0
+local i = 2
+while i <= #ARGV do
+  local kv = {}
+  for j = i, i + 2 * n - 1 do kv[#kv + 1] = ARGV[j] end
+  redis.call('XADD', KEYS[1], '*', unpack(kv))
+  count = count + 1
+  i = i + 2 * n
+end
+redis.call('HINCRBY', KEYS[2], 'issued', count)
+return count
+"""
+
+
+def connect(url: str, *, retries: int = 8) -> redis.Redis:
+    """A client that retries with bounded exponential back-off when the server goes away."""
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=10,
+        socket_keepalive=True,
+    )
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    issued: int
+    trained: int
+    filtered: int
+    stale: int
+    dead: int
+    in_flight: int
+    """Entries still in a stage stream (waiting or being processed), measured with XLEN."""
+
+    @property
+    def balanced(self) -> bool:
+        return self.issued == self.trained + self.filtered + self.stale + self.dead + self.in_flight
+
+    def as_dict(self) -> dict[str, int | bool]:
+        return {
+            "issued": self.issued,
+            "trained": self.trained,
+            "filtered": self.filtered,
+            "stale": self.stale,
+            "dead": self.dead,
+            "in_flight": self.in_flight,
+            "balanced": self.balanced,
+        }
+
+
+class StreamBus:
+    """The pipeline's streams for one namespace, as seen by one consumer."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, consumer: str) -> None:
+        self.r = client
+        self.keys = keys
+        self.consumer = consumer
+        self._hop = client.register_script(_HOP)
+        self._issue = client.register_script(_ISSUE)
+
+    def ensure_groups(self) -> None:
+        """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
+        for stage in self.keys.stages:
+            try:
+                self.r.xgroup_create(stage.stream, stage.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # --- producing --------------------------------------------------------------------------
+    def issue(self, encoded_jobs: list[dict[str, bytes]]) -> int:
+        """Append prompt jobs and count them as issued, atomically."""
+        if not encoded_jobs:
+            return 0
+        names = list(encoded_jobs[0])
+        argv: list[Any] = [len(names)]
+        for job in encoded_jobs:
+            if list(job) != names:
+                raise ValueError("every issued job must have the same fields in the same order")
+            for name in names:
+                argv += [name, job[name]]
+        return int(self._issue(keys=[self.keys.prompts.stream, self.keys.ledger], args=argv))
+
+    # --- consuming --------------------------------------------------------------------------
+    def read(self, stage: Stage, *, count: int, block_ms: int) -> list[Entry]:
+        """New entries for this consumer (blocking up to block_ms when there are none)."""
+        reply = self.r.xreadgroup(
+            stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms
+        )
+        return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
+
+    def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:
+        """Take over entries idle longer than min_idle_s (their consumer presumably died).
+
+        Entries already delivered max_deliveries times are dead-lettered instead: a message that
+        kills every worker that touches it must not circulate forever.
+        """
+        pending = self.r.xpending_range(
+            stage.stream, stage.group, min="-", max="+", count=count, idle=int(min_idle_s * 1000)
+        )
+        if not pending:
+            return []
+        retry_ids = []
+        for p in pending:
+            eid = p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]
+            if p["times_delivered"] >= max_deliveries:
+                self._dead_letter_by_id(stage, eid, f"delivered {p['times_delivered']} times without completing")
+            else:
+                retry_ids.append(eid)
+        if not retry_ids:
+            return []
+        claimed = self.r.xclaim(stage.stream, stage.group, self.consumer, int(min_idle_s * 1000), retry_ids)
+        entries = [(eid.decode(), fields) for eid, fields in claimed if fields is not None]
+        if entries:
+            log.warning("reclaimed %d idle entries from %s", len(entries), stage.stream)
+        return entries
+
+    def hop(
+        self,
+        stage: Stage,
+        entry_id: str,
+        *,
+        downstream: str | None = None,
+        fields: Mapping[str, bytes] | None = None,
+        outcome: str | None = None,
+        counter: str | None = None,
+    ) -> bool:
+        """Ack+delete the upstream entry, append `fields` downstream, count `outcome`: atomically.
+
+        Returns False (and writes nothing) if the entry was already acknowledged by someone else.
+        """
+        if outcome is not None and outcome not in LEDGER_OUTCOMES:
+            raise ValueError(f"unknown ledger outcome {outcome!r}")
+        argv: list[Any] = [stage.group, entry_id, outcome or "", counter or ""]
+        for name, value in (fields or {}).items():
+            argv += [name, value]
+        keys = [stage.stream, downstream or "", self.keys.ledger, self.keys.counters]
+        return bool(self._hop(keys=keys, args=argv))
+
+    def hand_back(self, stage: Stage, entry_id: str, fields: Fields) -> bool:
+        """Return an unfinished entry to the head of the work queue (used on SIGTERM)."""
+        return self.hop(stage, entry_id, downstream=stage.stream, fields={k.decode(): v for k, v in fields.items()})
+
+    def dead_letter(self, stage: Stage, entry_id: str, fields: Fields, reason: str) -> bool:
+        """Move an entry to the dead-letter stream with the reason; count it.
+
+        An entry that carries a group id was issued by the feeder and counts as `dead` in the
+        ledger; one without (garbage injected into a stream) is counted as `poison` only.
+        """
+        gid = fields.get(b"gid") or _gid_from_meta(fields)
+        record = {
+            "stage": stage.stream.encode(),
+            "entry_id": entry_id.encode(),
+            "reason": reason.encode("utf-8", "replace"),
+            "gid": gid or b"",
+            "at": str(time.time()).encode(),
+            "payload": json.dumps({k.decode("latin-1"): v.decode("latin-1") for k, v in fields.items()})[:65536].encode(),
+        }
+        log.error("dead-lettered %s %s: %s", stage.stream, entry_id, reason)
+        return self.hop(
+            stage,
+            entry_id,
+            downstream=self.keys.dead,
+            fields={k: v for k, v in record.items()},
+            outcome=LEDGER_DEAD if gid else None,
+            counter="dead_letters" if gid else "poison_messages",
+        )
+
+    def _dead_letter_by_id(self, stage: Stage, entry_id: str, reason: str) -> None:
+        got = self.r.xrange(stage.stream, min=entry_id, max=entry_id, count=1)
+        fields = got[0][1] if got else {}
+        self.dead_letter(stage, entry_id, fields, reason)
+
+    # --- observing --------------------------------------------------------------------------
+    def ledger(self) -> LedgerSnapshot:
+        with self.r.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.keys.ledger)
+            for stage in self.keys.stages:
+                pipe.xlen(stage.stream)
+            counts, *lengths = pipe.execute()
+        c = {k.decode(): int(v) for k, v in counts.items()}
+        return LedgerSnapshot(
+            issued=c.get(LEDGER_ISSUED, 0),
+            **{name: c.get(name, 0) for name in LEDGER_OUTCOMES},
+            in_flight=sum(int(n) for n in lengths),
+        )
+
+    def depths(self) -> dict[str, int]:
+        with self.r.pipeline(transaction=False) as pipe:
+            for stage in self.keys.stages:
+                pipe.xlen(stage.stream)
+            lengths = pipe.execute()
+        return {stage.group: int(n) for stage, n in zip(self.keys.stages, lengths, strict=True)}
+
+    def incr(self, counter: str, amount: int = 1) -> None:
+        self.r.hincrby(self.keys.counters, counter, amount)
+
+
+def _gid_from_meta(fields: Fields) -> bytes | None:
+    try:
+        meta = json.loads(fields[b"meta"])
+        gid = meta.get("group_id") or meta.get("job", {}).get("group_id")
+        return str(gid).encode() if gid else None
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return None

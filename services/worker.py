@@ -1,0 +1,151 @@
+"""What every long-running service shares: heartbeat, graceful stop, and the stage work loop.
+
+A stage worker (rollout, reward, gatekeeper) repeats: reclaim entries abandoned by dead
+consumers, read new entries, hand them to its handler, which finishes each with one atomic hop.
+The catch-all exception handler lives here, at the loop boundary only: an entry whose handler
+raised stays pending, is retried after `queue.claim_idle_s`, and is dead-lettered after
+`queue.max_deliveries` attempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from services.config import QueueConfig
+from services.keys import Keys, Stage
+from services.streams import Entry, StreamBus
+
+log = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; work loops check it between items and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def install(self) -> StopFlag:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.info("received %s: finishing the current item, then exiting", signal.Signals(signum).name)
+        self.event.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        return self.event.wait(seconds)
+
+
+def instance_id(kind: str) -> str:
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+class Heartbeat:
+    """A TTL key refreshed by a daemon thread; the value is the service's JSON status.
+
+    If the process hangs or dies the key expires after `ttl_s`, which is how the API and the
+    learner tell that an instance is gone. It does NOT prove the work loop is making progress:
+    `status()` should report progress counters so a stuck loop is visible.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        kind: str,
+        inst: str,
+        ttl_s: float,
+        status: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.client, self.key, self.ttl_s = client, keys.heartbeat(kind, inst), ttl_s
+        self.base = {"kind": kind, "id": inst, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+        self.status = status or (lambda: {})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{kind}", daemon=True)
+
+    def beat(self) -> None:
+        value = {**self.base, **self.status(), "at": time.time()}
+        self.client.set(self.key, json.dumps(value), px=int(self.ttl_s * 1000))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(max(self.ttl_s / 3, 0.2)):
+            try:
+                self.beat()
+            except redis.RedisError as exc:  # keep beating once Redis is back
+                log.warning("heartbeat failed: %s", exc)
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(self.key)
+
+
+def live_instances(client: redis.Redis, keys: Keys, kind: str = "*") -> list[dict[str, Any]]:
+    """Status of every instance whose heartbeat has not expired, with `age_s` added."""
+    now = time.time()
+    out = []
+    for key in client.scan_iter(match=keys.heartbeat_pattern(kind), count=200):
+        raw = client.get(key)
+        if raw is None:
+            continue
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            continue
+        info["age_s"] = round(now - float(info.get("at", now)), 3)
+        out.append(info)
+    return sorted(out, key=lambda i: (i.get("kind", ""), i.get("id", "")))
+
+
+def run_stage_loop(
+    bus: StreamBus,
+    stage: Stage,
+    handle: Callable[[list[Entry]], None],
+    *,
+    queue: QueueConfig,
+    stop: StopFlag,
+    batch: int = 1,
+    reclaim_every_s: float = 5.0,
+    idle: Callable[[], None] | None = None,
+) -> None:
+    """Consume `stage` until stopped. `handle` finishes each entry with a hop (or dead letter)."""
+    last_reclaim = 0.0
+    while not stop.stopping:
+        entries: list[Entry] = []
+        try:
+            if time.monotonic() - last_reclaim > reclaim_every_s:
+                last_reclaim = time.monotonic()
+                entries = bus.reclaim(stage, min_idle_s=queue.claim_idle_s, max_deliveries=queue.max_deliveries, count=batch)
+            if not entries:
+                entries = bus.read(stage, count=batch, block_ms=queue.block_ms)
+            if entries:
+                handle(entries)
+            elif idle is not None:
+                idle()
+        except redis.ConnectionError as exc:
+            log.warning("redis unavailable (%s); retrying", exc)
+            stop.wait(1.0)
+        except Exception:  # the loop boundary: log, leave entries pending for retry/dead-letter
+            log.exception("handler failed on %d entries of %s; they stay pending", len(entries), stage.stream)
+            stop.wait(1.0)

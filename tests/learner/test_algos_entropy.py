@@ -1,0 +1,106 @@
+"""Chunked entropy and log-probs against torch.distributions.Categorical, values and grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+from torch.distributions import Categorical
+
+from learner.algos import entropy_from_logits, log_probs_from_logits
+
+B, T, V = 3, 4, 11  # B*T = 12 rows
+
+
+def _logits(seed: int = 0, dtype: torch.dtype = torch.float64) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(B, T, V, generator=gen)).to(dtype)
+
+
+def _labels(seed: int = 0) -> Tensor:
+    gen = torch.Generator().manual_seed(seed + 100)
+    return torch.randint(0, V, (B, T), generator=gen)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 12, 1024])
+def test_entropy_matches_categorical(chunk_size: int) -> None:
+    base = _logits()
+    weights = torch.randn(B, T, dtype=torch.float64)  # a non-trivial upstream gradient
+
+    ref_in = base.clone().requires_grad_(True)
+    ref = Categorical(logits=ref_in).entropy()  # (B, T)
+    (ref * weights).sum().backward()
+
+    got_in = base.clone().requires_grad_(True)
+    got = entropy_from_logits(got_in, chunk_size=chunk_size)
+    (got * weights).sum().backward()
+
+    assert got.shape == (B, T)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(got_in.grad, ref_in.grad)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 12, 1024])
+def test_log_probs_match_categorical(chunk_size: int) -> None:
+    base, labels = _logits(1), _labels(1)
+    weights = torch.randn(B, T, dtype=torch.float64)
+
+    ref_in = base.clone().requires_grad_(True)
+    ref = Categorical(logits=ref_in).log_prob(labels)  # (B, T)
+    (ref * weights).sum().backward()
+
+    got_in = base.clone().requires_grad_(True)
+    got = log_probs_from_logits(got_in, labels, chunk_size=chunk_size)
+    (got * weights).sum().backward()
+
+    assert got.shape == (B, T)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(got_in.grad, ref_in.grad)
+
+
+def test_gradcheck() -> None:
+    x = _logits(2)[:, :2, :5].clone().requires_grad_(True)
+    labels = _labels(2)[:, :2] % 5
+    assert torch.autograd.gradcheck(lambda z: entropy_from_logits(z, chunk_size=4), (x,))
+    assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, chunk_size=4), (x,))
+
+
+def test_half_precision_logits_return_float32_and_grad_in_input_dtype() -> None:
+    x = _logits(3, torch.bfloat16).requires_grad_(True)
+    ent = entropy_from_logits(x, chunk_size=5)
+    lp = log_probs_from_logits(x, _labels(3), chunk_size=5)
+    assert ent.dtype == torch.float32 and lp.dtype == torch.float32
+    (ent.sum() + lp.sum()).backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    ref = Categorical(logits=x.detach().float()).entropy()
+    torch.testing.assert_close(ent, ref)
+
+
+def test_non_contiguous_logits() -> None:
+    base = _logits(4)
+    transposed = base.transpose(0, 1).contiguous().transpose(0, 1)  # same values, odd strides
+    assert not transposed.is_contiguous()
+    torch.testing.assert_close(
+        entropy_from_logits(transposed, chunk_size=5), entropy_from_logits(base)
+    )
+
+
+def test_entropy_with_masked_vocabulary_is_finite() -> None:
+    x = _logits(5)
+    x[..., :3] = float("-inf")
+    got = entropy_from_logits(x, chunk_size=5)
+    torch.testing.assert_close(got, Categorical(logits=x[..., 3:]).entropy())
+
+
+def test_no_grad_input_gives_plain_tensor() -> None:
+    out = log_probs_from_logits(_logits(), _labels())
+    assert not out.requires_grad
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        entropy_from_logits(_logits(), chunk_size=0)
+    with pytest.raises(ValueError, match="B, T, V"):
+        entropy_from_logits(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="labels"):
+        log_probs_from_logits(_logits(), torch.zeros(B, T + 1, dtype=torch.long))

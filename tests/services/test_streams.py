@@ -1,0 +1,101 @@
+"""The stream transport against a real Redis: hops are atomic and exactly-once, reclaim and
+dead letters work, and the ledger balances."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.gatekeeper import Gatekeeper, keep_group
+from services.keys import Keys
+from services.schemas import decode_group, encode_group, encode_job
+from services.streams import StreamBus, connect
+from tests.services.test_schemas import make_group
+
+
+@pytest.fixture()
+def bus(redis_url: str) -> StreamBus:
+    b = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+    b.ensure_groups()
+    return b
+
+
+def issue(bus: StreamBus, n: int) -> None:
+    jobs = []
+    for i in range(n):
+        job = make_group().job.model_copy(update={"group_id": f"g{i}", "prompt_index": i})
+        jobs.append(encode_job(job))
+    assert bus.issue(jobs) == n
+
+
+def test_issue_and_ledger_balance(bus: StreamBus) -> None:
+    issue(bus, 5)
+    snap = bus.ledger()
+    assert (snap.issued, snap.in_flight, snap.balanced) == (5, 5, True)
+
+
+def test_hop_is_exactly_once(bus: StreamBus) -> None:
+    issue(bus, 1)
+    [(eid, _)] = bus.read(bus.keys.prompts, count=10, block_ms=10)
+    group = make_group()
+    assert bus.hop(bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group))
+    # A second worker that had reclaimed the same entry finishes late: nothing is written.
+    assert not bus.hop(bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group))
+    assert bus.depths() == {"rollout": 0, "reward": 1, "gatekeeper": 0, "learner": 0}
+    assert bus.ledger().balanced
+
+
+def test_reclaim_from_dead_consumer_then_dead_letter(bus: StreamBus, redis_url: str) -> None:
+    issue(bus, 1)
+    dead_worker = StreamBus(connect(redis_url), bus.keys, consumer="dead")
+    assert len(dead_worker.read(bus.keys.prompts, count=1, block_ms=10)) == 1  # then "dies"
+    assert bus.read(bus.keys.prompts, count=1, block_ms=10) == []
+    time.sleep(0.06)
+    got = bus.reclaim(bus.keys.prompts, min_idle_s=0.05, max_deliveries=3)
+    assert len(got) == 1
+    # Keep failing: after max_deliveries the entry is dead-lettered, counted, and the ledger balances.
+    for _ in range(3):
+        time.sleep(0.06)
+        got = bus.reclaim(bus.keys.prompts, min_idle_s=0.05, max_deliveries=3)
+    snap = bus.ledger()
+    assert (snap.dead, snap.in_flight, snap.balanced) == (1, 0, True)
+    [(_, record)] = bus.r.xrange(bus.keys.dead)
+    assert b"delivered 3 times" in record[b"reason"] and record[b"gid"] == b"g0"
+
+
+def test_poison_message_is_dead_lettered_not_counted_as_issued(bus: StreamBus) -> None:
+    bus.r.xadd(bus.keys.scored.stream, {"junk": b"\xff\x00"})
+    gate = Gatekeeper(bus)
+    gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
+    assert bus.r.xlen(bus.keys.dead) == 1
+    assert bus.r.hget(bus.keys.counters, "poison_messages") == b"1"
+    assert bus.ledger().as_dict()["dead"] == 0
+
+
+def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
+    issue(bus, 2)
+    entries = bus.read(bus.keys.prompts, count=10, block_ms=10)
+    for (eid, _), accs in zip(entries, [[True, False, True, True], [True] * 4], strict=True):
+        g = make_group()
+        g.job.group_id = f"gid-{eid}"
+        g.acc = accs
+        g.scores = g.rewards = [1.0 if a else -1.0 for a in accs]
+        g.preds = ["p"] * 4
+        bus.hop(bus.keys.prompts, eid, downstream=bus.keys.scored.stream, fields=encode_group(g))
+    gate = Gatekeeper(bus)
+    gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
+    assert (gate.kept, gate.filtered, gate.pass_rate) == (1, 1, 0.5)
+    [(_, fields)] = bus.r.xrange(bus.keys.train.stream)
+    assert decode_group(fields).acc == [True, False, True, True]
+    snap = bus.ledger()
+    assert (snap.filtered, snap.in_flight, snap.balanced) == (1, 1, True)
+
+
+@pytest.mark.parametrize(
+    ("values", "kept"),
+    [([1.0], True), ([True, True], False), ([False, False, False], False), ([1, 0], True),
+     ([float("nan"), 1.0, 1.0], False), ([float("nan"), float("nan")], False), ([float("nan"), 0.0, 1.0], True)],
+)
+def test_keep_group(values: list[float], kept: bool) -> None:
+    assert keep_group(values) is kept
