@@ -1,121 +1,92 @@
-"""Rule-based verifiers that run in-process: "dapo" (Minerva) and "strict-box" (DAPO.md s1).
+"""Verifiers of DAPO.md s1 and their registry: one name per verifier, one ``Scorer`` for all.
 
-Both are pure string work (regex and a brace scan over at most 300 characters), safe on any
-input and cheap enough to score thousands of responses per second. The symbolic verifier,
-which is not safe in-process, lives in ``reward.math_verify_pool``.
+* ``verify_dapo``: the default ("dapo"), Minerva normalisation; see ``reward.rules``.
+* ``verify_strict_box``: option "strict-box"; see ``reward.rules``.
+* ``MathVerifyPool``: option "math-verify", symbolic, in killable workers; see
+  ``reward.math_verify_pool``.
+
+``make_scorer("dapo")`` is the default of the paper's reference run; ``"strict-box"`` and
+``"math-verify"`` are the options. Only ``"math-verify"`` starts processes, so close scorers
+when done (or use them as context managers).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import Final
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Final, Protocol
 
-from reward.normalize import normalize_answer
-from reward.text import clean_text, tail
+from reward.math_verify_pool import MathVerifyPool, WorkerStartError
+from reward.result import VerifyResult
+from reward.rules import verify_dapo, verify_strict_box
 
-#: The dapo verifier looks only at this many trailing characters of the response (DAPO.md s1).
-DAPO_TAIL_CHARS: Final = 300
+__all__ = [
+    "VERIFIERS",
+    "InProcessScorer",
+    "MathVerifyPool",
+    "Scorer",
+    "VerifyFn",
+    "VerifyResult",
+    "WorkerStartError",
+    "make_scorer",
+    "verify_dapo",
+    "verify_strict_box",
+]
 
-#: Strict-box mode looks only at this many trailing characters (DAPO.md s1).
-STRICT_BOX_TAIL_CHARS: Final = 100
+#: Valid verifier names, default first.
+VERIFIERS: Final = ("dapo", "strict-box", "math-verify")
 
-#: Prediction reported when no answer could be extracted.
-INVALID: Final = "[INVALID]"
-
-CORRECT_SCORE: Final = 1.0
-WRONG_SCORE: Final = -1.0
-
-#: The answer line the DAPO prompt asks for: "Answer: $Answer" (DAPO.md s1 and s7).
-ANSWER_PATTERN: Final = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
-
-_BOXED_OPEN: Final = "\\boxed{"
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """Outcome of verifying one response.
-
-    Attributes:
-        score: +1.0 when correct, -1.0 otherwise (before overlong shaping, DAPO.md s2).
-        acc: whether the prediction matched the ground truth.
-        pred: the extracted (normalised, for "dapo") prediction, or a bracketed marker such as
-            ``[INVALID]``, ``[TIMEOUT]`` or ``[ERROR]``.
-        timeout: the verifier ran out of time on this item (math-verify only).
-    """
-
-    score: float
-    acc: bool
-    pred: str
-    timeout: bool = False
+VerifyFn = Callable[[str, str | int], VerifyResult]
 
 
-def _result(acc: bool, pred: str) -> VerifyResult:
-    return VerifyResult(score=CORRECT_SCORE if acc else WRONG_SCORE, acc=acc, pred=pred)
+class Scorer(Protocol):
+    """Scores batches of ``(response, ground_truth)`` pairs, results in input order."""
+
+    def score_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]: ...
+
+    def close(self) -> None: ...
 
 
-def extract_answer_line(response: str) -> str | None:
-    """Return the text after the LAST ``Answer:`` in the last 300 characters, or ``None``.
+class InProcessScorer:
+    """A ``Scorer`` around a pure, in-process verify function (no resources to release)."""
 
-    The match is case-insensitive and runs to the end of its line (DAPO.md s1). An answer
-    that starts more than 300 characters before the end is not seen, as in the reference.
-    """
-    matches = ANSWER_PATTERN.findall(tail(response, DAPO_TAIL_CHARS))
-    return matches[-1] if matches else None
+    def __init__(self, verify: VerifyFn) -> None:
+        self._verify = verify
+
+    def score_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]:
+        """Score every pair in order."""
+        return [self._verify(response, truth) for response, truth in pairs]
+
+    def close(self) -> None:
+        """Nothing to release; present for the ``Scorer`` interface."""
+
+    def __enter__(self) -> InProcessScorer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
-def verify_dapo(
-    response: str, ground_truth: str | int, *, strip_period: bool = True
-) -> VerifyResult:
-    """Score ``response`` with the default DAPO verifier (DAPO.md s1).
-
-    The last ``Answer: ...`` line of the last 300 characters and the ground truth are both
-    normalised by ``reward.normalize.normalize_answer``; exact equality is correct (+1.0),
-    anything else, including no answer line (pred ``[INVALID]``), is wrong (-1.0).
+def make_scorer(name: str, *, timeout_s: float = 5.0, workers: int = 2) -> Scorer:
+    """Build the scorer called ``name`` (one of ``VERIFIERS``).
 
     Args:
-        response: the decoded response (special tokens and trailing EOS text already removed).
-        ground_truth: the data set's answer; integers are converted with ``str``.
-        strip_period: see ``normalize_answer``; ``False`` is the reference behaviour.
+        name: ``"dapo"``, ``"strict-box"`` or ``"math-verify"``.
+        timeout_s: per-item hard timeout of math-verify, seconds (ignored by the others).
+        workers: math-verify worker processes (ignored by the others).
+
+    Raises:
+        ValueError: ``name`` is not a known verifier.
     """
-    extracted = extract_answer_line(response)
-    if extracted is None:
-        return _result(False, INVALID)
-    pred = normalize_answer(extracted, strip_period=strip_period)
-    truth = normalize_answer(clean_text(str(ground_truth)), strip_period=strip_period)
-    return _result(pred == truth, pred)
-
-
-def last_boxed_content(text: str) -> str | None:
-    """Return the content of the last ``\\boxed{...}`` of ``text``, braces matched, or ``None``.
-
-    Only the LAST ``\\boxed{`` is considered: if its braces never close (a truncated response)
-    the result is ``None`` even when an earlier box is complete, as in the reference.
-    """
-    start = text.rfind(_BOXED_OPEN)
-    if start < 0:
-        return None
-    depth = 0
-    for index in range(start + len(_BOXED_OPEN) - 1, len(text)):
-        char = text[index]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len(_BOXED_OPEN) : index]
-    return None
-
-
-def verify_strict_box(response: str, ground_truth: str | int) -> VerifyResult:
-    """Score ``response`` in strict-box mode (DAPO.md s1).
-
-    The content of the last brace-matched ``\\boxed{...}`` in the last 100 characters must
-    equal ``str(ground_truth)`` as a raw string; only surrounding whitespace is stripped from
-    both sides. No box -> pred ``[INVALID]``, score -1.0.
-    """
-    boxed = last_boxed_content(tail(response, STRICT_BOX_TAIL_CHARS))
-    if boxed is None:
-        return _result(False, INVALID)
-    pred = boxed.strip()
-    return _result(pred == clean_text(str(ground_truth)).strip(), pred)
+    if name == "dapo":
+        return InProcessScorer(verify_dapo)
+    if name == "strict-box":
+        return InProcessScorer(verify_strict_box)
+    if name == "math-verify":
+        return MathVerifyPool(workers=workers, timeout_s=timeout_s)
+    raise ValueError(f"unknown verifier {name!r}; choose one of {', '.join(VERIFIERS)}")

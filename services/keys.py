@@ -106,6 +106,13 @@ class Keys:
     def heartbeat_pattern(self, kind: str = "*") -> str:
         return self._k("hb", kind, "*")
 
+    def final_stats(self, kind: str, instance_id: str) -> str:
+        """Hash a service writes as it exits (idle fraction, counts) for the run summary."""
+        return self._k("final", kind, instance_id)
+
+    def final_stats_pattern(self, kind: str = "*") -> str:
+        return self._k("final", kind, "*")
+
     @property
     def weight_group(self) -> str:
         """Hash describing the current weight-broadcast group (generation, members, store)."""

@@ -1,0 +1,109 @@
+"""Publishing weights to rollout replicas (learner side of services/weight_group.py).
+
+After each step every learner rank takes part in gathering full parameters bucket by bucket
+(FSDP2 `full_tensor`, a collective); rank 0 keeps the flattened buckets of the newest version in
+host memory and broadcasts them over the side group to the live replicas. Keeping the last
+version lets rank 0 *catch up* a replica that missed a broadcast or joined late without asking
+the other ranks, while it waits for data.
+
+What this does NOT guarantee: a replica that never reads its announcement (hung, or stuck in a
+very long generation) makes the rendezvous time out after `learner.collective_timeout_s`; the
+sync is then abandoned for everyone in that group and retried with the live replicas later.
+The learner never blocks longer than that timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from services.streams import StreamBus
+from services.weight_group import (
+    Announcement,
+    ParamSpec,
+    broadcast_bucket,
+    make_group_on_store,
+    plan_buckets,
+)
+from services.worker import live_instances
+
+log = logging.getLogger(__name__)
+
+
+class WeightPublisher:
+    """Rank 0's store, membership generations and the last published weights."""
+
+    def __init__(self, bus: StreamBus, *, host: str, port: int, backend: str, timeout_s: float, bucket_mb: int) -> None:
+        self.bus, self.host, self.backend = bus, host, backend
+        self.timeout_s, self.bucket_mb = timeout_s, bucket_mb
+        self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.port = self.store.port
+        self.generation = 0
+        self.members: tuple[str, ...] = ()
+        self.group: dist.ProcessGroup | None = None
+        self.version = -1
+        self.buckets: tuple[tuple[ParamSpec, ...], ...] = ()
+        self.flat: list[torch.Tensor] = []
+        self.last_sent: dict[str, float] = {}
+        self.failures = 0
+        self.last_sync_s = 0.0
+
+    def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]], layout: list[tuple[str, torch.Tensor]]) -> None:
+        """Take a new version's full parameters (consumes `named`, which may be a collective)."""
+        if not self.buckets:
+            self.buckets = plan_buckets(layout, self.bucket_mb)
+        tensors = dict(named)
+        self.flat = [torch.cat([tensors[p.name].reshape(-1).cpu() for p in bucket]) for bucket in self.buckets]
+        self.version = version
+
+    def replica_versions(self) -> dict[str, int]:
+        return {i["id"]: int(i.get("policy_version", -1)) for i in live_instances(self.bus.r, self.bus.keys, "rollout")}
+
+    def publish(self, members: Iterable[str] | None = None) -> bool:
+        """Broadcast the staged version to `members` (default: every live replica)."""
+        chosen = tuple(sorted(members if members is not None else self.replica_versions()))
+        if not chosen or self.version < 0:
+            return True
+        if chosen != self.members or self.group is None:
+            self.generation += 1
+            self.members, self.group = chosen, None
+        ann = Announcement(
+            version=self.version, generation=self.generation, members=self.members, store_host=self.host,
+            store_port=self.port, backend=self.backend, timeout_s=self.timeout_s, buckets=self.buckets,
+        )  # fmt: skip
+        self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
+        start = time.monotonic()
+        try:
+            if self.group is None:
+                self.group = make_group_on_store(self.store, ann, 0)
+            for flat in self.flat:
+                broadcast_bucket(self.group, flat, self.timeout_s)
+        except Exception as exc:  # a member died or hung: drop the group, retry later
+            self.failures += 1
+            self.group, self.members = None, ()
+            self.bus.incr("weight_sync_failures")
+            log.warning("weight broadcast of version %d to %s failed: %s", self.version, list(chosen), exc)
+            return False
+        self.last_sync_s = time.monotonic() - start
+        now = time.monotonic()
+        for m in chosen:
+            self.last_sent[m] = now
+        log.info("published version %d to %d replicas in %.3fs", self.version, len(chosen), self.last_sync_s)
+        return True
+
+    def catch_up(self, retry_after_s: float = 5.0) -> None:
+        """Send the newest version to live replicas that hold an older one."""
+        now = time.monotonic()
+        behind = [
+            rid for rid, v in self.replica_versions().items()
+            if v < self.version and now - self.last_sent.get(rid, 0.0) > retry_after_s
+        ]  # fmt: skip
+        if behind:
+            log.info("catching up %s to version %d", behind, self.version)
+            self.publish(behind)

@@ -1,0 +1,82 @@
+"""avg@k evaluation (DAPO.md s7: AIME 2024 avg@32 = mean accuracy over 32 samples per problem).
+
+`dapo eval` evaluates a model directory with the configured engine; the learner calls
+`evaluate` on its own evaluation engine at start, every `eval.every_steps`, and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from reward.verifiers import make_scorer
+from rollout.engine import Engine
+from services.config import DapoConfig
+from services.data import PromptRecord, load_prompts, render_prompt
+
+log = logging.getLogger(__name__)
+
+
+def eval_prompts(cfg: DapoConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[list[int]]]:
+    if not cfg.data.eval_path:
+        return [], []
+    records = load_prompts(cfg.data.eval_path)[: cfg.eval.max_problems]
+    prompts = [
+        tokenizer.encode(render_prompt(tokenizer, r.messages), add_special_tokens=False)[-cfg.data.max_prompt_len :]
+        for r in records
+    ]
+    return records, prompts
+
+
+def evaluate(
+    engine: Engine, tokenizer: Any, records: list[PromptRecord], prompts: list[list[int]], cfg: DapoConfig, *, batch: int = 64
+) -> dict[str, float]:
+    """avg@k accuracy and mean response length over the eval set."""
+    if not records:
+        return {}
+    k, start = cfg.eval.samples_per_problem, time.monotonic()
+    scorer = make_scorer(cfg.reward.verifier, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.sandbox_workers)
+    correct = lengths = total = 0
+    try:
+        for lo in range(0, len(prompts), batch):
+            outs = engine.generate(
+                prompts[lo : lo + batch], n=k, max_tokens=cfg.rollout.max_response_len,
+                temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+            )  # fmt: skip
+            for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
+                texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+                results = scorer.score_many([(t, rec.ground_truth) for t in texts])
+                correct += sum(r.acc for r in results)
+                lengths += sum(len(s.token_ids) for s in samples)
+                total += len(samples)
+    finally:
+        scorer.close()
+    return {
+        "eval/acc": correct / total,
+        "eval/response_length": lengths / total,
+        "eval/problems": float(len(records)),
+        "eval/samples_per_problem": float(k),
+        "eval/seconds": time.monotonic() - start,
+    }
+
+
+def main(cfg: DapoConfig, model_dir: str | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    from rollout.engine import make_engine
+
+    path = model_dir or cfg.model.path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    records, prompts = eval_prompts(cfg, tokenizer)
+    if not records:
+        raise SystemExit("dapo eval: data.eval_path is not set")
+    engine = make_engine(cfg, path)
+    try:
+        result = evaluate(engine, tokenizer, records, prompts, cfg)
+    finally:
+        engine.close()
+    sys.stdout.write(json.dumps({"model": path, **result}) + "\n")
+    return 0

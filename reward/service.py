@@ -1,0 +1,83 @@
+"""`dapo reward`: one reward worker. Many can run; each takes whole groups.
+
+For every response of a group: decode the response tokens (special tokens skipped), score them
+against the prompt's ground truth with the configured verifier (+1 / -1), add the overlong
+penalty (DAPO.md s2) and forward the scored group. The scalar reward is per response; the learner
+places it on the response's last token. Verifier timeouts are counted, never hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from reward.overlong import shaped_reward
+from reward.verifiers import make_scorer
+from services.config import DapoConfig
+from services.keys import Keys
+from services.schemas import SchemaError, decode_group, encode_group
+from services.streams import Entry, StreamBus, connect
+from services.worker import Heartbeat, StopFlag, instance_id, run_stage_loop
+
+log = logging.getLogger(__name__)
+
+
+class RewardWorker:
+    def __init__(self, cfg: DapoConfig, bus: StreamBus, tokenizer: Any) -> None:
+        self.cfg, self.bus, self.tokenizer = cfg, bus, tokenizer
+        rw = cfg.reward
+        self.scorer = make_scorer(rw.verifier, timeout_s=rw.timeout_s, workers=rw.sandbox_workers)
+        self.groups = 0
+        self.timeouts = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"groups": self.groups, "timeouts": self.timeouts}
+
+    def handle(self, entries: list[Entry]) -> None:
+        stage = self.bus.keys.rollouts
+        ov, max_len = self.cfg.reward.overlong, self.cfg.rollout.max_response_len
+        for entry_id, fields in entries:
+            try:
+                group = decode_group(fields)
+            except SchemaError as exc:
+                self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
+                continue
+            texts = self.tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
+            results = self.scorer.score_many([(t, group.job.ground_truth) for t in texts])
+            group.scores = [r.score for r in results]
+            group.acc = [r.acc for r in results]
+            group.preds = [r.pred for r in results]
+            group.rewards = [
+                shaped_reward(r.score, len(resp.token_ids), max_len=max_len, buffer_len=ov.buffer_len, factor=ov.penalty_factor, enabled=ov.enabled)
+                for r, resp in zip(results, group.responses, strict=True)
+            ]
+            for resp, text in zip(group.responses, texts, strict=True):
+                resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
+            group.reward_timeouts = sum(r.timeout for r in results)
+            self.timeouts += group.reward_timeouts
+            if group.reward_timeouts:
+                self.bus.incr("reward_timeouts", group.reward_timeouts)
+            self.groups += self.bus.hop(stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(group))
+
+
+def main(cfg: DapoConfig) -> int:
+    from transformers import AutoTokenizer
+
+    url = cfg.redis_url
+    if not url:
+        raise SystemExit("dapo reward: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
+    stop = StopFlag().install()
+    inst = instance_id("reward")
+    client = connect(url)
+    bus = StreamBus(client, Keys(cfg.queue.namespace), consumer=inst)
+    bus.ensure_groups()
+    worker = RewardWorker(cfg, bus, AutoTokenizer.from_pretrained(cfg.model.path))
+    hb = Heartbeat(client, bus.keys, "reward", inst, cfg.queue.heartbeat_ttl_s, worker.status).start()
+    try:
+        run_stage_loop(bus, bus.keys.rollouts, worker.handle, queue=cfg.queue, stop=stop, batch=8)
+    finally:
+        client.hset(bus.keys.final_stats("reward", inst), mapping={k: json.dumps(v) for k, v in worker.status().items()})
+        hb.stop()
+        worker.scorer.close()
+    return 0

@@ -1,0 +1,1 @@
+"""Generation: engines (vLLM, transformers), the rollout worker loop and the weight receiver."""

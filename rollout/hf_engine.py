@@ -1,0 +1,75 @@
+"""The light engine: a transformers model sampling in this process (CPU tests and demos).
+
+Same interface as the vLLM engine. Sampling uses `generate` with the raw logits returned, and the
+behaviour log-prob of each sampled token is log_softmax(logits / temperature) at that token, the
+same quantity the learner recomputes (top-p truncation is not renormalised into it, matching
+vLLM's processed log-probs closely enough for the truncated importance weight).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout.engine import Sample
+from rollout.weight_receiver import WeightReceiver
+from services.weight_group import DTYPES, Announcement
+
+log = logging.getLogger(__name__)
+
+
+class HFEngine:
+    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id)
+        self.receiver = WeightReceiver("cpu")
+        self.generator = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+    ) -> list[list[Sample]]:
+        if seed is not None:
+            torch.manual_seed(seed)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+            max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+        new = out.sequences[:, width:]  # (B*n, T)
+        logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
+        samples: list[Sample] = []
+        for row in range(new.shape[0]):
+            toks = new[row].tolist()
+            if self.eos_id in toks:
+                end, reason = toks.index(self.eos_id) + 1, "stop"
+            else:
+                end, reason = len(toks), "length"
+            samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason))
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def receive_weights(self, ann: Announcement, rank: int) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in self.receiver.receive(ann, rank):
+            params[name].copy_(tensor)
+
+    def load_weights_from_dir(self, path: str) -> None:
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
+        self.model.load_state_dict(fresh.state_dict())
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,169 @@
+"""`dapo rollout`: one rollout replica.
+
+Loop: between generation batches, apply any weight broadcast addressed to this replica; take up
+to `rollout.prompts_per_batch` prompt jobs; make sure the weights held are at least as new as
+each job's `issued_version` (waiting for the learner's catch-up broadcast if not); generate
+`group_size` responses per job with behaviour log-probs; forward each group to the rollouts
+stream with one atomic hop. The heartbeat reports the policy version held and the idle fraction.
+On SIGTERM the current batch finishes (a batch is short), unstarted jobs are handed back, and the
+process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from rollout.engine import Engine, make_engine
+from services.config import DapoConfig
+from services.keys import Keys
+from services.schemas import (
+    PromptJob,
+    Response,
+    RolloutGroup,
+    SchemaError,
+    decode_job,
+    encode_group,
+)
+from services.streams import Entry, StreamBus, connect
+from services.weight_group import Announcement
+from services.worker import Heartbeat, StopFlag, instance_id
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: DapoConfig, bus: StreamBus, engine: Engine, replica_id: str, stop: StopFlag) -> None:
+        self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
+        self.policy_version = 0
+        self.weights_cursor = "$"
+        self.groups_done = 0
+        self.busy_s = 0.0
+        self.sync_s = 0.0
+        self.started = time.monotonic()
+        self.hb: Heartbeat | None = None
+
+    # --- weights ---------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        wall = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "policy_version": self.policy_version,
+            "groups": self.groups_done,
+            "idle_fraction": round(1.0 - (self.busy_s + self.sync_s) / wall, 4),
+            "sync_seconds": round(self.sync_s, 3),
+        }
+
+    def poll_weights(self, block_ms: int | None = None) -> None:
+        """Apply every pending announcement that names this replica (newest wins)."""
+        reply = self.bus.r.xread({self.bus.keys.weights: self.weights_cursor}, count=64, block=block_ms)
+        if self.weights_cursor == "$":
+            # First call: start after the newest announcement; the learner's catch-up sync includes
+            # this replica once its heartbeat is seen.
+            last = self.bus.r.xrevrange(self.bus.keys.weights, count=1)
+            self.weights_cursor = last[0][0].decode() if last else "0"
+        newest: Announcement | None = None
+        for _, entries in reply or []:
+            for eid, fields in entries:
+                self.weights_cursor = eid.decode()
+                ann = Announcement.from_json(json.loads(fields[b"ann"]))
+                age_s = time.time() - int(self.weights_cursor.split("-")[0]) / 1000
+                # Only the newest announcement naming this replica matters, and only while its
+                # rendezvous can still be open: joining an abandoned one would just time out.
+                if self.id in ann.members and age_s < ann.timeout_s / 2:
+                    newest = ann
+        if newest is not None:
+            self._apply(newest)
+
+    def _apply(self, ann: Announcement) -> None:
+        start = time.monotonic()
+        try:
+            self.engine.receive_weights(ann, ann.members.index(self.id) + 1)
+        except Exception:
+            log.exception("weight broadcast %d (generation %d) failed; waiting for the next", ann.version, ann.generation)
+            return
+        finally:
+            self.sync_s += time.monotonic() - start
+        self.policy_version = ann.version
+        self.heartbeat_now()
+
+    def heartbeat_now(self) -> None:
+        if self.hb is not None:
+            self.hb.beat()
+
+    def wait_for_version(self, version: int) -> bool:
+        """Block (receiving broadcasts) until the weights held are at least `version`."""
+        while self.policy_version < version and not self.stop.stopping:
+            self.poll_weights(block_ms=500)
+        return self.policy_version >= version
+
+    # --- work ------------------------------------------------------------------------------
+    def handle(self, entries: list[Entry]) -> None:
+        stage = self.bus.keys.prompts
+        jobs: list[tuple[str, PromptJob]] = []
+        for entry_id, fields in entries:
+            try:
+                jobs.append((entry_id, decode_job(fields)))
+            except SchemaError as exc:
+                self.bus.dead_letter(stage, entry_id, fields, f"rollout: {exc}")
+        if not jobs:
+            return
+        need = max(job.issued_version for _, job in jobs)
+        if not self.wait_for_version(need):  # stopping: give the work back untouched
+            for entry_id, fields in entries:
+                self.bus.hand_back(stage, entry_id, fields)
+            return
+        ro = self.cfg.rollout
+        start = time.monotonic()
+        outputs = self.engine.generate(
+            [job.prompt_ids for _, job in jobs], n=ro.group_size, max_tokens=ro.max_response_len,
+            temperature=ro.temperature, top_p=ro.top_p,
+        )  # fmt: skip
+        seconds = time.monotonic() - start
+        self.busy_s += seconds
+        for (entry_id, job), samples in zip(jobs, outputs, strict=True):
+            group = RolloutGroup(
+                job=job, policy_version=self.policy_version, replica_id=self.id, gen_seconds=seconds / len(jobs),
+                responses=[Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples],  # type: ignore[arg-type]
+            )  # fmt: skip
+            self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
+
+    def run(self) -> None:
+        self.poll_weights()
+        last_reclaim = 0.0
+        q = self.cfg.queue
+        while not self.stop.stopping:
+            self.poll_weights()
+            entries: list[Entry] = []
+            if time.monotonic() - last_reclaim > 5.0:
+                last_reclaim = time.monotonic()
+                entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
+            if not entries:
+                entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)
+            if entries:
+                self.handle(entries)
+
+
+def main(cfg: DapoConfig) -> int:
+    url = cfg.redis_url
+    if not url:
+        raise SystemExit("dapo rollout: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
+    stop = StopFlag().install()
+    replica_id = instance_id("rollout")
+    client = connect(url)
+    bus = StreamBus(client, Keys(cfg.queue.namespace), consumer=replica_id)
+    bus.ensure_groups()
+    log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
+    engine = make_engine(cfg)
+    worker = RolloutWorker(cfg, bus, engine, replica_id, stop)
+    worker.hb = Heartbeat(client, bus.keys, "rollout", replica_id, cfg.queue.heartbeat_ttl_s, worker.status).start()
+    log.info("rollout replica %s ready", replica_id)
+    try:
+        worker.run()
+    finally:
+        client.hset(bus.keys.final_stats("rollout", replica_id), mapping={k: json.dumps(v) for k, v in worker.status().items()})
+        worker.hb.stop()
+        engine.close()
+    log.info("rollout replica %s stopped after %d groups", replica_id, worker.groups_done)
+    return 0

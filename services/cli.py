@@ -1,0 +1,145 @@
+"""`dapo`: the single entry point.
+
+    dapo run        --config FILE [--output-dir DIR] [key=value ...]   the whole system on one machine
+    dapo rollout    --config FILE [key=value ...]                      one rollout replica
+    dapo reward     --config FILE [key=value ...]                      one reward worker
+    dapo gatekeeper --config FILE [key=value ...]                      the dynamic-sampling stage
+    dapo learner    --config FILE [key=value ...]                      the learner (under torchrun)
+    dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
+    dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
+
+Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
+config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from services.config import ConfigError, DapoConfig, load_config
+
+log = logging.getLogger("dapo")
+
+
+def setup_logging(name: str) -> None:
+    level = os.environ.get("DAPO_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _config(args: argparse.Namespace) -> DapoConfig:
+    overrides = list(args.overrides)
+    if getattr(args, "output_dir", None):
+        overrides.append(f"output_dir={args.output_dir}")
+    return load_config(args.config, overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from services.launcher import run_local
+
+    return run_local(_config(args), resume=args.resume, quiet=args.quiet)
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from rollout.service import main
+
+    return main(_config(args))
+
+
+def _cmd_reward(args: argparse.Namespace) -> int:
+    from reward.service import main
+
+    return main(_config(args))
+
+
+def _cmd_gatekeeper(args: argparse.Namespace) -> int:
+    from services.gatekeeper_service import main
+
+    return main(_config(args))
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from learner.service import main
+
+    return main(_config(args))
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from learner.evaluate import main
+
+    return main(_config(args), model_dir=args.model_dir)
+
+
+def _cmd_data_synth(args: argparse.Namespace) -> int:
+    from services.data import synth_rows, write_rows
+
+    out = Path(args.out)
+    write_rows(out / f"train.{args.format}", synth_rows(args.num_train, difficulty=args.difficulty, seed=args.seed, template=args.template))
+    write_rows(
+        out / f"eval.{args.format}",
+        synth_rows(args.num_eval, difficulty=args.difficulty, seed=args.seed + 1_000_003, template=args.template),
+    )
+    log.info("wrote %d train and %d eval problems to %s", args.num_train, args.num_eval, out)
+    return 0
+
+
+def _service_parser(sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. algorithm.clip_high=0.3")
+    p.set_defaults(fn=fn)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning as services over Redis.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = _service_parser(sub, "run", "run the whole system on this machine (embedded Redis, every service a process)", _cmd_run)
+    run.add_argument("--output-dir", help="where checkpoints, logs and summary.json go (overrides output_dir)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    run.add_argument("--quiet", action="store_true", help="no live progress line")
+
+    _service_parser(sub, "rollout", "one rollout replica: prompt jobs -> G responses with behaviour log-probs", _cmd_rollout)
+    _service_parser(sub, "reward", "one reward worker: score groups (verifier + overlong shaping)", _cmd_reward)
+    _service_parser(sub, "gatekeeper", "dynamic sampling: forward groups with reward variance", _cmd_gatekeeper)
+    _service_parser(sub, "learner", "the FSDP2 learner (launch with torchrun for several ranks)", _cmd_learner)
+    ev = _service_parser(sub, "eval", "avg@k accuracy on the eval set", _cmd_eval)
+    ev.add_argument("--model-dir", help="Hugging Face model directory (default: model.path)")
+
+    data = sub.add_parser("data", help="data utilities")
+    dsub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    synth = dsub.add_parser("synth", help="write a synthetic arithmetic task in the DAPO-Math-17K schema")
+    synth.add_argument("--out", required=True, help="output directory (train.* and eval.*)")
+    synth.add_argument("--num-train", type=int, default=20000)
+    synth.add_argument("--num-eval", type=int, default=128)
+    synth.add_argument("--difficulty", type=int, default=1, choices=[1, 2, 3, 4])
+    synth.add_argument("--template", choices=["short", "dapo"], default="short")
+    synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.set_defaults(fn=_cmd_data_synth)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.command)
+    try:
+        return int(args.fn(args))
+    except ConfigError as exc:
+        sys.stderr.write(f"dapo {args.command}: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""`dapo run`: the whole system on one machine, every service its own OS process.
+
+Prepares what the config asks for (synthetic data, the tiny base model), starts an embedded
+redis-server when no URL is configured, then the learner (under torchrun when
+`learner.nproc > 1`), the gatekeeper, a reward worker and `rollout.replicas` rollout replicas,
+exactly as docker-compose or Kubernetes would start them. It supervises them (a service that
+dies is restarted with back-off, a bounded number of times), shows a live progress line, stops
+everything cleanly at the end or on Ctrl-C, and writes `<output_dir>/summary.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+
+from services.config import DapoConfig, dump_config
+from services.keys import Keys
+from services.streams import StreamBus, connect
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_file: TextIO | None = field(default=None, repr=False)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_file = self.log_path.open("a")
+        self.proc = subprocess.Popen(self.argv, env=env, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)  # torchrun's workers live in the same session
+
+    def wait(self, timeout_s: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def prepare(cfg: DapoConfig, progress: Any = None) -> None:
+    """Create the synthetic data and the tiny base model if the config asks for them."""
+    from services.data import synth_rows, write_rows
+
+    d = cfg.data
+    if d.synth is not None:
+        if not Path(d.train_path).exists():
+            write_rows(d.train_path, synth_rows(d.synth.num_train, difficulty=d.synth.difficulty, seed=d.seed, template=d.synth.template))
+        if d.eval_path and not Path(d.eval_path).exists():
+            write_rows(d.eval_path, synth_rows(d.synth.num_eval, difficulty=d.synth.difficulty, seed=d.seed + 1_000_003, template=d.synth.template, start_index=10_000_000))
+    spec = cfg.model.build_tiny
+    if spec is not None and not (Path(cfg.model.path) / "config.json").exists():
+        from learner.tiny_base import ensure_tiny_base
+        from services.data import load_prompts
+
+        log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
+        train = [_as_row(r) for r in load_prompts(d.train_path)[:20000]]
+        evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path)[:128]]
+        info = ensure_tiny_base(
+            Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
+            batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, progress=progress,
+        )  # fmt: skip
+        log.info("tiny base model ready: %s", info)
+
+
+def _as_row(rec: Any) -> dict[str, Any]:
+    return {
+        "data_source": rec.data_source, "prompt": rec.messages,
+        "reward_model": {"ground_truth": rec.ground_truth, "style": "rule"}, "extra_info": rec.extra_info,
+    }  # fmt: skip
+
+
+def clear_namespace(client: redis.Redis, keys: Keys) -> None:
+    for key in client.scan_iter(match=f"{keys.ns}:*", count=1000):
+        client.delete(key)
+
+
+class Progress:
+    """One live line: step, reward, eval accuracy, pass rate, version lag, ledger."""
+
+    def __init__(self, bus: StreamBus, total_steps: int, quiet: bool) -> None:
+        self.bus, self.total, self.quiet = bus, total_steps, quiet
+        self.tty = sys.stderr.isatty()
+        self.last_print = 0.0
+        self.last_eval = float("nan")
+
+    def line(self) -> str:
+        r, keys = self.bus.r, self.bus.keys
+        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.learner_state).items()}
+        last = r.xrevrange(keys.metrics, count=1)
+        m = json.loads(last[0][1][b"m"]) if last else {}
+        info = {k.decode(): v.decode() for k, v in r.hgetall(keys.run_info).items()}
+        evals = json.loads(info.get("eval_history", "[]"))
+        acc = f"{evals[-1][1]:.3f}" if evals else "-"
+        led = self.bus.ledger()
+        return (
+            f"step {state.get('step', 0)}/{self.total} [{state.get('state', 'starting')}] "
+            f"reward {m.get('rollout/reward_mean', float('nan')):.3f} acc {m.get('rollout/acc_mean', float('nan')):.3f} "
+            f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
+            f"| issued {led.issued} trained {led.trained} filtered {led.filtered} stale {led.stale} in-flight {led.in_flight}"
+        )
+
+    def show(self) -> None:
+        if self.quiet:
+            return
+        now = time.monotonic()
+        try:
+            text = self.line()
+        except redis.RedisError:
+            return
+        if self.tty:
+            sys.stderr.write("\r\x1b[2K" + text)
+            sys.stderr.flush()
+        elif now - self.last_print > 10:
+            sys.stderr.write(text + "\n")
+            self.last_print = now
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            sys.stderr.write("\n")
+
+
+def _services(cfg: DapoConfig, config_path: Path, logs: Path) -> list[Service]:
+    py = sys.executable
+    cli = [py, "-m", "services.cli"]
+    conf = ["--config", str(config_path)]
+    if cfg.learner.nproc > 1:
+        learner = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.learner.nproc}", "-m", "services.cli", "learner", *conf]
+    else:
+        learner = [*cli, "learner", *conf]
+    out = [Service("learner", learner, logs / "learner.log"), Service("gatekeeper", [*cli, "gatekeeper", *conf], logs / "gatekeeper.log")]
+    out.append(Service("reward-0", [*cli, "reward", *conf], logs / "reward-0.log"))
+    out += [Service(f"rollout-{i}", [*cli, "rollout", *conf], logs / f"rollout-{i}.log") for i in range(cfg.rollout.replicas)]
+    return out
+
+
+def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]) -> dict[str, Any]:
+    r, keys = bus.r, bus.keys
+    info = {k.decode(): v.decode() for k, v in r.hgetall(keys.run_info).items()}
+    rollout_idle = []
+    for key in r.scan_iter(match=keys.final_stats_pattern("rollout")):
+        stats = {k.decode(): json.loads(v) for k, v in r.hgetall(key).items()}
+        rollout_idle.append(float(stats.get("idle_fraction", 0.0)))
+    counters = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
+    metrics = [json.loads(f[b"m"]) for _, f in r.xrange(keys.metrics)]
+
+    def num(name: str, default: float = float("nan")) -> float:
+        return float(info[name]) if name in info else default
+
+    return {
+        "run_name": cfg.run_name,
+        "base_eval_acc": num("base_eval_acc"),
+        "final_eval_acc": num("final_eval_acc"),
+        "steps": int(num("steps", 0)),
+        "policy_version": int(num("policy_version", 0)),
+        "wall_seconds": round(wall_s, 1),
+        "ledger": bus.ledger().as_dict(),
+        "mean_version_lag": num("mean_version_lag"),
+        "learner_idle_fraction": num("learner_idle_fraction"),
+        "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
+        "gate_pass_rate": counters.get("gate_kept", 0) / max(counters.get("gate_kept", 0) + bus.ledger().filtered, 1),
+        "eval_history": json.loads(info.get("eval_history", "[]")),
+        "counters": counters,
+        "restarts": {s.name: s.restarts for s in services if s.restarts},
+        "final_model": info.get("final_model"),
+        "reward_curve": [[m["step"], m.get("rollout/reward_mean"), m.get("rollout/acc_mean")] for m in metrics],
+    }
+
+
+def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> int:
+    from services.redis_server import RedisServer
+
+    started = time.monotonic()
+    out = Path(cfg.output_dir)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    prepare(cfg, progress=None if quiet else (lambda msg: sys.stderr.write(f"  {msg}\n")))
+    config_path = out / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+
+    server = None
+    url = cfg.redis_url
+    if url is None:
+        server = RedisServer(out / "redis", appendonly=True).start()
+        url = server.url
+    env = {**os.environ, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+    keys = Keys(cfg.queue.namespace)
+    bus = StreamBus(connect(url), keys, consumer="launcher")
+    if not resume:
+        clear_namespace(bus.r, keys)
+    bus.ensure_groups()
+
+    services = _services(cfg, config_path, logs)
+    interrupted = False
+    stop_requested = {"flag": False}
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        stop_requested["flag"] = True
+
+    old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = Progress(bus, cfg.learner.total_steps, quiet)
+    learner = services[0]
+    try:
+        for svc in services:
+            svc.start(env)
+        while True:
+            if stop_requested["flag"]:
+                interrupted = True
+                log.warning("interrupted: stopping every service")
+                break
+            if not learner.alive():
+                break
+            for svc in services[1:]:
+                if not svc.alive():
+                    _restart(svc, env)
+            progress.show()
+            time.sleep(1.0)
+    finally:
+        progress.close()
+        learner_rc = learner.proc.poll() if learner.proc else None
+        _stop_all(services, learner_first=interrupted)
+        wall = time.monotonic() - started
+        summary = summarize(cfg, bus, wall, services)
+        summary["interrupted"] = interrupted
+        summary["learner_exit_code"] = learner_rc
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        bus.r.close()
+        if server is not None:
+            server.stop()
+    sys.stderr.write(
+        f"done in {summary['wall_seconds']:.0f}s: eval accuracy {summary['base_eval_acc']:.3f} -> "
+        f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; ledger {summary['ledger']}\n"
+        f"summary: {out / 'summary.json'}\n"
+    )
+    return 0 if learner_rc == 0 and not interrupted else 1
+
+
+def _restart(svc: Service, env: dict[str, str]) -> None:
+    rc = svc.proc.returncode if svc.proc else None
+    if svc.restarts >= MAX_RESTARTS:
+        return
+    svc.restarts += 1
+    delay = min(2.0**svc.restarts, 30.0)
+    log.warning("%s exited with %s; restart %d/%d in %.0fs", svc.name, rc, svc.restarts, MAX_RESTARTS, delay)
+    time.sleep(delay)
+    svc.start(env)
+
+
+def _stop_all(services: list[Service], *, learner_first: bool, grace_s: float = 30.0) -> None:
+    order = services if learner_first else services[1:]
+    for svc in order:
+        svc.signal(signal.SIGTERM)
+    for svc in order:
+        if not svc.wait(grace_s):
+            log.warning("%s did not stop within %.0fs; killing it", svc.name, grace_s)
+            svc.signal(signal.SIGKILL)
+            svc.wait(5)
+    for svc in services:
+        if svc.log_file:
+            svc.log_file.close()
