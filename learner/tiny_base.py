@@ -154,7 +154,7 @@ def _encode_sft(
     """
     prompts = tokenizer([render_prompt(tokenizer, r.messages) for r in records])["input_ids"]
     answers = tokenizer([_completion_text(r.ground_truth) for r in records])["input_ids"]
-    seqs = [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers, strict=True)]
+    seqs = [(p, [*a, tokenizer.eos_token_id]) for p, a in zip(prompts, answers, strict=True)]
     width = max(len(p) + len(c) for p, c in seqs)
     if width > max_len:
         raise ValueError(f"a training sequence has {width} tokens > max positions {max_len}")

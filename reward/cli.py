@@ -4,7 +4,9 @@ Input: one JSON object per line with ``response`` (string) and ``ground_truth`` 
 integer). Output: one JSON object per non-blank input line, in input order, with ``score``,
 ``acc`` and ``pred`` (plus ``timeout`` for math-verify). A malformed line yields
 ``{"error": "line N: ..."}`` (N counts every input line from 1) in its place and the rest are
-still scored. Blank lines are skipped. Exit code 0 when every line scored, 1 otherwise.
+still scored. Blank lines are skipped. Exit code 0 when every line scored, 1 when some line
+was malformed, 2 on bad arguments or when the math-verify workers cannot start. Timeouts and
+other warnings go to stderr.
 
 Lines are read and scored in chunks, so memory stays bounded and math-verify runs a whole
 chunk in parallel across its workers.
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-from reward.verifiers import VERIFIERS, Scorer, VerifyResult, make_scorer
+from reward.verifiers import VERIFIERS, Scorer, VerifyResult, WorkerStartError, make_scorer
+
+logger = logging.getLogger(__name__)
 
 #: Lines scored per batch.
 CHUNK_LINES: Final = 1024
@@ -44,6 +49,8 @@ def parse_line(text: str) -> tuple[str, str | int]:
         record: Any = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. 100 000 nested "[" on one line
+        raise LineError("invalid JSON: nested too deeply") from exc
     if not isinstance(record, dict):
         raise LineError(f"expected a JSON object, got {type(record).__name__}")
     for key in ("response", "ground_truth"):
@@ -152,11 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
-    scorer = make_scorer(args.verifier, timeout_s=args.timeout, workers=args.workers)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        errors = score_stream(
-            sys.stdin.buffer, sys.stdout, scorer, with_timeout=args.verifier == "math-verify"
-        )
-    finally:
-        scorer.close()
+        with make_scorer(args.verifier, timeout_s=args.timeout, workers=args.workers) as scorer:
+            errors = score_stream(
+                sys.stdin.buffer, sys.stdout, scorer, with_timeout=args.verifier == "math-verify"
+            )
+    except WorkerStartError as exc:
+        logger.error("cannot score: %s", exc)
+        return 2
     return 1 if errors else 0

@@ -40,11 +40,23 @@ VerifyFn = Callable[[str, str | int], VerifyResult]
 
 
 class Scorer(Protocol):
-    """Scores batches of ``(response, ground_truth)`` pairs, results in input order."""
+    """Scores batches of ``(response, ground_truth)`` pairs, results in input order.
+
+    A context manager: leaving the ``with`` block calls ``close()``.
+    """
 
     def score_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> Scorer: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
 
 
 class InProcessScorer:

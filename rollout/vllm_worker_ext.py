@@ -112,7 +112,9 @@ class WeightSyncExtension:
                 if source is not None:
                     name, tensor = next(source)
                     if name != spec.name:
-                        raise RuntimeError(f"weight stream out of order: got {name}, expected {spec.name}")
+                        raise RuntimeError(
+                            f"weight stream out of order: got {name}, expected {spec.name}"
+                        )
                     tensor = tensor.contiguous()
                 else:
                     tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)

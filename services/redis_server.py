@@ -75,7 +75,9 @@ class RedisServer:
         ]  # fmt: skip
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        # Own session: a Ctrl-C aimed at `dapo run` must not kill Redis before the services hand
+        # back their work; the launcher stops it last.
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         while True:

@@ -37,3 +37,23 @@ def artifacts_dir() -> Path:
     path = REPO / "test-artifacts"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny Qwen2 model + locally trained tokenizer (no skill)."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.tiny_base import tiny_qwen2_config, train_tokenizer
+    from services.data import synth_rows
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    rows = synth_rows(500, seed=0)
+    tok = train_tokenizer([r["prompt"][0]["content"] + "Answer: 123" for r in rows], vocab_size=300)
+    import torch
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(len(tok)))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
