@@ -12,6 +12,7 @@ this process as learner rank 0. RSS counts the engine's child processes too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import threading
@@ -57,10 +58,8 @@ def rss_gib() -> float:
     procs = [me, *me.children(recursive=True)]
     total = 0
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a child that just exited
             total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
     return total / 2**30
 
 
@@ -90,7 +89,9 @@ def sync_once(engine: Engine, params: dict[str, torch.Tensor], version: int) -> 
     return time.monotonic() - start
 
 
-def bench(kind: str, model_dir: Path, params: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
+def bench(
+    kind: str, model_dir: Path, params: dict[str, torch.Tensor], args: argparse.Namespace
+) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (24,), generator=gen).tolist() for _ in range(args.prompts)]
     kw = {"n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0}

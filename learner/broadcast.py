@@ -76,7 +76,7 @@ class WeightPublisher:
         ann = Announcement(
             version=self.version, generation=self.generation, members=self.members, store_host=self.host,
             store_port=self.port, backend=self.backend, timeout_s=self.timeout_s, buckets=self.buckets,
-        )  # fmt: skip
+        )
         self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
         start = time.monotonic()
         try:
@@ -103,7 +103,7 @@ class WeightPublisher:
         behind = [
             rid for rid, v in self.replica_versions().items()
             if v < self.version and now - self.last_sent.get(rid, 0.0) > retry_after_s
-        ]  # fmt: skip
+        ]
         if behind:
             log.info("catching up %s to version %d", behind, self.version)
             self.publish(behind)

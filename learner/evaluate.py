@@ -45,7 +45,7 @@ def evaluate(
             outs = engine.generate(
                 prompts[lo : lo + batch], n=k, max_tokens=cfg.rollout.max_response_len,
                 temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-            )  # fmt: skip
+            )
             for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
                 texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
                 results = scorer.score_many([(t, rec.ground_truth) for t in texts])

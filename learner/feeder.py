@@ -80,7 +80,7 @@ class PromptFeeder:
                 group_id=f"{self.run_name}-{self.cursor}", prompt_index=index, prompt_ids=self._prompt_ids(index),
                 ground_truth=rec.ground_truth, data_source=rec.data_source, issued_version=policy_version,
                 issued_at=time.time(),
-            )  # fmt: skip
+            )
             jobs.append(encode_job(job))
             self.cursor += 1
         return self.bus.issue(jobs)

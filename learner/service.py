@@ -84,11 +84,11 @@ class Coordinator:
             self.bus, load_prompts(cfg.data.train_path), self.tokenizer, run_name=cfg.run_name,
             limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
             max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-        )  # fmt: skip
+        )
         self.publisher = WeightPublisher(
             self.bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0, backend=backend,
             timeout_s=cfg.learner.collective_timeout_s, bucket_mb=cfg.learner.broadcast_bucket_mb,
-        )  # fmt: skip
+        )
         self.eval_engine = HFEngine(cfg.model.path, seed=cfg.learner.seed)
         self.eval_records, self.eval_ids = eval_prompts(cfg, self.tokenizer)
         self.version = 0
@@ -148,6 +148,8 @@ class Coordinator:
             "rollout/clip_ratio": sum(r.finish_reason == "length" for g in groups for r in g.responses) / len(lengths),
             "rollout/version_lag_mean": sum(lags) / len(lags),
             "rollout/tokens": float(sum(lengths)),
+            "rollout/groups": float(len(groups)),
+            **{f"depth/{stage}": float(n) for stage, n in self.bus.depths().items()},
             "gate/pass_rate": kept / (kept + filtered) if kept + filtered else 0.0,
             "gate/filtered_total": float(filtered),
             "ledger/issued": float(ledger.issued),
@@ -164,7 +166,7 @@ class Coordinator:
             metrics.get("actor/clipfrac_high", 0), metrics.get("actor/clipfrac_low", 0),
             metrics.get("actor/approx_kl", 0),
             f"eval {metrics['eval/acc']:.3f}" if "eval/acc" in metrics else "",
-        )  # fmt: skip
+        )
 
     def run_eval(self) -> dict[str, float]:
         if not self.eval_records:
@@ -253,7 +255,7 @@ def train(cfg: DapoConfig, coord: Coordinator | None, trainer: Trainer, rank: in
             coord.bus.hop(coord.bus.keys.train, entry_id, outcome=LEDGER_TRAINED)
         metrics.update(rollout_metrics)
         metrics.update({"timing/train_s": t1 - t0, "timing/sync_s": coord.publisher.last_sync_s,
-                        "timing/learner_idle_fraction": coord.wait_s / (time.monotonic() - coord.started)})  # fmt: skip
+                        "timing/learner_idle_fraction": coord.wait_s / (time.monotonic() - coord.started)})
         every = cfg.eval.every_steps
         if every and step % every == 0 and step != cfg.learner.total_steps:
             metrics.update(coord.run_eval())
@@ -277,7 +279,7 @@ def main(cfg: DapoConfig) -> int:
                 "learner_idle_fraction": coord.wait_s / wall, "learner_wall_s": wall,
                 "mean_version_lag": sum(coord.lags) / len(coord.lags) if coord.lags else 0.0,
                 "final_model": str(coord.save_final()), "finished": 1,
-            })  # fmt: skip
+            })
             coord.set_state("finished")
     finally:
         if coord is not None:

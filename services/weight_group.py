@@ -57,7 +57,7 @@ class Announcement:
             version=int(data["version"]), generation=int(data["generation"]), members=tuple(data["members"]),
             store_host=data["store_host"], store_port=int(data["store_port"]), backend=data["backend"],
             timeout_s=float(data["timeout_s"]), buckets=buckets,
-        )  # fmt: skip
+        )
 
 
 def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: int) -> tuple[tuple[ParamSpec, ...], ...]:

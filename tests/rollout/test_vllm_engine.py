@@ -20,7 +20,10 @@ from transformers import Qwen2ForCausalLM
 
 from learner.tiny_base import EOS_TOKEN_ID, tiny_qwen2_config, train_tokenizer
 from rollout.engine import Sample
-from rollout.vllm_engine import VLLMEngine  # imports vllm only when an engine is built
+from rollout.vllm_engine import (
+    VLLMEngine,
+    WeightSyncError,
+)  # imports vllm only when an engine is built
 from services.config import DapoConfig, build_config
 from services.weight_group import Announcement, broadcast_bucket, make_group_on_store, plan_buckets
 
@@ -107,32 +110,43 @@ def _perturbed(model: Qwen2ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _broadcast_as_learner(
-    engine: VLLMEngine, params: dict[str, torch.Tensor], version: int
+    engine: VLLMEngine,
+    params: dict[str, torch.Tensor],
+    version: int,
+    *,
+    send_buckets: int | None = None,
+    timeout_s: float = 60.0,
 ) -> None:
-    """Play learner rank 0 over a fresh TCPStore while the engine receives as rank 1."""
+    """Play learner rank 0 over a fresh TCPStore while the engine receives as rank 1.
+
+    `send_buckets` stops the learner after that many buckets (a learner that dies mid-sync).
+    """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
         version=version, generation=version, members=("replica-0",), store_host="127.0.0.1",
-        store_port=store.port, backend="gloo", timeout_s=60.0,
+        store_port=store.port, backend="gloo", timeout_s=timeout_s,
         buckets=plan_buckets(list(params.items()), bucket_mb=1),  # several buckets
     )  # fmt: skip
+    assert len(ann.buckets) > 1
     errors: list[BaseException] = []
+    groups: list[dist.ProcessGroup] = []  # kept alive until the engine is done
 
     def learner() -> None:
         try:
-            group = make_group_on_store(store, ann, 0)
-            for bucket in ann.buckets:
+            groups.append(make_group_on_store(store, ann, 0))
+            for bucket in ann.buckets[:send_buckets]:
                 flat = torch.cat([params[p.name].reshape(-1) for p in bucket])
-                broadcast_bucket(group, flat, ann.timeout_s)
+                broadcast_bucket(groups[0], flat, ann.timeout_s)
         except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=learner, daemon=True)
     thread.start()
-    engine.receive_weights(ann, rank=1)
-    thread.join(timeout=60)
+    try:
+        engine.receive_weights(ann, rank=1)
+    finally:
+        thread.join(timeout=timeout_s)
     assert not thread.is_alive() and not errors, errors
-    assert len(ann.buckets) > 1
 
 
 def _state_sum(params: dict[str, torch.Tensor]) -> float:
@@ -195,6 +209,27 @@ def test_behaviour_logprobs_match_transformers(
         assert _max_logprob_error(hf, prompts, groups, 1.0) > 10 * LOGPROB_ATOL
 
 
+def test_failed_broadcast_blocks_generation_until_reload(
+    engine: VLLMEngine, model_dir: Path
+) -> None:
+    hf = _hf(model_dir)
+    prompts = _prompts(7, (LONG_PROMPT, 11))
+    with pytest.raises(WeightSyncError):
+        _broadcast_as_learner(
+            engine, _perturbed(hf, seed=14), version=5, send_buckets=1, timeout_s=3.0
+        )
+    # Some layers now hold the new policy and some the old: generating would mix them.
+    with pytest.raises(WeightSyncError, match="load_weights_from_dir"):
+        engine.generate(prompts, n=2, max_tokens=8, temperature=1.0, top_p=1.0)
+
+    engine.load_weights_from_dir(str(model_dir))
+    assert engine.param_checksum() == pytest.approx(
+        [_state_sum(dict(hf.named_parameters()))], rel=1e-9
+    )
+    groups = engine.generate(prompts, n=4, max_tokens=24, temperature=1.0, top_p=1.0)
+    assert _max_logprob_error(hf, prompts, groups, 1.0) < LOGPROB_ATOL
+
+
 def test_weight_broadcast_swaps_weights_and_prefix_cache(
     engine: VLLMEngine, model_dir: Path
 ) -> None:
@@ -241,13 +276,18 @@ def test_load_weights_from_dir(engine: VLLMEngine, model_dir: Path, tmp_path: Pa
 def test_tied_embeddings_swap(tmp_path: Path) -> None:
     """With tied embeddings the output layer must follow the new embedding (CPU re-pack)."""
     pytest.importorskip("vllm", exc_type=ImportError)
+    import psutil  # a vLLM dependency
+
     tied_dir = _save_tiny_model(tmp_path / "tiny-tied", tied=True, seed=1)
     hf = _hf(tied_dir)
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     new = _perturbed(hf, seed=13)  # named_parameters: no separate lm_head.weight when tied
     assert "lm_head.weight" not in new
     prompts = _prompts(6, (10, LONG_PROMPT))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # the shared engine's
     eng = VLLMEngine(_config(tied_dir), str(tied_dir))
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert started  # vLLM runs the engine core (and the worker) in child processes
     try:
         groups = eng.generate(prompts, n=4, max_tokens=24, temperature=1.0, top_p=1.0)
         assert _max_logprob_error(hf, prompts, groups, 1.0) < LOGPROB_ATOL
@@ -260,3 +300,5 @@ def test_tied_embeddings_swap(tmp_path: Path) -> None:
         assert _max_logprob_error(hf, prompts, groups, 1.0) < LOGPROB_ATOL
     finally:
         eng.close()
+    alive = [p.name() for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"engine processes left after close(): {alive}"

@@ -1,0 +1,165 @@
+"""Reading the run's state out of Redis: what `/status`, `/metrics` and `dapo status` show.
+
+Everything here is derived from Redis (the learner's state hash and metrics stream, the ledger,
+stream depths, heartbeats and counters), so any number of API replicas can serve it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from services.streams import StreamBus
+from services.worker import live_instances
+
+
+def _hash(r: redis.Redis, key: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
+
+
+def recent_metrics(bus: StreamBus, count: int = 500) -> list[dict[str, Any]]:
+    """The last `count` per-step metric records, oldest first."""
+    rows = bus.r.xrevrange(bus.keys.metrics, count=count)
+    return [json.loads(fields[b"m"]) for _, fields in reversed(rows)]
+
+
+def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
+    r, keys = bus.r, bus.keys
+    state = _hash(r, keys.learner_state)
+    info = _hash(r, keys.run_info)
+    counters = {k: int(v) for k, v in _hash(r, keys.counters).items()}
+    ledger = bus.ledger()
+    metrics = recent_metrics(bus, count=20)
+    last = metrics[-1] if metrics else {}
+    kept = counters.get("gate_kept", 0)
+    seen = kept + ledger.filtered
+    throughput = _throughput(metrics)
+    instances = live_instances(r, keys)
+    learner_fresh = any(i.get("kind") == "learner" and i["age_s"] < heartbeat_ttl_s for i in instances)
+    return {
+        "run_name": info.get("run_name", keys.ns),
+        "namespace": keys.ns,
+        "step": int(state.get("step", 0)),
+        "policy_version": int(r.get(keys.policy_version) or 0),
+        "learner_state": state.get("state", "unknown") if learner_fresh or state.get("state") == "finished" else "down",
+        "stream_depths": bus.depths(),
+        "dead_letters": int(r.xlen(keys.dead)),
+        "ledger": ledger.as_dict(),
+        "gatekeeper_pass_rate": kept / seen if seen else None,
+        "throughput": throughput,
+        "base_eval_acc": _float(info.get("base_eval_acc")),
+        "eval_history": json.loads(info.get("eval_history", "[]")),
+        "last_metrics": last,
+        "counters": counters,
+        "instances": [
+            {
+                "kind": i.get("kind"), "id": i.get("id"), "host": i.get("host"), "pid": i.get("pid"),
+                "policy_version": i.get("policy_version"), "heartbeat_age_s": i["age_s"],
+                **{k: i[k] for k in ("state", "idle_fraction", "groups", "pass_rate") if k in i},
+            }
+            for i in instances
+        ],
+        "at": time.time(),
+    }
+
+
+def _float(value: str | None) -> float | None:
+    return float(value) if value is not None else None
+
+
+def _throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Prompts/s and tokens/s over the recent metric window."""
+    if len(metrics) < 2:
+        return {"prompts_per_s": 0.0, "tokens_per_s": 0.0}
+    span = metrics[-1]["time"] - metrics[0]["time"]
+    if span <= 0:
+        return {"prompts_per_s": 0.0, "tokens_per_s": 0.0}
+    groups = sum(m.get("rollout/groups", 0.0) for m in metrics[1:])
+    tokens = sum(m.get("rollout/tokens", 0.0) for m in metrics[1:])
+    return {"prompts_per_s": groups / span, "tokens_per_s": tokens / span}
+
+
+def prometheus_text(status: dict[str, Any]) -> str:
+    """The status as Prometheus exposition text (counters and gauges, `dapo_` prefix)."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, value: float | None, labels: str = "") -> None:
+        if value is None:
+            return
+        if not any(line.startswith(f"# TYPE dapo_{name} ") for line in lines):
+            lines.append(f"# HELP dapo_{name} {help_}")
+            lines.append(f"# TYPE dapo_{name} {kind}")
+        lines.append(f"dapo_{name}{labels} {float(value)}")
+
+    metric("step", "gauge", "Training steps completed.", status["step"])
+    metric("policy_version", "gauge", "Learner policy version.", status["policy_version"])
+    for outcome, count in status["ledger"].items():
+        if outcome != "balanced":
+            kind = "gauge" if outcome == "in_flight" else "counter"
+            metric(f"ledger_{outcome}" + ("" if kind == "gauge" else "_total"), kind, f"Prompt jobs {outcome}.", count)
+    metric("ledger_balanced", "gauge", "1 when issued = trained + filtered + stale + dead + in flight.", float(status["ledger"]["balanced"]))
+    for stage, depth in status["stream_depths"].items():
+        metric("stream_depth", "gauge", "Entries waiting or in progress per stage.", depth, f'{{stage="{stage}"}}')
+    metric("dead_letters", "gauge", "Entries in the dead-letter stream.", status["dead_letters"])
+    metric("gate_pass_rate", "gauge", "Fraction of groups kept by dynamic sampling.", status["gatekeeper_pass_rate"])
+    metric("throughput_prompts_per_second", "gauge", "Trained prompt groups per second.", status["throughput"]["prompts_per_s"])
+    metric("throughput_tokens_per_second", "gauge", "Trained response tokens per second.", status["throughput"]["tokens_per_s"])
+    for name, value in status["counters"].items():
+        metric(f"{name}_total", "counter", f"Service counter {name}.", value)
+    for key, value in status["last_metrics"].items():
+        if isinstance(value, int | float) and "/" in key:
+            metric(key.replace("/", "_"), "gauge", f"Last step's {key}.", value)
+    for inst in status["instances"]:
+        labels = f'{{kind="{inst["kind"]}",id="{inst["id"]}"}}'
+        metric("instance_heartbeat_age_seconds", "gauge", "Seconds since the instance's last heartbeat.", inst["heartbeat_age_s"], labels)
+        if inst.get("policy_version") is not None:
+            metric("instance_policy_version", "gauge", "Policy version an instance holds.", inst["policy_version"], labels)
+    return "\n".join(lines) + "\n"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The status as a readable table (what `dapo status` prints)."""
+    led = status["ledger"]
+    rows = [
+        ("run", status["run_name"]),
+        ("step / policy version", f"{status['step']} / {status['policy_version']}"),
+        ("learner", status["learner_state"]),
+        ("ledger", f"issued {led['issued']} = trained {led['trained']} + filtered {led['filtered']} + stale {led['stale']} "
+                   f"+ dead {led['dead']} + in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})"),
+        ("stream depths", ", ".join(f"{k} {v}" for k, v in status["stream_depths"].items())),
+        ("dead letters", str(status["dead_letters"])),
+        ("gatekeeper pass rate", "-" if status["gatekeeper_pass_rate"] is None else f"{status['gatekeeper_pass_rate']:.3f}"),
+        ("throughput", f"{status['throughput']['prompts_per_s']:.2f} prompts/s, {status['throughput']['tokens_per_s']:.0f} tokens/s"),
+        ("eval", ", ".join(f"step {s}: {a:.3f}" for s, a in status["eval_history"][-5:]) or "-"),
+    ]
+    last = status["last_metrics"]
+    for key in ("rollout/reward_mean", "rollout/acc_mean", "actor/entropy", "actor/clipfrac_high", "rollout/version_lag_mean"):
+        if key in last:
+            rows.append((key, f"{last[key]:.4f}"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("")
+    lines.append(f"{'kind':<11}{'id':<34}{'pid':>8}{'version':>9}{'heartbeat age':>15}")
+    for i in status["instances"]:
+        version = "-" if i.get("policy_version") is None else str(i["policy_version"])
+        lines.append(f"{i['kind']:<11}{i['id']:<34}{i['pid']:>8}{version:>9}{i['heartbeat_age_s']:>14.1f}s")
+    return "\n".join(lines)
+
+
+def print_status(cfg: Any, *, as_json: bool = False) -> int:
+    import sys
+
+    from services.keys import Keys
+    from services.streams import connect
+
+    url = cfg.redis_url
+    if not url:
+        sys.stderr.write("dapo status: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)\n")
+        return 2
+    bus = StreamBus(connect(url, retries=1), Keys(cfg.queue.namespace), consumer="status")
+    status = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
+    sys.stdout.write((json.dumps(status, indent=1) if as_json else format_status(status)) + "\n")
+    return 0
