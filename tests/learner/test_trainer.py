@@ -91,7 +91,7 @@ def test_build_batch_layout_and_advantages() -> None:
     batch = build_batch(groups, pad_id=0)
     assert len(batch) == 6
     P = batch.prompt_len
-    for b, (g, r) in enumerate((g, r) for g in groups for r in g.responses):
+    for b, (g, r) in enumerate((grp, r) for grp in groups for r in grp.responses):
         n = len(r.token_ids)
         assert batch.responses[b, :n].tolist() == r.token_ids
         assert batch.input_ids[b, P - len(g.job.prompt_ids) : P].tolist() == g.job.prompt_ids
