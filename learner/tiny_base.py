@@ -338,7 +338,7 @@ def _warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % eval_every != 0 and step != max_steps:
             continue
         acc = sampling_accuracy(model, tokenizer, evals)

@@ -138,6 +138,14 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        llm = self._engine()
+        if self.inconsistent is not None:
+            raise WeightSyncError(
+                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
+                "call load_weights_from_dir first"
+            )
+        if not prompts:
+            return []
         # vLLM gives the i-th of a request's n samples the seed `seed + i`; spacing requests by n
         # keeps every sample's seed distinct, so equal prompts in a batch still differ.
         params = [
@@ -153,41 +161,45 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        llm = self._engine()
-        if self.inconsistent is not None:
-            raise WeightSyncError(
-                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
-                "call load_weights_from_dir first"
-            )
-        if not prompts:
-            return []
         outputs = llm.generate(inputs, params, use_tqdm=False)
         return [
             [_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
         ]
 
     def receive_weights(self, ann: Announcement, rank: int) -> None:
-        llm = self._engine()
         start = time.monotonic()
-        try:
-            counts = llm.collective_rpc("dapo_receive_weights", args=(ann.to_json(), rank))
-        except Exception as exc:
-            # Layers already swapped keep the new weights and the rest the old ones.
-            self.inconsistent = f"policy version {ann.version} broadcast failed: {exc}"
-            raise WeightSyncError(self.inconsistent) from exc
-        self._reset_prefix_cache()
+        tensors = self._swap_weights(
+            f"policy version {ann.version}", "dapo_receive_weights", ann.to_json(), rank
+        )
         self.last_sync_seconds = time.monotonic() - start
         log.info(
-            "policy version %d: %s tensors swapped in %.3fs",
+            "policy version %d: %d tensors swapped in %.3fs",
             ann.version,
-            counts,
+            tensors,
             self.last_sync_seconds,
         )
 
     def load_weights_from_dir(self, path: str) -> None:
-        self._engine().collective_rpc("dapo_load_from_dir", args=(str(path),))
+        self._swap_weights(f"checkpoint {path}", "dapo_load_from_dir", str(path))
+
+    def _swap_weights(self, what: str, method: str, *args: Any) -> int:
+        """Run a weight-swap RPC on every worker; on success reset the prefix cache.
+
+        Returns the tensors applied by the first worker (0 when the method does not count).
+        """
+        llm = self._engine()
+        try:
+            results: list[dict[str, Any]] = llm.collective_rpc(method, args=args)
+            errors = [r["error"] for r in results if r["error"] is not None]
+        except Exception as exc:  # the RPC itself failed (engine dead, transport)
+            errors = [f"{type(exc).__name__}: {exc}"]
+        if errors:
+            # Layers swapped before the failure hold the new weights, the rest the old ones.
+            self.inconsistent = f"loading {what} failed: {'; '.join(errors)}"
+            raise WeightSyncError(self.inconsistent)
         self._reset_prefix_cache()
         self.inconsistent = None
+        return int(results[0].get("tensors", 0))
 
     def param_checksum(self) -> list[float]:
         """Per worker: the sum of the effective weights (tests and diagnostics)."""

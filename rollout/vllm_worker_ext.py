@@ -36,10 +36,13 @@ class WeightSyncExtension:
     vllm_config: Any
     reload_weights: Any
 
-    def dapo_receive_weights(self, ann_json: dict[str, Any], rank: int) -> int:
+    def dapo_receive_weights(self, ann_json: dict[str, Any], rank: int) -> dict[str, Any]:
         """Join the broadcast `ann_json` describes as `rank`; swap in every tensor received.
 
-        Returns the number of tensors applied.
+        Returns {"tensors": number applied, "error": None or the failure, as text}. Failures
+        are returned, not raised: vLLM's collective_rpc stops reading replies at the first
+        failed worker, and with several workers the unread replies would then answer the
+        next call.
         """
         ann = Announcement.from_json(ann_json)
         applied = 0
@@ -50,25 +53,14 @@ class WeightSyncExtension:
                 applied += 1
                 yield name, tensor
 
-        with torch.no_grad():
-            try:
-                self.reload_weights(weights_iterator=counted())
-            except BaseException:
-                self._dapo_finish_failed_reload()
-                raise
-            self._dapo_refresh_tied_output()
-        log.info("policy version %d: applied %d tensors", ann.version, applied)
-        return applied
+        error = self._dapo_reload(weights_iterator=counted())
+        if error is None:
+            log.info("policy version %d: applied %d tensors", ann.version, applied)
+        return {"tensors": applied, "error": error}
 
-    def dapo_load_from_dir(self, path: str) -> None:
-        """Reload every weight from a Hugging Face safetensors directory."""
-        with torch.no_grad():
-            try:
-                self.reload_weights(weights_path=path)
-            except BaseException:
-                self._dapo_finish_failed_reload()
-                raise
-            self._dapo_refresh_tied_output()
+    def dapo_load_from_dir(self, path: str) -> dict[str, Any]:
+        """Reload every weight from a Hugging Face safetensors directory ({"error": ...})."""
+        return {"error": self._dapo_reload(weights_path=path)}
 
     @torch.no_grad()
     def dapo_param_checksum(self) -> float:
@@ -105,8 +97,10 @@ class WeightSyncExtension:
         """(name, tensor) in announcement order; with tensor parallelism, relayed by TP rank 0.
 
         The announcement gives each replica one rank in the side group, so only the replica's
-        first worker joins it; it forwards every tensor to its peers over vLLM's TP group, and
-        each worker's `load_weights` takes its own shard.
+        first worker joins it; it forwards each bucket to its peers over vLLM's TP group, and
+        each worker's `load_weights` takes its own shard. A status flag goes first with every
+        bucket, so that the peers fail too (instead of waiting forever) when the first worker's
+        receive fails.
         """
         from vllm.distributed import get_tp_group
 
@@ -115,22 +109,41 @@ class WeightSyncExtension:
             yield from self._dapo_receiver().receive(ann, rank)
             return
         source = self._dapo_receiver().receive(ann, rank) if tp.rank_in_group == 0 else None
+        ok = torch.ones(1, dtype=torch.int32, device=self.device)
         for bucket in ann.buckets:
-            for spec in bucket:
-                if source is not None:
-                    name, tensor = next(source)
-                    if name != spec.name:
-                        raise RuntimeError(
-                            f"weight stream out of order: got {name}, expected {spec.name}"
-                        )
-                    tensor = tensor.contiguous()
-                else:
-                    tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
+            tensors: list[torch.Tensor] = []
+            if source is not None:
+                try:
+                    tensors = [_checked(next(source), spec.name) for spec in bucket]
+                except BaseException:
+                    tp.broadcast(torch.zeros_like(ok), src=0)
+                    raise
+            else:
+                tensors = [
+                    torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
+                    for spec in bucket
+                ]
+            status = tp.broadcast(ok.clone(), src=0)
+            if int(status.item()) != 1:
+                raise RuntimeError("the replica's first worker failed to receive the weights")
+            for spec, tensor in zip(bucket, tensors, strict=True):
                 tp.broadcast(tensor, src=0)
                 yield spec.name, tensor
         if source is not None:
             for _ in source:  # runs the receiver's epilogue (timing, log); yields nothing
                 raise RuntimeError("weight stream has more tensors than the announcement")
+
+    def _dapo_reload(self, **source: Any) -> str | None:
+        """Run vLLM's in-place reload from `source`; the failure as text, or None."""
+        try:
+            with torch.no_grad():
+                self.reload_weights(**source)
+                self._dapo_refresh_tied_output()
+        except Exception as exc:
+            log.exception("weight reload failed")
+            self._dapo_finish_failed_reload()
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _dapo_finish_failed_reload(self) -> None:
         """Put back real tensors after a reload that stopped part-way.
@@ -145,7 +158,8 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         try:
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            model = self.model_runner.get_model()
+            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[no-untyped-call]
         except Exception:
             log.exception("could not finalise the interrupted weight reload")
 
@@ -158,6 +172,13 @@ class WeightSyncExtension:
         if lm_head is None or not hasattr(lm_head, "cpu_linear"):
             return  # GPU: the output layer reads the shared parameter directly
         lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _checked(item: tuple[str, torch.Tensor], expected: str) -> torch.Tensor:
+    name, tensor = item
+    if name != expected:
+        raise RuntimeError(f"weight stream out of order: got {name}, expected {expected}")
+    return tensor.contiguous()
 
 
 def _effective_weight(module: torch.nn.Module) -> torch.Tensor | None:

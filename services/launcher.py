@@ -148,7 +148,7 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _services(cfg: DapoConfig, config_path: Path, logs: Path) -> list[Service]:
+def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> list[Service]:
     py = sys.executable
     cli = [py, "-m", "services.cli"]
     conf = ["--config", str(config_path)]
@@ -158,6 +158,7 @@ def _services(cfg: DapoConfig, config_path: Path, logs: Path) -> list[Service]:
         learner = [*cli, "learner", *conf]
     out = [Service("learner", learner, logs / "learner.log"), Service("gatekeeper", [*cli, "gatekeeper", *conf], logs / "gatekeeper.log")]
     out.append(Service("reward-0", [*cli, "reward", *conf], logs / "reward-0.log"))
+    out.append(Service("api", [*cli, "api", *conf, "--port", str(api_port)], logs / "api.log"))
     out += [Service(f"rollout-{i}", [*cli, "rollout", *conf], logs / f"rollout-{i}.log") for i in range(cfg.rollout.replicas)]
     return out
 
@@ -218,9 +219,13 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
     bus = StreamBus(connect(url), keys, consumer="launcher")
     if not resume:
         clear_namespace(bus.r, keys)
+        _set_aside_checkpoints(cfg.checkpoint_dir)
     bus.ensure_groups()
 
-    services = _services(cfg, config_path, logs)
+    from services.redis_server import free_port
+
+    api_port = cfg.api.port or free_port()
+    services = _services(cfg, config_path, logs, api_port)
     interrupted = False
     stop_requested = {"flag": False}
 
@@ -233,6 +238,7 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
     try:
         for svc in services:
             svc.start(env)
+        sys.stderr.write(f"dashboard and REST API: http://{cfg.api.host}:{api_port}/\n")
         while True:
             if stop_requested["flag"]:
                 interrupted = True
@@ -265,6 +271,14 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         f"summary: {out / 'summary.json'}\n"
     )
     return 0 if learner_rc == 0 and not interrupted else 1
+
+
+def _set_aside_checkpoints(store: Path) -> None:
+    """A fresh run must not resume an earlier run's checkpoints: move them aside, never delete."""
+    if store.is_dir() and any(store.iterdir()):
+        aside = store.with_name(f"{store.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        store.rename(aside)
+        log.warning("moved the earlier run's checkpoints to %s (use --resume to continue a run)", aside)
 
 
 def _restart(svc: Service, env: dict[str, str]) -> None:

@@ -72,11 +72,21 @@ def _hf(model_dir: Path) -> Qwen2ForCausalLM:
 
 @torch.no_grad()
 def _hf_logprobs(
-    model: Qwen2ForCausalLM, prompt: list[int], sample: Sample, temperature: float
+    model: Qwen2ForCausalLM, prompt: list[int], sample: Sample, temperature: float, top_p: float
 ) -> torch.Tensor:
-    """log_softmax(logits / T) at each sampled token, from one forward pass. Shape (T,)."""
+    """log_softmax(logits / T) at each sampled token, from one forward pass. Shape (T,).
+
+    With top_p < 1: the log-prob under the nucleus distribution (the smallest set of tokens
+    whose probability reaches top_p, renormalised), which is what vLLM samples from.
+    """
     ids = torch.tensor([prompt + sample.token_ids])  # (1, P + T)
     logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature  # (T, V)
+    if top_p < 1.0:
+        probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)  # (T, V)
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # mass before the token already >= p
+        logits = logits.scatter(
+            -1, order, logits.gather(-1, order).masked_fill(outside, -torch.inf)
+        )
     tokens = torch.tensor(sample.token_ids).unsqueeze(-1)  # (T, 1)
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens).squeeze(-1)
 
@@ -86,11 +96,12 @@ def _max_logprob_error(
     prompts: list[list[int]],
     groups: list[list[Sample]],
     temperature: float,
+    top_p: float = 1.0,
 ) -> float:
     worst = 0.0
     for prompt, group in zip(prompts, groups, strict=True):
         for sample in group:
-            ref = _hf_logprobs(model, prompt, sample, temperature)
+            ref = _hf_logprobs(model, prompt, sample, temperature, top_p)
             worst = max(worst, (ref - torch.tensor(sample.logprobs)).abs().max().item())
     return worst
 
@@ -196,17 +207,17 @@ def test_seeded_generate_is_reproducible(engine: VLLMEngine) -> None:
     assert len(set(tokens)) > 1  # distinct seeds per sample, not one stream repeated
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.7)])
 def test_behaviour_logprobs_match_transformers(
-    engine: VLLMEngine, model_dir: Path, temperature: float
+    engine: VLLMEngine, model_dir: Path, temperature: float, top_p: float
 ) -> None:
     prompts = _prompts(3, (6, 30, LONG_PROMPT))
-    groups = engine.generate(prompts, n=4, max_tokens=24, temperature=temperature, top_p=1.0)
+    groups = engine.generate(prompts, n=4, max_tokens=24, temperature=temperature, top_p=top_p)
     hf = _hf(model_dir)
-    assert _max_logprob_error(hf, prompts, groups, temperature) < LOGPROB_ATOL
-    # the temperature matters: these are not the raw (T = 1) log-probs
-    if temperature != 1.0:
-        assert _max_logprob_error(hf, prompts, groups, 1.0) > 10 * LOGPROB_ATOL
+    assert _max_logprob_error(hf, prompts, groups, temperature, top_p) < LOGPROB_ATOL
+    # Temperature and nucleus matter: these are not the raw log_softmax(logits) values.
+    if (temperature, top_p) != (1.0, 1.0):
+        assert _max_logprob_error(hf, prompts, groups, 1.0, 1.0) > 10 * LOGPROB_ATOL
 
 
 def test_failed_broadcast_blocks_generation_until_reload(

@@ -1,0 +1,252 @@
+"""Learner rank 0's coordinator: everything in the learner that touches Redis.
+
+It feeds prompts (admission control), collects kept groups, publishes weights, evaluates,
+reports metrics, carries out operator requests from the control hash (checkpoint, restore,
+pause), and drains the pipeline at the end so every issued job is accounted for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learner.broadcast import WeightPublisher
+from learner.evaluate import eval_prompts, evaluate
+from learner.feeder import PromptFeeder
+from learner.trainer import Trainer
+from services.config import DapoConfig
+from services.data import load_prompts
+from services.keys import LEDGER_STALE, Keys
+from services.schemas import RolloutGroup, SchemaError, decode_group
+from services.streams import StreamBus, connect
+from services.weight_group import unflatten
+from services.worker import Heartbeat, StopFlag, instance_id
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Rank 0's side: Redis, feeding, collecting, publishing, evaluating, reporting."""
+
+    def __init__(self, cfg: DapoConfig, trainer: Trainer, backend: str, stop: StopFlag) -> None:
+        from transformers import AutoTokenizer
+
+        from rollout.hf_engine import HFEngine
+
+        url = cfg.redis_url
+        if not url:
+            raise SystemExit("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
+        self.cfg, self.trainer, self.stop = cfg, trainer, stop
+        self.inst = instance_id("learner")
+        self.bus = StreamBus(connect(url), Keys(cfg.queue.namespace), consumer=self.inst)
+        self.bus.ensure_groups()
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        alg = cfg.algorithm
+        self.feeder = PromptFeeder(
+            self.bus, load_prompts(cfg.data.train_path), self.tokenizer, run_name=cfg.run_name,
+            limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
+            max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+        )
+        self.publisher = WeightPublisher(
+            self.bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0, backend=backend,
+            timeout_s=cfg.learner.collective_timeout_s, bucket_mb=cfg.learner.broadcast_bucket_mb,
+        )
+        self.eval_engine = HFEngine(cfg.model.path, seed=cfg.learner.seed)
+        self.eval_records, self.eval_ids = eval_prompts(cfg, self.tokenizer)
+        self.version = 0
+        self.step = 0
+        self.state = "starting"
+        self.wait_s = 0.0
+        self.started = time.monotonic()
+        self.lags: list[float] = []
+        self.evals: list[tuple[int, float]] = json.loads(self.bus.r.hget(self.bus.keys.run_info, "eval_history") or "[]")
+        self.pending: list[tuple[str, RolloutGroup]] = []
+        self.picked: list[tuple[str, RolloutGroup]] = []
+        self.last_reclaim = 0.0
+        self.hb = Heartbeat(self.bus.r, self.bus.keys, "learner", self.inst, cfg.queue.heartbeat_ttl_s, self.status).start()
+        self.bus.r.hset(self.bus.keys.run_info, "run_name", cfg.run_name)
+
+    def resume_from(self, meta: dict[str, Any] | None) -> None:
+        """Continue numbering after a restart: step and data cursor from the checkpoint (or what
+        Redis recorded later), and a policy version above anything a replica may already hold,
+        so versions never go backwards."""
+        redis_version = int(self.bus.r.get(self.bus.keys.policy_version) or 0)
+        redis_cursor = int(self.bus.r.hget(self.bus.keys.run_info, "data_cursor") or 0)
+        if meta is None:
+            self.version = redis_version
+            self.feeder.cursor = redis_cursor
+        else:
+            self.step = int(meta["step"])
+            ckpt_version = int(meta["policy_version"])
+            self.version = ckpt_version if redis_version <= ckpt_version else redis_version + 1
+            self.feeder.cursor = max(int(meta["data_cursor"]), redis_cursor)
+        self.bus.r.set(self.bus.keys.policy_version, self.version)
+
+    def status(self) -> dict[str, Any]:
+        return {"policy_version": self.version, "step": self.step, "state": self.state}
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.bus.r.hset(self.bus.keys.learner_state, mapping={"state": state, "step": self.step, "policy_version": self.version, "at": time.time()})
+
+    # --- data in ------------------------------------------------------------------------------
+    def collect(self, budget_s: float = 5.0) -> list[tuple[str, RolloutGroup]] | None:
+        """Gather fresh kept groups for up to budget_s; the full batch once it is in hand, else
+        None (the caller keeps the other ranks alive meanwhile). Partial batches are kept."""
+        need, stage = self.cfg.algorithm.train_batch_groups, self.bus.keys.train
+        start = time.monotonic()
+        self.set_state("waiting for data")
+        while len(self.pending) < need and time.monotonic() - start < budget_s and not self.stop.stopping:
+            self.feeder.admit(self.version)
+            self.bus.r.hset(self.bus.keys.run_info, "data_cursor", self.feeder.cursor)
+            entries = self.bus.read(stage, count=need - len(self.pending), block_ms=200)
+            if not entries and time.monotonic() - self.last_reclaim > 10:
+                self.last_reclaim = time.monotonic()  # groups a crashed learner had taken
+                entries = self.bus.reclaim(stage, min_idle_s=self.cfg.queue.claim_idle_s / 10, max_deliveries=self.cfg.queue.max_deliveries)
+            for entry_id, fields in entries:
+                try:
+                    group = decode_group(fields)
+                except SchemaError as exc:
+                    self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
+                    continue
+                if self.version - group.policy_version > self.cfg.algorithm.max_staleness:
+                    self.bus.hop(stage, entry_id, outcome=LEDGER_STALE)
+                else:
+                    self.pending.append((entry_id, group))
+            self.publisher.catch_up()
+        self.wait_s += time.monotonic() - start
+        if len(self.pending) < need:
+            return None
+        batch, self.pending = self.pending[:need], self.pending[need:]
+        return batch
+
+    def control_requests(self) -> dict[str, dict[str, Any]]:
+        """Operator requests posted through the API (pause stays set until resumed)."""
+        raw = self.bus.r.hgetall(self.bus.keys.control)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def clear_request(self, name: str) -> None:
+        self.bus.r.hdel(self.bus.keys.control, name)
+
+    # --- reporting ----------------------------------------------------------------------------
+    def rollout_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        rewards = [r for g in groups for r in (g.rewards or [])]
+        accs = [float(a) for g in groups for a in (g.acc or [])]
+        lengths = [len(r.token_ids) for g in groups for r in g.responses]
+        lags = [float(self.version - g.policy_version) for g in groups]
+        self.lags.extend(lags)
+        counters = {k.decode(): int(v) for k, v in self.bus.r.hgetall(self.bus.keys.counters).items()}
+        ledger = self.bus.ledger()
+        kept, filtered = counters.get("gate_kept", 0), ledger.filtered
+        return {
+            "rollout/reward_mean": sum(rewards) / len(rewards),
+            "rollout/acc_mean": sum(accs) / len(accs),
+            "rollout/response_length_mean": sum(lengths) / len(lengths),
+            "rollout/response_length_max": float(max(lengths)),
+            "rollout/clip_ratio": sum(r.finish_reason == "length" for g in groups for r in g.responses) / len(lengths),
+            "rollout/version_lag_mean": sum(lags) / len(lags),
+            "rollout/tokens": float(sum(lengths)),
+            "rollout/groups": float(len(groups)),
+            **{f"depth/{stage}": float(n) for stage, n in self.bus.depths().items()},
+            "gate/pass_rate": kept / (kept + filtered) if kept + filtered else 0.0,
+            "gate/filtered_total": float(filtered),
+            "ledger/issued": float(ledger.issued),
+            "ledger/in_flight": float(ledger.in_flight),
+        }
+
+    def report(self, metrics: dict[str, float]) -> None:
+        record = {"step": self.step, "policy_version": self.version, "time": time.time(), **metrics}
+        self.bus.r.xadd(self.bus.keys.metrics, {"m": json.dumps(record)}, maxlen=100_000, approximate=True)
+        log.info(
+            "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f %s",
+            self.step, self.version, metrics.get("rollout/reward_mean", 0), metrics.get("rollout/acc_mean", 0),
+            metrics.get("gate/pass_rate", 0), metrics.get("rollout/version_lag_mean", 0),
+            metrics.get("actor/clipfrac_high", 0), metrics.get("actor/clipfrac_low", 0),
+            metrics.get("actor/approx_kl", 0),
+            f"eval {metrics['eval/acc']:.3f}" if "eval/acc" in metrics else "",
+        )
+
+    def sync_eval_model(self) -> None:
+        """Load the newest published weights into rank 0's evaluation/export model."""
+        if self.publisher.version < 0:
+            return
+        params = dict(self.eval_engine.model.named_parameters())
+        with torch.no_grad():
+            for flat, bucket in zip(self.publisher.flat, self.publisher.buckets, strict=True):
+                for name, tensor in unflatten(flat, bucket):
+                    params[name].copy_(tensor)
+
+    def export_hf(self, out: Path) -> None:
+        """A Hugging Face folder (safetensors + config + tokenizer) of the published weights."""
+        self.sync_eval_model()
+        self.eval_engine.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+
+    def run_eval(self) -> dict[str, float]:
+        if not self.eval_records:
+            return {}
+        self.set_state("evaluating")
+        self.sync_eval_model()
+        result = evaluate(self.eval_engine, self.tokenizer, self.eval_records, self.eval_ids, self.cfg)
+        self.evals.append((self.step, result["eval/acc"]))
+        self.bus.r.hset(self.bus.keys.run_info, mapping={"eval_history": json.dumps(self.evals)})
+        log.info("eval at step %d: avg@%d = %.3f", self.step, self.cfg.eval.samples_per_problem, result["eval/acc"])
+        return result
+
+    # --- end of run ---------------------------------------------------------------------------
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Stop issuing and account for every job still in flight (counted `stale`)."""
+        self.set_state("draining")
+        keys, deadline = self.bus.keys, time.monotonic() + timeout_s
+        for entry_id, _ in self.pending:
+            self.bus.hop(keys.train, entry_id, outcome=LEDGER_STALE)
+        self.pending = []
+        drainer = StreamBus(self.bus.r, keys, consumer=f"{self.inst}-drain")
+        for entry_id, _ in drainer.read(keys.prompts, count=1_000_000, block_ms=1):  # undelivered jobs
+            drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
+        while time.monotonic() < deadline:
+            for entry_id, _ in self.bus.read(keys.train, count=1000, block_ms=100):
+                self.bus.hop(keys.train, entry_id, outcome=LEDGER_STALE)
+            if self.bus.ledger().in_flight == 0:
+                break
+            self.publisher.catch_up()  # a replica waiting for weights must not hold jobs forever
+        log.info("drained: %s", self.bus.ledger().as_dict())
+
+    def save_final(self) -> Path:
+        out = Path(self.cfg.output_dir) / "final_model"
+        self.export_hf(out)
+        return out
+
+    # --- checkpoints and the end of the run ---------------------------------------------------
+    def checkpoint_meta(self) -> dict[str, Any]:
+        last = self.bus.r.xrevrange(self.bus.keys.metrics, count=1)
+        metrics = json.loads(last[0][1][b"m"]) if last else {}
+        return {
+            "policy_version": self.version,
+            "data_cursor": self.feeder.cursor,
+            "ledger": self.bus.ledger().as_dict(),
+            "eval_history": self.evals,
+            "metrics": {k: v for k, v in metrics.items() if k.startswith(("eval/", "rollout/reward", "rollout/acc"))},
+            "config": self.cfg.model_dump(mode="json"),
+        }
+
+    def finish(self) -> None:
+        """Final evaluation; drain the pipeline if the run completed; record the summary."""
+        completed = self.step >= self.cfg.learner.total_steps and not self.stop.stopping
+        final = self.run_eval()
+        if completed:
+            self.drain()
+        wall = time.monotonic() - self.started
+        self.bus.r.hset(self.bus.keys.run_info, mapping={
+            "final_eval_acc": final.get("eval/acc", -1.0), "steps": self.step, "policy_version": self.version,
+            "learner_idle_fraction": self.wait_s / wall, "learner_wall_s": wall,
+            "mean_version_lag": sum(self.lags) / len(self.lags) if self.lags else 0.0,
+            "final_model": str(self.save_final()), "finished": int(completed),
+        })
+        self.set_state("finished" if completed else "stopped")
