@@ -200,6 +200,8 @@ def main(cfg: DapoConfig) -> int:
     stop = StopFlag().install()
     rank, world, backend = init_distributed(cfg)
     torch.manual_seed(cfg.learner.seed + rank)
+    if cfg.learner.torch_threads:
+        torch.set_num_threads(cfg.learner.torch_threads)
     trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
     coord = Coordinator(cfg, trainer, backend, stop) if rank == 0 else None
     learner = Learner(cfg, trainer, coord, rank)

@@ -51,4 +51,8 @@ def make_engine(cfg: DapoConfig, model_dir: str | None = None) -> Engine:
         return VLLMEngine(cfg, path)
     from rollout.hf_engine import HFEngine
 
+    if cfg.rollout.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.rollout.torch_threads)
     return HFEngine(path, dtype=cfg.model.dtype, seed=cfg.rollout.seed)

@@ -1,9 +1,10 @@
 """The light engine: a transformers model sampling in this process (CPU tests and demos).
 
 Same interface as the vLLM engine. Sampling uses `generate` with the raw logits returned, and the
-behaviour log-prob of each sampled token is log_softmax(logits / temperature) at that token, the
-same quantity the learner recomputes (top-p truncation is not renormalised into it, matching
-vLLM's processed log-probs closely enough for the truncated importance weight).
+behaviour log-prob of each sampled token is that of the distribution actually sampled from:
+log_softmax(logits / temperature), renormalised over the top-p nucleus when top_p < 1 (the same
+quantity as vLLM's "processed" log-probs). With top_p = 1 (training) this is exactly what the
+learner recomputes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from rollout.weight_receiver import WeightReceiver
 from services.weight_group import DTYPES, Announcement
 
 log = logging.getLogger(__name__)
+
+
+def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-p nucleus to -inf (the most likely token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 class HFEngine:
@@ -50,6 +60,8 @@ class HFEngine:
         )
         new = out.sequences[:, width:]  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
+        if top_p < 1.0:
+            logits = nucleus_mask(logits, top_p)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
         samples: list[Sample] = []
         for row in range(new.shape[0]):

@@ -81,11 +81,29 @@ class RolloutWorker:
         try:
             self.engine.receive_weights(ann, ann.members.index(self.id) + 1)
         except Exception:
-            log.exception("weight broadcast %d (generation %d) failed; waiting for the next", ann.version, ann.generation)
+            # The weights may now be half old, half new: never generate with them.
+            log.exception("weight broadcast %d (generation %d) failed; reloading from the store", ann.version, ann.generation)
+            self.load_published()
             return
         finally:
             self.sync_s += time.monotonic() - start
         self.policy_version = ann.version
+        self.heartbeat_now()
+
+    def load_published(self) -> None:
+        """Load the newest committed checkpoint (or the base model): after a failed broadcast,
+        and at start, so a late joiner begins from recent weights. The learner's catch-up sync
+        brings the replica the rest of the way."""
+        from learner.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(self.cfg.checkpoint_dir)
+        if latest is not None and (latest.path / "hf").is_dir():
+            self.engine.load_weights_from_dir(str(latest.path / "hf"))
+            self.policy_version = int(latest.meta.get("policy_version", 0))
+        else:
+            self.engine.load_weights_from_dir(self.cfg.model.path)
+            self.policy_version = 0
+        log.info("loaded published weights: policy version %d", self.policy_version)
         self.heartbeat_now()
 
     def heartbeat_now(self) -> None:
@@ -130,6 +148,10 @@ class RolloutWorker:
             self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
 
     def run(self) -> None:
+        from learner.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(self.cfg.checkpoint_dir) is not None:
+            self.load_published()
         self.poll_weights()
         last_reclaim = 0.0
         q = self.cfg.queue

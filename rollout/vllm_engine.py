@@ -10,7 +10,8 @@ top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does
 Weights arrive over the side group of `services.weight_group` inside vLLM's worker process(es):
 `rollout.vllm_worker_ext.WeightSyncExtension` is mixed into the worker class and called through
 `collective_rpc`. The prefix cache is reset after every swap, since cached KV blocks were
-computed with the old weights.
+computed with the old weights. A swap that fails part-way leaves some layers new and some old;
+the engine then refuses to generate (`WeightSyncError`) until `load_weights_from_dir` succeeds.
 
 vLLM starts its engine core (and, on CPU, a worker) in child processes, so a script that builds
 this engine needs an `if __name__ == "__main__":` guard.

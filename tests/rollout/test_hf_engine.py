@@ -1,0 +1,38 @@
+"""The transformers engine: samples are well formed and their behaviour log-probs are those of
+the distribution sampled from (temperature, top-p renormalisation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.hf_engine import HFEngine, nucleus_mask
+
+
+def test_nucleus_mask_keeps_smallest_set_reaching_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(nucleus_mask(logits, 0.7))
+    assert kept.tolist() == [[True, True, False, False]]
+    assert torch.isfinite(nucleus_mask(logits, 0.01)).sum() == 1  # the top token always stays
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.7)])
+def test_behaviour_logprobs_match_a_forward_pass(tiny_model_dir: Path, temperature: float, top_p: float) -> None:
+    engine = HFEngine(str(tiny_model_dir), seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out = engine.generate(prompts, n=3, max_tokens=6, temperature=temperature, top_p=top_p)
+    assert [len(g) for g in out] == [3, 3]
+    for prompt, group in zip(prompts, out, strict=True):
+        for s in group:
+            assert len(s.token_ids) == len(s.logprobs) and s.finish_reason in ("stop", "length")
+            if not s.token_ids:
+                continue
+            ids = torch.tensor([prompt + s.token_ids])
+            with torch.no_grad():
+                logits = engine.model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+            if top_p < 1:
+                logits = nucleus_mask(logits, top_p)
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=1e-4)
