@@ -72,7 +72,7 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
             raise HTTPException(403, "invalid bearer token")
 
-    Auth = Annotated[None, Depends(require_token)]
+    auth = [Depends(require_token)]
 
     def control(request: str, **fields: Any) -> None:
         client.hset(bus.keys.control, request, json.dumps({**fields, "at": time.time()}))
@@ -121,25 +121,25 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
         return info.as_dict()
 
-    @app.post("/checkpoints", status_code=202)
-    def save_checkpoint(_: Auth, body: CheckpointRequest | None = None) -> Accepted:
+    @app.post("/checkpoints", status_code=202, dependencies=auth)
+    def save_checkpoint(body: CheckpointRequest | None = None) -> Accepted:
         control("checkpoint", keep=bool(body and body.keep))
         return Accepted(request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints")
 
-    @app.post("/checkpoints/{step}/restore", status_code=202)
-    def restore(_: Auth, step: Annotated[int, Path(ge=0)]) -> Accepted:
+    @app.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
+    def restore(step: Annotated[int, Path(ge=0)]) -> Accepted:
         if get_checkpoint(store, step) is None:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
         control("restore", step=step)
         return Accepted(request="restore", detail=f"the learner restarts from step {step} at its next step boundary")
 
-    @app.post("/pause", status_code=202)
-    def pause(_: Auth) -> Accepted:
+    @app.post("/pause", status_code=202, dependencies=auth)
+    def pause() -> Accepted:
         control("pause")
         return Accepted(request="pause", detail="training pauses at the next step boundary")
 
-    @app.post("/resume", status_code=202)
-    def resume(_: Auth) -> Accepted:
+    @app.post("/resume", status_code=202, dependencies=auth)
+    def resume() -> Accepted:
         client.hdel(bus.keys.control, "pause")
         return Accepted(request="resume", detail="training resumes")
 

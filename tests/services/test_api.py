@@ -1,0 +1,114 @@
+"""The REST control plane against a real Redis: status figures, auth rules, 4xx on bad input."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from learner.checkpoint import MARKER
+from services.api import create_app
+from services.config import build_config
+from services.keys import Keys
+from services.streams import StreamBus, connect
+from services.worker import Heartbeat
+from tests.services.test_streams import issue
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture()
+def setup(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, StreamBus, Path]:
+    monkeypatch.setenv("DAPO_API_TOKEN", TOKEN)
+    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "queue": {"redis_url": redis_url, "namespace": "t"},
+                        "output_dir": str(tmp_path)})
+    bus = StreamBus(connect(redis_url), Keys("t"), "test")
+    bus.ensure_groups()
+    return TestClient(create_app(cfg)), bus, cfg.checkpoint_dir
+
+
+def commit_checkpoint(store: Path, step: int, *, committed: bool = True) -> None:
+    d = store / f"step_{step}"
+    (d / "hf").mkdir(parents=True)
+    (d / "trainer.json").write_text(json.dumps({"step": step, "policy_version": step, "data_cursor": 10 * step}))
+    if committed:
+        (d / MARKER).write_text("x")
+
+
+def test_health_and_readiness(setup: tuple[TestClient, StreamBus, Path]) -> None:
+    client, bus, _ = setup
+    assert client.get("/healthz").json() == {"ok": True}
+    r = client.get("/readyz")
+    assert r.status_code == 503 and "learner heartbeat" in r.json()["detail"]
+    hb = Heartbeat(bus.r, bus.keys, "learner", "learner-1", ttl_s=5, status=lambda: {"policy_version": 3, "state": "training"})
+    hb.beat()
+    bus.r.hset(bus.keys.learner_state, mapping={"state": "training", "step": 3})
+    assert client.get("/readyz").json()["ready"] is True
+
+
+def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamBus, Path]) -> None:
+    client, bus, _ = setup
+    issue(bus, 3)
+    bus.r.set(bus.keys.policy_version, 7)
+    bus.r.xadd(bus.keys.metrics, {"m": json.dumps({"step": 1, "time": time.time() - 2, "rollout/reward_mean": -0.5, "rollout/tokens": 100, "rollout/groups": 4})})
+    bus.r.xadd(bus.keys.metrics, {"m": json.dumps({"step": 2, "time": time.time(), "rollout/reward_mean": 0.25, "rollout/tokens": 300, "rollout/groups": 4})})
+    Heartbeat(bus.r, bus.keys, "rollout", "r-1", ttl_s=5, status=lambda: {"policy_version": 7}).beat()
+    status = client.get("/status").json()
+    assert status["policy_version"] == 7
+    assert status["ledger"] == {"issued": 3, "trained": 0, "filtered": 0, "stale": 0, "dead": 0, "in_flight": 3, "balanced": True}
+    assert status["stream_depths"]["rollout"] == 3
+    assert status["last_metrics"]["rollout/reward_mean"] == 0.25
+    assert status["throughput"]["tokens_per_s"] == pytest.approx(150, rel=0.05)
+    [inst] = status["instances"]
+    assert (inst["kind"], inst["policy_version"]) == ("rollout", 7) and inst["heartbeat_age_s"] < 5
+    text = client.get("/metrics").text
+    assert "dapo_ledger_issued_total 3.0" in text
+    assert 'dapo_stream_depth{stage="rollout"} 3.0' in text
+    assert "dapo_rollout_reward_mean 0.25" in text
+    assert len(client.get("/metrics/history").json()) == 2
+
+
+def test_checkpoint_listing_hides_uncommitted(setup: tuple[TestClient, StreamBus, Path]) -> None:
+    client, _, store = setup
+    commit_checkpoint(store, 5)
+    commit_checkpoint(store, 10)
+    commit_checkpoint(store, 15, committed=False)  # half-written
+    assert [c["step"] for c in client.get("/checkpoints").json()] == [5, 10]
+    assert client.get("/checkpoints/10").json()["data_cursor"] == 100
+    r = client.get("/checkpoints/15")
+    assert r.status_code == 404 and "step 15" in r.json()["detail"]
+    assert client.get("/checkpoints/abc").status_code == 422
+
+
+def test_mutating_routes_need_the_token(setup: tuple[TestClient, StreamBus, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    client, bus, store = setup
+    commit_checkpoint(store, 5)
+    assert client.post("/pause").status_code == 401
+    assert client.post("/pause", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert client.post("/pause", headers=auth).status_code == 202
+    assert client.get("/status").json()["paused"] is True
+    assert client.post("/resume", headers=auth).status_code == 202
+    assert client.get("/status").json()["paused"] is False
+    r = client.post("/checkpoints", headers=auth, json={"keep": True})
+    assert r.status_code == 202
+    assert json.loads(bus.r.hget(bus.keys.control, "checkpoint"))["keep"] is True
+    bad = client.post("/checkpoints", headers=auth, json={"kep": True})
+    assert bad.status_code == 422 and "kep" in bad.text
+    assert client.post("/checkpoints/99/restore", headers=auth).status_code == 404
+    assert client.post("/checkpoints/5/restore", headers=auth).status_code == 202
+    assert json.loads(bus.r.hget(bus.keys.control, "restore"))["step"] == 5
+    monkeypatch.delenv("DAPO_API_TOKEN")
+    r = client.post("/pause", headers=auth)
+    assert r.status_code == 403 and "disabled" in r.json()["detail"]
+
+
+def test_dashboard_is_self_contained(setup: tuple[TestClient, StreamBus, Path]) -> None:
+    client, _, _ = setup
+    html = client.get("/").text
+    assert "<svg" in html or "createElementNS" in html
+    external = html.replace("http://www.w3.org/2000/svg", "")
+    assert "http://" not in external and "https://" not in external  # no CDN
