@@ -19,10 +19,11 @@ import torch
 from learner.broadcast import WeightPublisher
 from learner.evaluate import eval_prompts, evaluate
 from learner.feeder import PromptFeeder
+from learner.tracking import Trackers
 from learner.trainer import Trainer
 from services.config import DapoConfig
 from services.data import load_prompts
-from services.keys import LEDGER_STALE, Keys
+from services.keys import LEDGER_STALE, LEDGER_TRAINED, Keys
 from services.schemas import RolloutGroup, SchemaError, decode_group
 from services.streams import StreamBus, connect
 from services.weight_group import unflatten
@@ -69,6 +70,7 @@ class Coordinator:
         self.pending: list[tuple[str, RolloutGroup]] = []
         self.picked: list[tuple[str, RolloutGroup]] = []
         self.last_reclaim = 0.0
+        self.trackers = Trackers(cfg)
         self.hb = Heartbeat(self.bus.r, self.bus.keys, "learner", self.inst, cfg.queue.heartbeat_ttl_s, self.status).start()
         self.bus.r.hset(self.bus.keys.run_info, "run_name", cfg.run_name)
 
@@ -126,6 +128,16 @@ class Coordinator:
         batch, self.pending = self.pending[:need], self.pending[need:]
         return batch
 
+    def mark_trained(self) -> None:
+        """Count the picked groups as trained; a group id seen before is counted as a duplicate."""
+        keys = self.bus.keys
+        for entry_id, group in self.picked:
+            self.bus.hop(keys.train, entry_id, outcome=LEDGER_TRAINED)
+            if not self.bus.r.sadd(keys.trained_ids, group.job.group_id):
+                self.bus.incr("trained_twice")
+                log.error("group %s was trained twice", group.job.group_id)
+        self.picked = []
+
     def control_requests(self) -> dict[str, dict[str, Any]]:
         """Operator requests posted through the API (pause stays set until resumed)."""
         raw = self.bus.r.hgetall(self.bus.keys.control)
@@ -163,6 +175,7 @@ class Coordinator:
     def report(self, metrics: dict[str, float]) -> None:
         record = {"step": self.step, "policy_version": self.version, "time": time.time(), **metrics}
         self.bus.r.xadd(self.bus.keys.metrics, {"m": json.dumps(record)}, maxlen=100_000, approximate=True)
+        self.trackers.log(self.step, metrics)
         log.info(
             "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f %s",
             self.step, self.version, metrics.get("rollout/reward_mean", 0), metrics.get("rollout/acc_mean", 0),
@@ -195,6 +208,7 @@ class Coordinator:
         self.sync_eval_model()
         result = evaluate(self.eval_engine, self.tokenizer, self.eval_records, self.eval_ids, self.cfg)
         self.evals.append((self.step, result["eval/acc"]))
+        self.trackers.log(self.step, result)
         self.bus.r.hset(self.bus.keys.run_info, mapping={"eval_history": json.dumps(self.evals)})
         log.info("eval at step %d: avg@%d = %.3f", self.step, self.cfg.eval.samples_per_problem, result["eval/acc"])
         return result
@@ -250,3 +264,4 @@ class Coordinator:
             "final_model": str(self.save_final()), "finished": int(completed),
         })
         self.set_state("finished" if completed else "stopped")
+        self.trackers.close()

@@ -38,7 +38,6 @@ from learner.checkpoint import (
 from learner.coordinator import Coordinator
 from learner.trainer import Trainer
 from services.config import DapoConfig
-from services.keys import LEDGER_TRAINED
 from services.worker import StopFlag
 
 log = logging.getLogger(__name__)
@@ -134,9 +133,7 @@ class Learner:
         self.publish(version + 1)
         if coord is None:
             return
-        for entry_id, _ in coord.picked:
-            coord.bus.hop(coord.bus.keys.train, entry_id, outcome=LEDGER_TRAINED)
-        coord.picked = []
+        coord.mark_trained()
         metrics.update(rollout_metrics)
         wall = time.monotonic() - coord.started
         metrics.update({"timing/train_s": t1 - t0, "timing/sync_s": coord.publisher.last_sync_s,

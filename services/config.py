@@ -277,6 +277,13 @@ class ApiConfig(_Section):
     """Environment variable holding the bearer token for mutating routes (unset = disabled)."""
 
 
+class TrackingConfig(_Section):
+    tensorboard: bool = True
+    """Write per-step metrics as TensorBoard event files under `<output_dir>/tensorboard`."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (needs `wandb` installed and logged in)."""
+
+
 # --------------------------------------------------------------------------------------------
 # the tree
 
@@ -294,6 +301,7 @@ class DapoConfig(_Section):
     queue: QueueConfig = QueueConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     api: ApiConfig = ApiConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _cross_field(self) -> DapoConfig:

@@ -85,6 +85,11 @@ class Keys:
         return self._k("counters")
 
     @property
+    def trained_ids(self) -> str:
+        """Set of trained group ids: a group trained twice is detected, counted and reported."""
+        return self._k("trained_ids")
+
+    @property
     def policy_version(self) -> str:
         """The learner's current policy version (string int)."""
         return self._k("policy_version")
