@@ -46,10 +46,12 @@ class TinyModelSpec(_Section):
     num_heads: PositiveInt = 4
     intermediate_size: PositiveInt = 512
     vocab_size: PositiveInt = 512
-    sft_max_steps: PositiveInt = 600
+    sft_max_steps: PositiveInt = 800
     """Upper bound on supervised warm-start steps."""
     sft_lr: float = Field(1e-3, gt=0)
-    sft_batch_size: PositiveInt = 128
+    sft_batch_size: PositiveInt = 64
+    sft_eval_every: PositiveInt = 25
+    """Sampling accuracy is measured every N warm-start steps (it jumps within ~100 steps)."""
     target_acc: tuple[Fraction, Fraction] = (0.15, 0.45)
     """The warm start stops at the first evaluation whose sampling accuracy lies in this band,
     so the base model starts with partial skill (neither 0% nor saturated)."""

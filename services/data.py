@@ -274,7 +274,9 @@ def _read_json_rows(path: Path) -> list[tuple[Any, int | None]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {exc}") from exc
+            raise DataError(
+                f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {exc}"
+            ) from exc
         rows.append((row, lineno))
     return rows
 

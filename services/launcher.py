@@ -86,7 +86,10 @@ def prepare(cfg: DapoConfig, progress: Any = None) -> None:
         evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path)[:128]]
         info = ensure_tiny_base(
             Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
-            batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, progress=progress,
+            batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, eval_every=spec.sft_eval_every,
+            progress=progress, vocab_size=spec.vocab_size,
+            model_kwargs={"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "num_heads": spec.num_heads,
+                          "num_kv_heads": spec.num_heads, "intermediate_size": spec.intermediate_size},
         )
         log.info("tiny base model ready: %s", info)
 
