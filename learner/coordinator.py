@@ -52,6 +52,7 @@ class Coordinator:
         self.feeder = PromptFeeder(
             self.bus, load_prompts(cfg.data.train_path), self.tokenizer, run_name=cfg.run_name,
             limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
+            kept_ahead=(alg.max_staleness + 1) * alg.train_batch_groups,
             max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
         )
         self.publisher = WeightPublisher(

@@ -1,13 +1,17 @@
 """The prompt feeder (learner rank 0): data cursor + admission control.
 
-Work in flight (issued prompt jobs not yet trained, filtered, dropped or dead-lettered, measured
-from the stage streams) is bounded by
+Admission control (DAPO.md s9, AReaL style: bound the work ahead of the learner instead of
+generating freely and dropping old samples). The groups that will reach the learner from work in
+flight are estimated as
 
-    limit = ceil((max_staleness + 1) x train_batch_groups x oversampling)
+    expected_kept = depth(train) + (in_flight - depth(train)) x pass_rate
 
-(DAPO.md s9, AReaL-style admission instead of generating freely and dropping old samples). Every
-group the gatekeeper filters frees a slot that is refilled with a new prompt at the next
-`admit`, which is how a high filter rate turns into more sampling rather than a stall. The
+and new prompts are issued only while expected_kept < (max_staleness + 1) x train_batch_groups,
+so at most max_staleness + 1 batches of trainable groups are ever ahead of the learner. A hard
+cap of (max_staleness + 1) x train_batch_groups x oversampling jobs in flight bounds the streams
+when the pass rate is very low. Every group the gatekeeper filters lowers the estimate, and the
+next `admit` replaces it, which is how a high filter rate turns into more sampling rather than a
+stall. The
 cursor counts issued jobs across epochs, so a resume continues exactly where it stopped.
 """
 
@@ -32,6 +36,7 @@ class PromptFeeder:
         *,
         run_name: str,
         limit: int,
+        kept_ahead: int,
         max_prompt_len: int,
         shuffle: bool,
         seed: int,
@@ -41,6 +46,7 @@ class PromptFeeder:
             raise ValueError("the training set is empty")
         self.bus, self.records, self.tokenizer = bus, records, tokenizer
         self.run_name, self.limit, self.max_prompt_len = run_name, limit, max_prompt_len
+        self.kept_ahead = kept_ahead
         self.shuffle, self.seed = shuffle, seed
         self.cursor = cursor
         self._order: list[int] = []
@@ -49,7 +55,17 @@ class PromptFeeder:
 
     @staticmethod
     def admission_limit(max_staleness: int, train_batch_groups: int, oversampling: float) -> int:
+        """Hard cap on jobs in flight."""
         return math.ceil((max_staleness + 1) * train_batch_groups * oversampling)
+
+    def wanted(self, *, in_flight: int, train_depth: int, pass_rate: float) -> int:
+        """How many new jobs to issue now (see the module docstring)."""
+        rate = min(max(pass_rate, 1e-3), 1.0)
+        expected_kept = train_depth + (in_flight - train_depth) * rate
+        room = self.kept_ahead - expected_kept
+        if room <= 0:
+            return 0
+        return max(0, min(math.ceil(room / rate), self.limit - in_flight))
 
     def _index(self, cursor: int) -> int:
         epoch, pos = divmod(cursor, len(self.records))
@@ -67,13 +83,19 @@ class PromptFeeder:
             self._token_cache[index] = ids[-self.max_prompt_len :]  # left-truncate (paper)
         return self._token_cache[index]
 
+    def pass_rate(self) -> float:
+        """Share of gated groups the gatekeeper kept so far (1.0 before any was gated)."""
+        kept = int(self.bus.r.hget(self.bus.keys.counters, "gate_kept") or 0)
+        filtered = self.bus.ledger().filtered
+        return kept / (kept + filtered) if kept + filtered else 1.0
+
     def admit(self, policy_version: int) -> int:
-        """Issue prompt jobs until work in flight reaches the limit; returns how many."""
-        free = self.limit - self.bus.ledger().in_flight
-        if free <= 0:
+        """Issue the prompt jobs admission control allows now; returns how many."""
+        n = self.wanted(in_flight=self.bus.ledger().in_flight, train_depth=self.bus.depths()["learner"], pass_rate=self.pass_rate())
+        if n <= 0:
             return 0
         jobs = []
-        for _ in range(free):
+        for _ in range(n):
             index = self._index(self.cursor)
             rec = self.records[index]
             job = PromptJob(

@@ -87,6 +87,9 @@ class RolloutWorker:
             return
         finally:
             self.sync_s += time.monotonic() - start
+        if ann.version < self.policy_version:  # must never happen: the learner numbers upwards
+            self.bus.incr("replica_version_regressions")
+            log.error("received version %d while holding %d", ann.version, self.policy_version)
         self.policy_version = ann.version
         self.heartbeat_now()
 

@@ -248,7 +248,10 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
                 log.warning("interrupted: stopping every service")
                 break
             if not learner.alive():
-                break
+                assert learner.proc is not None
+                if learner.proc.returncode == 0 or learner.restarts >= MAX_RESTARTS:
+                    break  # finished (or out of restarts)
+                _restart(learner, env)  # it resumes from the newest committed checkpoint
             for svc in services[1:]:
                 if not svc.alive():
                     _restart(svc, env)
@@ -285,10 +288,13 @@ def _set_aside_checkpoints(store: Path) -> None:
 
 
 def _restart(svc: Service, env: dict[str, str]) -> None:
+    """Bounded restarts with exponential back-off, like a container orchestrator's."""
     rc = svc.proc.returncode if svc.proc else None
     if svc.restarts >= MAX_RESTARTS:
         return
     svc.restarts += 1
+    if svc.log_file:
+        svc.log_file.close()
     delay = min(2.0**svc.restarts, 30.0)
     log.warning("%s exited with %s; restart %d/%d in %.0fs", svc.name, rc, svc.restarts, MAX_RESTARTS, delay)
     time.sleep(delay)
