@@ -143,9 +143,7 @@ class StreamBus:
     # --- consuming --------------------------------------------------------------------------
     def read(self, stage: Stage, *, count: int, block_ms: int) -> list[Entry]:
         """New entries for this consumer (blocking up to block_ms when there are none)."""
-        reply = self.r.xreadgroup(
-            stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms
-        )
+        reply: Any = self.r.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
         return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
 
     def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:
@@ -154,12 +152,12 @@ class StreamBus:
         Entries already delivered max_deliveries times are dead-lettered instead: a message that
         kills every worker that touches it must not circulate forever.
         """
-        pending = self.r.xpending_range(
+        pending: Any = self.r.xpending_range(
             stage.stream, stage.group, min="-", max="+", count=count, idle=int(min_idle_s * 1000)
         )
         if not pending:
             return []
-        retry_ids = []
+        retry_ids: list[Any] = []
         for p in pending:
             eid = p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]
             if p["times_delivered"] >= max_deliveries:
@@ -168,7 +166,7 @@ class StreamBus:
                 retry_ids.append(eid)
         if not retry_ids:
             return []
-        claimed = self.r.xclaim(stage.stream, stage.group, self.consumer, int(min_idle_s * 1000), retry_ids)
+        claimed: Any = self.r.xclaim(stage.stream, stage.group, self.consumer, int(min_idle_s * 1000), retry_ids)
         entries = [(eid.decode(), fields) for eid, fields in claimed if fields is not None]
         if entries:
             log.warning("reclaimed %d idle entries from %s", len(entries), stage.stream)
@@ -226,7 +224,7 @@ class StreamBus:
         )
 
     def _dead_letter_by_id(self, stage: Stage, entry_id: str, reason: str) -> None:
-        got = self.r.xrange(stage.stream, min=entry_id, max=entry_id, count=1)
+        got: Any = self.r.xrange(stage.stream, min=entry_id, max=entry_id, count=1)
         fields = got[0][1] if got else {}
         self.dead_letter(stage, entry_id, fields, reason)
 
