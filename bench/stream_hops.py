@@ -39,7 +39,7 @@ def main() -> None:
 
         # Baseline: plain stream ops, pipelined per group, no atomicity, no ledger.
         r = bus.r
-        for i in range(args.groups):
+        for _ in range(args.groups):
             r.xadd("base:in", job)
         r.xgroup_create("base:in", "g", id="0")
         start = time.perf_counter()
