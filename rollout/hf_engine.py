@@ -75,13 +75,21 @@ class HFEngine:
 
     @torch.no_grad()
     def receive_weights(self, ann: Announcement, rank: int) -> None:
+        """Receive every bucket first, then swap: a broadcast that fails half-way leaves the
+        weights (and the policy version they belong to) untouched."""
         params = dict(self.model.named_parameters())
-        for name, tensor in self.receiver.receive(ann, rank):
+        staged = dict(self.receiver.receive(ann, rank))
+        missing = set(params) - set(staged)
+        if missing:
+            raise ValueError(f"broadcast of version {ann.version} lacks {sorted(missing)[:3]}")
+        for name, tensor in staged.items():
             params[name].copy_(tensor)
 
     def load_weights_from_dir(self, path: str) -> None:
         fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
         self.model.load_state_dict(fresh.state_dict())
+
+    weights_consistent_after_failure = True
 
     def close(self) -> None:
         pass

@@ -81,9 +81,9 @@ class RolloutWorker:
         try:
             self.engine.receive_weights(ann, ann.members.index(self.id) + 1)
         except Exception:
-            # The weights may now be half old, half new: never generate with them.
-            log.exception("weight broadcast %d (generation %d) failed; reloading from the store", ann.version, ann.generation)
-            self.load_published()
+            log.exception("weight broadcast %d (%s) failed", ann.version, ann.group_key)
+            if not getattr(self.engine, "weights_consistent_after_failure", False):
+                self.load_published()  # half old, half new: never generate with such weights
             return
         finally:
             self.sync_s += time.monotonic() - start
@@ -100,12 +100,16 @@ class RolloutWorker:
         from learner.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(self.cfg.checkpoint_dir)
+        held = self.policy_version
         if latest is not None and (latest.path / "hf").is_dir():
             self.engine.load_weights_from_dir(str(latest.path / "hf"))
             self.policy_version = int(latest.meta.get("policy_version", 0))
         else:
             self.engine.load_weights_from_dir(self.cfg.model.path)
             self.policy_version = 0
+        if self.policy_version < held:
+            self.bus.incr("replica_version_regressions")
+            log.warning("fell back from version %d to the published version %d", held, self.policy_version)
         log.info("loaded published weights: policy version %d", self.policy_version)
         self.heartbeat_now()
 

@@ -27,7 +27,7 @@ class WeightReceiver:
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
-        self.generation = -1
+        self.group_key = ""
         self.group: dist.ProcessGroup | None = None
         self.last_seconds = 0.0
 
@@ -38,17 +38,17 @@ class WeightReceiver:
         """
         start = time.monotonic()
         try:
-            if self.group is None or self.generation != ann.generation:
+            if self.group is None or self.group_key != ann.group_key:
                 self.group = None
                 self.group = make_group(ann, rank)
-                self.generation = ann.generation
+                self.group_key = ann.group_key
             for bucket in ann.buckets:
                 flat = torch.empty(bucket_numel(bucket), dtype=DTYPES[bucket[0].dtype], device=self.device)
                 broadcast_bucket(self.group, flat, ann.timeout_s)
                 yield from unflatten(flat, bucket)
         except Exception:
             self.group = None
-            self.generation = -1
+            self.group_key = ""
             raise
         self.last_seconds = time.monotonic() - start
         log.info("received policy version %d in %.3fs", ann.version, self.last_seconds)

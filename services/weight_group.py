@@ -45,6 +45,12 @@ class Announcement:
     def world_size(self) -> int:
         return len(self.members) + 1
 
+    @property
+    def group_key(self) -> str:
+        """Identity of the process group: a restarted learner serves a new store and counts
+        generations from 1 again, so the generation number alone is not unique."""
+        return f"{self.store_host}:{self.store_port}/gen{self.generation}"
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -106,7 +112,7 @@ def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist
 
 def make_group_on_store(store: dist.Store, ann: Announcement, rank: int) -> dist.ProcessGroup:
     timeout = timedelta(seconds=ann.timeout_s)
-    prefixed = dist.PrefixStore(f"dapo-weights-gen{ann.generation}", store)
+    prefixed = dist.PrefixStore(f"dapo-weights-{ann.group_key}", store)
     if ann.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -1,0 +1,183 @@
+"""Ray Serve hosting: the manifests parse, agree and resolve (fast); a local Serve application
+moves prompt jobs through a rollout and a reward replica into the scored stream and hands its
+heartbeats back on shutdown (slow)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from services.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
+RAYSERVICE_YAML = REPO / "deploy" / "ray" / "rayservice.yaml"
+
+
+def _resolve(import_path: str) -> Any:
+    module, _, attr = import_path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _with_repo_config(args: dict[str, Any]) -> dict[str, Any]:
+    return {**args, "config": str(REPO / args["config"])}
+
+
+# --- manifests (fast) ---------------------------------------------------------------------------
+
+
+def test_serve_yaml_is_a_valid_serve_config_whose_builder_resolves() -> None:
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from services import ray_serve
+
+    raw = yaml.safe_load(SERVE_YAML.read_text())
+    ServeDeploySchema.model_validate(raw)
+    [app_cfg] = raw["applications"]
+    application = _resolve(app_cfg["import_path"])(_with_repo_config(app_cfg["args"]))
+    assert isinstance(application, Application)
+    known = {d.name for d in (ray_serve.RolloutReplica, ray_serve.RewardReplica, ray_serve.PipelineStatus)}
+    assert {d["name"] for d in app_cfg["deployments"]} <= known
+    assert raw["http_options"]["host"] == "127.0.0.1"
+
+
+def test_rayservice_embeds_the_same_applications() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    manifest = yaml.safe_load(RAYSERVICE_YAML.read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config)
+    assert serve_config["applications"] == yaml.safe_load(SERVE_YAML.read_text())["applications"]
+    assert manifest["spec"]["rayClusterConfig"]["rayVersion"] == importlib.import_module("ray").__version__
+
+
+def test_builder_options_fail_fast() -> None:
+    from services.ray_serve import app
+
+    args = _with_repo_config({"config": "configs/tiny.yaml"})
+    app({**args, "overrides": "rollout.group_size=4 rollout.max_response_len=8", "rollout_replicas": "3"})
+    autoscaled = {**args, "rollout_autoscaling": {"min_replicas": 1, "max_replicas": 4}}
+    app(autoscaled)  # Serve validates the autoscaling config (and imports BacklogPolicy) here
+    with pytest.raises(ConfigError, match="not both"):
+        app({**autoscaled, "rollout_replicas": 2})
+    with pytest.raises(ConfigError, match="group_size"):
+        app({**args, "overrides": ["rollout.group_size=1"]})
+    with pytest.raises(ConfigError, match="rollout_replica\n  Extra inputs"):
+        app({**args, "rollout_replica": 2})
+
+
+def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
+    from services.ray_serve import BACKLOG_METRIC, BacklogPolicy
+
+    policy = BacklogPolicy(target_backlog_per_replica=16)
+
+    def ctx(reports: dict[str, float] | None) -> SimpleNamespace:
+        metrics = None if reports is None else {BACKLOG_METRIC: reports}
+        return SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=3)
+
+    assert policy(ctx(None)) == (3, {})  # nothing reported yet: hold
+    assert policy(ctx({"r1": 40.0, "r2": 33.0})) == (3, {})  # ceil(40 / 16)
+    assert policy(ctx({"r1": 0.0})) == (0, {})  # Serve raises it to min_replicas
+    with pytest.raises(ValueError):
+        BacklogPolicy(target_backlog_per_replica=0)
+
+
+# --- a local Serve application (slow) ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for(what: str, check: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_serve_replicas_score_prompt_jobs(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from learner.feeder import PromptFeeder
+    from services.data import parse_row, synth_rows
+    from services.keys import Keys
+    from services.ray_serve import app
+    from services.schemas import decode_group
+    from services.streams import StreamBus, connect
+    from services.worker import live_instances
+
+    overrides = [
+        f"model.path={tiny_model_dir}", "rollout.engine=transformers", f"queue.redis_url={redis_url}",
+        "rollout.group_size=4", "rollout.max_response_len=8", "reward.overlong.buffer_len=2",
+        "rollout.torch_threads=1", "queue.heartbeat_ttl_s=5", f"output_dir={tmp_path / 'run'}",
+        f"checkpoint.dir={tmp_path / 'checkpoints'}",
+    ]
+    bus = StreamBus(connect(redis_url), Keys(), consumer="test")
+    bus.ensure_groups()
+    port = _free_port()
+    ray.init(
+        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+        object_store_memory=100 * 2**20, namespace="dapo-test",
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"config": str(REPO / "configs" / "tiny.yaml"), "overrides": overrides, "rollout_replicas": 1, "reward_replicas": 1}
+        serve.run(app(args), name="dapo", route_prefix="/dapo")
+        assert {i["kind"] for i in live_instances(bus.r, bus.keys)} == {"rollout", "reward"}
+
+        # Issue jobs exactly as the learner does: the feeder, with admission control.
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        records = [parse_row(row, row_number=i) for i, row in enumerate(synth_rows(4, seed=1))]
+        feeder = PromptFeeder(bus, records, tokenizer, run_name="serve", limit=4, kept_ahead=4, max_prompt_len=64, shuffle=False, seed=0)
+        assert feeder.admit(policy_version=0) == 4
+
+        entries = _wait_for("4 scored groups", lambda: (e := bus.r.xrange(bus.keys.scored.stream)) if len(e) == 4 else None, 90)
+        groups = [decode_group(fields) for _, fields in entries]
+        assert sorted(g.job.group_id for g in groups) == [f"serve-{i}" for i in range(4)]
+        for g in groups:
+            assert g.is_scored and g.rewards is not None and len(g.rewards) == 4 and len(g.responses) == 4
+            assert g.replica_id.startswith("rollout-") and g.policy_version == 0
+        snap = bus.ledger()
+        assert (snap.issued, snap.in_flight, snap.balanced) == (4, 4, True)
+
+        status = serve.get_deployment_handle("RolloutReplica", app_name="dapo").remote().result(timeout_s=30)
+        assert status["kind"] == "rollout" and status["alive"] and status["groups"] == 4
+        assert status["policy_version"] == 0 and 0.0 <= status["idle_fraction"] <= 1.0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/dapo", timeout=30) as resp:
+            both = json.load(resp)
+        assert (both["rollout"]["groups"], both["reward"]["groups"]) == (4, 4)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    # Shutdown ran each replica's __del__: heartbeats deleted (or, at worst, expired), final
+    # stats written.
+    _wait_for("heartbeats gone", lambda: not list(bus.r.scan_iter(match=bus.keys.heartbeat_pattern())), 10)
+    finals = {k.decode().split(":")[2] for k in bus.r.scan_iter(match=bus.keys.final_stats_pattern())}
+    assert finals == {"rollout", "reward"}
+    assert bus.ledger().balanced
