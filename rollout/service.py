@@ -16,6 +16,8 @@ import logging
 import time
 from typing import Any
 
+import redis
+
 from rollout.engine import Engine, make_engine
 from services.config import DapoConfig
 from services.keys import Keys
@@ -163,15 +165,19 @@ class RolloutWorker:
         last_reclaim = 0.0
         q = self.cfg.queue
         while not self.stop.stopping:
-            self.poll_weights()
-            entries: list[Entry] = []
-            if time.monotonic() - last_reclaim > 5.0:
-                last_reclaim = time.monotonic()
-                entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
-            if not entries:
-                entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)
-            if entries:
-                self.handle(entries)
+            try:
+                self.poll_weights()
+                entries: list[Entry] = []
+                if time.monotonic() - last_reclaim > 5.0:
+                    last_reclaim = time.monotonic()
+                    entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
+                if not entries:
+                    entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)
+                if entries:
+                    self.handle(entries)
+            except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
+                log.warning("redis unavailable (%s); retrying", exc)
+                self.stop.wait(1.0)
 
 
 def main(cfg: DapoConfig) -> int:

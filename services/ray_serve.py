@@ -43,6 +43,7 @@ from pydantic import (
 )
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import AutoscalingContext
 from ray.serve.handle import DeploymentHandle
 
 from services.config import ConfigError, load_config
@@ -121,8 +122,8 @@ class _StageHost:
 
     def _finish(self) -> None:
         try:
-            stats = {k: json.dumps(v) for k, v in self.worker_status().items()}
-            self.client.hset(self.bus.keys.final_stats(self.kind, self.id), mapping=stats)
+            stats = self.worker_status()
+            self.client.hset(self.bus.keys.final_stats(self.kind, self.id), mapping={k: json.dumps(v) for k, v in stats.items()})
         except redis.RedisError as exc:
             log.warning("%s %s: final stats not written: %s", self.kind, self.id, exc)
         self.hb.stop()  # deletes the key: the learner stops counting this replica at once
@@ -152,12 +153,7 @@ class _StageHost:
                 log.info("%s %s: finishing the current batch before exiting", self.kind, self.id)
 
 
-@serve.deployment(
-    ray_actor_options={"num_cpus": 1},
-    graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
-    max_ongoing_requests=8,
-)
-class RolloutReplica(_StageHost):
+class RolloutHost(_StageHost):
     """`dapo rollout` as a Serve replica: prompt jobs -> G responses with behaviour log-probs."""
 
     kind = "rollout"
@@ -186,12 +182,7 @@ class RolloutReplica(_StageHost):
         return {BACKLOG_METRIC: float(self.client.xlen(self.bus.keys.prompts.stream))}
 
 
-@serve.deployment(
-    ray_actor_options={"num_cpus": 1},
-    graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
-    max_ongoing_requests=8,
-)
-class RewardReplica(_StageHost):
+class RewardHost(_StageHost):
     """`dapo reward` as a Serve replica: verifier score + overlong shaping per response."""
 
     kind = "reward"
@@ -213,16 +204,22 @@ class RewardReplica(_StageHost):
         self.worker.scorer.close()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16)
-class PipelineStatus:
+class StatusIngress:
     """The application's ingress: one replica's status per stage. Every instance's status (Serve
     replica or CLI process) is in its heartbeat, which `dapo status` and the API list."""
 
-    def __init__(self, rollout: DeploymentHandle, reward: DeploymentHandle) -> None:
+    def __init__(self, rollout: DeploymentHandle[Any], reward: DeploymentHandle[Any]) -> None:
         self.rollout, self.reward = rollout, reward
 
     async def __call__(self, request: object = None) -> dict[str, Any]:
         return {"rollout": await self.rollout.remote(), "reward": await self.reward.remote()}
+
+
+# Status calls are the only requests; the work arrives through Redis.
+_STAGE_OPTIONS: dict[str, Any] = {"graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S, "max_ongoing_requests": 8}
+RolloutReplica = serve.deployment(name="RolloutReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS)(RolloutHost)
+RewardReplica = serve.deployment(name="RewardReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS)(RewardHost)
+PipelineStatus = serve.deployment(name="PipelineStatus", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16)(StatusIngress)
 
 
 class BacklogPolicy:
@@ -240,7 +237,7 @@ class BacklogPolicy:
             raise ValueError(f"target_backlog_per_replica={target_backlog_per_replica} must be > 0")
         self.target = target_backlog_per_replica
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         by_replica = (ctx.aggregated_metrics or {}).get(BACKLOG_METRIC) or {}
         if not by_replica:  # no report yet (replicas starting): hold
             return ctx.target_num_replicas, {}

