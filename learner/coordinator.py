@@ -70,7 +70,9 @@ class Coordinator:
         self.evals: list[tuple[int, float]] = json.loads(self.bus.r.hget(self.bus.keys.run_info, "eval_history") or "[]")
         self.pending: list[tuple[str, RolloutGroup]] = []
         self.picked: list[tuple[str, RolloutGroup]] = []
-        self.last_reclaim = 0.0
+        # Only one coordinator runs at a time, so any group pending in the train stream belongs
+        # to a previous incarnation that died before training it: take those over first.
+        self.orphans = self.take_over_pending()
         self.trackers = Trackers(cfg)
         self.hb = Heartbeat(self.bus.r, self.bus.keys, "learner", self.inst, cfg.queue.heartbeat_ttl_s, self.status).start()
         self.bus.r.hset(self.bus.keys.run_info, "run_name", cfg.run_name)
@@ -108,10 +110,8 @@ class Coordinator:
         while len(self.pending) < need and time.monotonic() - start < budget_s and not self.stop.stopping:
             self.feeder.admit(self.version)
             self.bus.r.hset(self.bus.keys.run_info, "data_cursor", self.feeder.cursor)
-            entries = self.bus.read(stage, count=need - len(self.pending), block_ms=200)
-            if not entries and time.monotonic() - self.last_reclaim > 10:
-                self.last_reclaim = time.monotonic()  # groups a crashed learner had taken
-                entries = self.bus.reclaim(stage, min_idle_s=self.cfg.queue.claim_idle_s / 10, max_deliveries=self.cfg.queue.max_deliveries)
+            entries = self.orphans or self.bus.read(stage, count=need - len(self.pending), block_ms=200)
+            self.orphans = []
             for entry_id, fields in entries:
                 try:
                     group = decode_group(fields)
@@ -128,6 +128,13 @@ class Coordinator:
             return None
         batch, self.pending = self.pending[:need], self.pending[need:]
         return batch
+
+    def take_over_pending(self) -> list[tuple[str, dict[bytes, bytes]]]:
+        stage = self.bus.keys.train
+        taken = self.bus.reclaim(stage, min_idle_s=0.0, max_deliveries=self.cfg.queue.max_deliveries, count=100_000)
+        if taken:
+            log.info("took over %d groups a previous learner had not trained", len(taken))
+        return taken
 
     def mark_trained(self) -> None:
         """Count the picked groups as trained; a group id seen before is counted as a duplicate."""
@@ -219,9 +226,9 @@ class Coordinator:
         """Stop issuing and account for every job still in flight (counted `stale`)."""
         self.set_state("draining")
         keys, deadline = self.bus.keys, time.monotonic() + timeout_s
-        for entry_id, _ in self.pending:
+        for entry_id, _ in [*self.pending, *self.orphans, *self.take_over_pending()]:
             self.bus.hop(keys.train, entry_id, outcome=LEDGER_STALE)
-        self.pending = []
+        self.pending, self.orphans = [], []
         drainer = StreamBus(self.bus.r, keys, consumer=f"{self.inst}-drain")
         for entry_id, _ in drainer.read(keys.prompts, count=1_000_000, block_ms=1):  # undelivered jobs
             drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
