@@ -6,10 +6,15 @@ host memory and broadcasts them over the side group to the live replicas. Keepin
 version lets rank 0 *catch up* a replica that missed a broadcast or joined late without asking
 the other ranks, while it waits for data.
 
-What this does NOT guarantee: a replica that never reads its announcement (hung, or stuck in a
-very long generation) makes the rendezvous time out after `learner.collective_timeout_s`; the
-sync is then abandoned for everyone in that group and retried with the live replicas later.
-The learner never blocks longer than that timeout.
+A sync is two-phase so one dead or hung replica cannot stall everyone: the learner announces the
+group, each member registers in a Redis join set before touching torch.distributed, and only
+when every member has joined (within `join_timeout_s`) does the learner say `go`; otherwise it
+says `abort`, sets the silent members aside for `quarantine_s` (their heartbeat may not have
+expired yet), and re-forms the group from those that answered.
+
+What this does NOT guarantee: a member that joins and then dies mid-broadcast makes that
+broadcast fail after `learner.collective_timeout_s`; the learner never blocks longer than that,
+and the survivors are caught up at the next sync.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class WeightPublisher:
         self.last_sent: dict[str, float] = {}
         self.failures = 0
         self.last_sync_s = 0.0
+        self.join_timeout_s = min(timeout_s, 15.0)
+        self.quarantine_s = 30.0
+        self.quarantined: dict[str, float] = {}
 
     def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]], layout: list[tuple[str, torch.Tensor]]) -> None:
         """Take a new version's full parameters (consumes `named`, which may be a collective)."""
@@ -63,7 +71,24 @@ class WeightPublisher:
         self.version = version
 
     def replica_versions(self) -> dict[str, int]:
-        return {i["id"]: int(i.get("policy_version", -1)) for i in live_instances(self.bus.r, self.bus.keys, "rollout")}
+        """Policy version of every live, responsive replica."""
+        now = time.monotonic()
+        return {
+            i["id"]: int(i.get("policy_version", -1))
+            for i in live_instances(self.bus.r, self.bus.keys, "rollout")
+            if self.quarantined.get(i["id"], 0.0) < now
+        }
+
+    def _await_joins(self, ann: Announcement) -> set[str]:
+        key, deadline = self.bus.keys.weight_join(ann.group_key), time.monotonic() + self.join_timeout_s
+        while True:
+            joined = {m.decode() for m in self.bus.r.smembers(key)}
+            if joined >= set(ann.members) or time.monotonic() > deadline:
+                return joined & set(ann.members)
+            time.sleep(0.02)
+
+    def _decide(self, ann: Announcement, decision: str) -> None:
+        self.bus.r.set(self.bus.keys.weight_decision(ann.group_key), decision, ex=int(self.timeout_s * 4) + 60)
 
     def publish(self, members: Iterable[str] | None = None) -> bool:
         """Broadcast the staged version to `members` (default: every live replica)."""
@@ -77,8 +102,22 @@ class WeightPublisher:
             version=self.version, generation=self.generation, members=self.members, store_host=self.host,
             store_port=self.port, backend=self.backend, timeout_s=self.timeout_s, buckets=self.buckets,
         )
-        self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
         start = time.monotonic()
+        if self.group is None:  # a new group: two-phase join first
+            self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
+            joined = self._await_joins(ann)
+            if joined != set(chosen):
+                self._decide(ann, "abort")
+                silent = set(chosen) - joined
+                for m in silent:
+                    self.quarantined[m] = time.monotonic() + self.quarantine_s
+                self.bus.incr("weight_sync_dropped_members", len(silent))
+                log.warning("replicas %s did not join weight sync %s; re-forming without them", sorted(silent), ann.group_key)
+                self.members = ()
+                return self.publish(joined) if joined else False
+            self._decide(ann, "go")
+        else:  # same members as the last sync: the group exists, just announce the version
+            self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
         try:
             if self.group is None:
                 self.group = make_group_on_store(self.store, ann, 0)

@@ -171,6 +171,8 @@ class Learner:
         self.step = int(meta["step"])
         if self.coord is not None:
             self.coord.resume_from(meta)
+            if publish:  # an operator's restore (not a restart)
+                self.coord.bus.incr("restores")
         log.info("restored checkpoint step %d", step)
         if publish:
             version = _share(self.coord.version if self.coord is not None else None, self.rank)

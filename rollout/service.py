@@ -46,6 +46,7 @@ class RolloutWorker:
         self.sync_s = 0.0
         self.started = time.monotonic()
         self.hb: Heartbeat | None = None
+        self.group_key = ""  # the broadcast group this replica last received over
 
     # --- weights ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -78,22 +79,44 @@ class RolloutWorker:
         if newest is not None:
             self._apply(newest)
 
+    def _await_go(self, ann: Announcement) -> bool:
+        """Phase one of a sync: register, then wait for the learner's go/abort."""
+        keys, r = self.bus.keys, self.bus.r
+        r.sadd(keys.weight_join(ann.group_key), self.id)
+        r.expire(keys.weight_join(ann.group_key), int(ann.timeout_s * 4) + 60)
+        deadline = time.monotonic() + ann.timeout_s
+        while time.monotonic() < deadline and not self.stop.stopping:
+            decision = r.get(keys.weight_decision(ann.group_key))
+            if decision is not None:
+                return decision == b"go"
+            time.sleep(0.02)
+        return False
+
     def _apply(self, ann: Announcement) -> None:
         start = time.monotonic()
+        if not self.engine_has_group(ann) and not self._await_go(ann):
+            log.info("weight sync %s aborted; waiting for the next", ann.group_key)
+            return
         try:
             self.engine.receive_weights(ann, ann.members.index(self.id) + 1)
         except Exception:
             log.exception("weight broadcast %d (%s) failed", ann.version, ann.group_key)
+            self.group_key = ""
             if not getattr(self.engine, "weights_consistent_after_failure", False):
                 self.load_published()  # half old, half new: never generate with such weights
             return
         finally:
             self.sync_s += time.monotonic() - start
+        self.group_key = ann.group_key
         if ann.version < self.policy_version:  # must never happen: the learner numbers upwards
             self.bus.incr("replica_version_regressions")
             log.error("received version %d while holding %d", ann.version, self.policy_version)
         self.policy_version = ann.version
         self.heartbeat_now()
+
+    def engine_has_group(self, ann: Announcement) -> bool:
+        """True when this replica already belongs to the announced group (no join needed)."""
+        return self.group_key == ann.group_key
 
     def load_published(self) -> None:
         """Load the newest committed checkpoint (or the base model): after a failed broadcast,

@@ -123,9 +123,13 @@ class Keys:
         """Hash describing the current weight-broadcast group (generation, members, store)."""
         return self._k("weights", "group")
 
-    def weight_join(self, generation: int) -> str:
-        """Set of replica ids that joined broadcast-group generation `generation`."""
-        return self._k("weights", "joined", str(generation))
+    def weight_join(self, group_key: str) -> str:
+        """Set of replica ids ready to join the broadcast group `group_key`."""
+        return self._k("weights", "joined", group_key)
+
+    def weight_decision(self, group_key: str) -> str:
+        """`go` (everyone joined: build the group) or `abort` for the broadcast group `group_key`."""
+        return self._k("weights", "decision", group_key)
 
     @property
     def control(self) -> str:

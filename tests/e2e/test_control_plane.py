@@ -1,0 +1,101 @@
+"""The control plane on a real run: every endpoint answers with real figures, and the mutating
+routes act on the learner: pause/resume, a checkpoint on request (kept by retention), and a
+restore that rolls the learner back while replicas move on to a newer policy version."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from services.redis_server import RedisServer, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "e2e-token"
+pytestmark = pytest.mark.slow
+
+
+def call(url: str, method: str = "GET", token: str | None = TOKEN, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+            return resp.status, json.loads(text) if "json" in resp.headers.get("content-type", "") else text
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode() or "null")
+
+
+def wait(what: str, check: Any, timeout_s: float = 240) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise TimeoutError(what)
+
+
+def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_dir: Path) -> None:
+    port = free_port()
+    api = f"http://127.0.0.1:{port}"
+    with RedisServer(tmp_path / "redis", appendonly=True) as server:
+        r = redis.Redis.from_url(server.url)
+        env = {**__import__("os").environ, "DAPO_API_TOKEN": TOKEN}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+             f"queue.redis_url={server.url}", f"api.port={port}", "learner.total_steps=40", "eval.every_steps=10",
+             "checkpoint.every_steps=10", "checkpoint.keep_last=1"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        try:
+            step = lambda: int(r.hget("dapo:learner:state", "step") or 0)  # noqa: E731
+            wait("step 5", lambda: step() >= 5)
+            status = call(f"{api}/status")[1]
+            (artifacts_dir / "status-sample.json").write_text(json.dumps(status, indent=1))
+            assert status["ledger"]["balanced"] and status["policy_version"] >= 5
+            assert {i["kind"] for i in status["instances"]} >= {"learner", "rollout", "reward", "gatekeeper"}
+            assert call(f"{api}/readyz")[0] == 200
+            metrics = call(f"{api}/metrics")[1]
+            assert "dapo_ledger_trained_total" in metrics and "dapo_actor_grad_norm" in metrics
+
+            assert call(f"{api}/pause", "POST", token=None)[0] == 401
+            assert call(f"{api}/pause", "POST")[0] == 202
+            wait("paused", lambda: r.hget("dapo:learner:state", "state") == b"paused")
+            paused_at = step()
+            time.sleep(3)
+            assert step() == paused_at  # no training while paused
+            assert call(f"{api}/resume", "POST")[0] == 202
+            wait("training again", lambda: step() > paused_at)
+
+            assert call(f"{api}/checkpoints", "POST", body={"keep": True})[0] == 202
+            kept = wait("kept checkpoint", lambda: [c for c in call(f"{api}/checkpoints")[1] if c["keep"]])
+            kept_step = kept[0]["step"]
+            assert Path(kept[0]["hf_path"], "model.safetensors").exists()
+            wait("a periodic checkpoint after it", lambda: step() >= kept_step + 12)
+            assert kept_step in [c["step"] for c in call(f"{api}/checkpoints")[1]]  # keep survives keep_last=1
+
+            version_before, step_before = int(r.get("dapo:policy_version")), step()
+            assert call(f"{api}/checkpoints/{kept_step}/restore", "POST")[0] == 202
+            wait("restored", lambda: r.hget("dapo:counters", "restores"))
+            assert step() < step_before  # the learner went back to the checkpoint's step
+            assert int(r.get("dapo:policy_version")) > version_before  # versions only go up
+            output, _ = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, output[-3000:]
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
+        assert summary["counters"].get("replica_version_regressions", 0) == 0
+        assert set(summary["replica_final_versions"].values()) == {summary["policy_version"]}

@@ -1,0 +1,94 @@
+"""Elastic rollout membership with real processes: start with 1 replica, add a 2nd and a 3rd
+mid-run, kill one with SIGKILL, finish the run. The ledger balances, nothing is trained twice,
+and every surviving replica ends on the final policy version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.redis_server import RedisServer
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def step(r: redis.Redis) -> int:
+    return int(r.hget("dapo:learner:state", "step") or 0)
+
+
+def wait_for(what: str, check, timeout_s: float = 300):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise TimeoutError(what)
+
+
+def replica_versions(r: redis.Redis) -> dict[int, int]:
+    out = {}
+    for key in r.scan_iter(match="dapo:hb:rollout:*"):
+        raw = r.get(key)
+        if raw:
+            info = json.loads(raw)
+            out[int(info["pid"])] = int(info.get("policy_version", -1))
+    return out
+
+
+def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with RedisServer(tmp_path / "redis", appendonly=True) as server:
+        r = redis.Redis.from_url(server.url)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out), "--quiet",
+             f"queue.redis_url={server.url}", "rollout.replicas=1", "learner.total_steps=45", "eval.every_steps=0",
+             "checkpoint.every_steps=10", "queue.heartbeat_ttl_s=6"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        extra: list[subprocess.Popen[bytes]] = []
+        try:
+            env = {**os.environ, "DAPO_REDIS_URL": server.url}
+            config = str(out / "config.yaml")
+            wait_for("step 5", lambda: step(r) >= 5)
+            for target in (10, 18):
+                extra.append(subprocess.Popen([sys.executable, "-m", "services.cli", "rollout", "--config", config],
+                                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                want = len(extra) + 1
+                wait_for(f"{want} replicas", lambda want=want: len(replica_versions(r)) == want, 120)
+                wait_for(f"step {target}", lambda t=target: step(r) >= t)
+            # The newcomers caught up and receive every broadcast.
+            versions = wait_for("3 replicas in sync", lambda: (v := replica_versions(r)) and len(set(v.values())) == 1 and len(v) == 3 and v, 60)
+            assert min(versions.values()) >= 18
+            victim = extra[0]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            killed_at = step(r)
+            output, _ = run.communicate(timeout=900)
+            assert run.returncode == 0, output[-3000:]
+            survivors = {p.pid for p in extra[1:]}
+            final = {pid: v for pid, v in replica_versions(r).items() if pid in survivors}
+        finally:
+            for p in [*extra, run]:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(30)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["steps"] == 45 and killed_at < 45
+        ledger = summary["ledger"]
+        assert ledger["balanced"], ledger
+        counters = summary["counters"]
+        assert counters.get("trained_twice", 0) == 0
+        assert counters.get("replica_version_regressions", 0) == 0
+        # The replica started by dapo run and the surviving newcomer both hold the final version.
+        assert set(summary["replica_final_versions"].values()) == {summary["policy_version"]}
+        assert final and set(final.values()) == {summary["policy_version"]}
