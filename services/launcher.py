@@ -26,6 +26,7 @@ import redis
 
 from services.config import DapoConfig, dump_config
 from services.keys import Keys
+from services.plots import write_curves_svg
 from services.streams import StreamBus, connect
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,7 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         summary["interrupted"] = interrupted
         summary["learner_exit_code"] = learner_rc
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_curves_svg(summary, out / "curves.svg")
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         bus.r.close()
@@ -274,7 +276,7 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
     sys.stderr.write(
         f"done in {summary['wall_seconds']:.0f}s: eval accuracy {summary['base_eval_acc']:.3f} -> "
         f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; ledger {summary['ledger']}\n"
-        f"summary: {out / 'summary.json'}\n"
+        f"summary: {out / 'summary.json'}, curves: {out / 'curves.svg'}\n"
     )
     return 0 if learner_rc == 0 and not interrupted else 1
 
