@@ -19,6 +19,13 @@ from learner.checkpoint import latest_checkpoint
 from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Where the launcher's output goes (a pipe nobody reads could fill and block it)."""
+    return (tmp_path / "dapo-run.log").open("a")
+
+
 pytestmark = pytest.mark.slow
 
 
@@ -27,7 +34,7 @@ def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subp
            f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=5", *overrides]
     if resume:
         cmd.append("--resume")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=LOG(out.parent), stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_step(r: redis.Redis, step: int, timeout_s: float = 300) -> None:
@@ -52,7 +59,8 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
         try:
             wait_for_step(r, 12)
             os.kill(learner_pid(r), signal.SIGKILL)
-            output, _ = proc.communicate(timeout=900)
+            proc.wait(timeout=900)
+            output = (tmp_path / "dapo-run.log").read_text()
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -74,7 +82,8 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
 
         # Continue the finished run for 5 more steps with --resume.
         proc = dapo_run(out, server.url, "learner.total_steps=35", resume=True)
-        output, _ = proc.communicate(timeout=600)
+        proc.wait(timeout=600)
+        output = (tmp_path / "dapo-run.log").read_text()
         assert proc.returncode == 0, output[-4000:]
         summary2 = json.loads((out / "summary.json").read_text())
         assert summary2["steps"] == 35
