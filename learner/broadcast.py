@@ -121,8 +121,8 @@ class WeightPublisher:
         try:
             if self.group is None:
                 self.group = make_group_on_store(self.store, ann, 0)
-            for flat in self.flat:
-                broadcast_bucket(self.group, flat, self.timeout_s)
+            for flat in self.flat:  # host copies; NCCL needs each bucket on the GPU
+                broadcast_bucket(self.group, flat.cuda() if self.backend == "nccl" else flat, self.timeout_s)
         except Exception as exc:  # a member died or hung: drop the group, retry later
             self.failures += 1
             self.group, self.members = None, ()

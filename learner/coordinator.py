@@ -56,7 +56,8 @@ class Coordinator:
             max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
         )
         self.publisher = WeightPublisher(
-            self.bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0, backend=backend,
+            self.bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0,
+            backend=backend if cfg.learner.weights_backend == "auto" else cfg.learner.weights_backend,
             timeout_s=cfg.learner.collective_timeout_s, bucket_mb=cfg.learner.broadcast_bucket_mb,
         )
         self.eval_engine = HFEngine(cfg.model.path, seed=cfg.learner.seed)

@@ -221,6 +221,10 @@ class LearnerConfig(_Section):
     """auto = nccl when CUDA is available, else gloo."""
     collective_timeout_s: float = Field(120.0, gt=0)
     """Timeout on every collective (training and weight broadcast)."""
+    weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Backend of the weight-broadcast group (learner rank 0 + replicas). auto = the training
+    backend. Use gloo when the learner and a replica share one GPU: NCCL refuses two ranks on
+    one device."""
     broadcast_bucket_mb: PositiveInt = 256
     """Weights are broadcast to rollout replicas in buckets of about this size."""
     torch_threads: PositiveInt | None = None

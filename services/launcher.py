@@ -198,6 +198,8 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get("final_model"),
+        "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics) / max(wall_s, 1e-9),
+        "mean_sync_seconds": sum(m.get("timing/sync_s", 0.0) for m in metrics) / max(len(metrics), 1),
         "reward_curve": [[m["step"], m.get("rollout/reward_mean"), m.get("rollout/acc_mean")] for m in metrics],
     }
 
