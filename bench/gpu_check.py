@@ -49,7 +49,12 @@ def check_sync(model_dir: Path) -> None:
     from rollout.vllm_engine import VLLMEngine
     from services.config import load_config
     from services.redis_server import free_port
-    from services.weight_group import Announcement, broadcast_bucket, make_group_on_store, plan_buckets
+    from services.weight_group import (
+        Announcement,
+        broadcast_bucket,
+        make_group_on_store,
+        plan_buckets,
+    )
 
     two_gpus = torch.cuda.device_count() >= 2
     backend = "nccl" if two_gpus else "gloo"
