@@ -8,19 +8,20 @@ places it on the response's last token. Verifier timeouts are counted, never hid
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from reward.overlong import shaped_reward
 from reward.verifiers import make_scorer
 from services.config import DapoConfig
-from services.keys import Keys
 from services.schemas import SchemaError, decode_group, encode_group
-from services.streams import Entry, StreamBus, connect
-from services.worker import Heartbeat, StopFlag, instance_id, run_stage_loop
+from services.streams import Entry, StreamBus
+from services.worker import run_stage_loop, service_context
 
 log = logging.getLogger(__name__)
+
+REWARD_BATCH = 8
+"""Groups a reward worker takes per read."""
 
 
 class RewardWorker:
@@ -64,20 +65,13 @@ class RewardWorker:
 def main(cfg: DapoConfig) -> int:
     from transformers import AutoTokenizer
 
-    url = cfg.redis_url
-    if not url:
-        raise SystemExit("dapo reward: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
-    stop = StopFlag().install()
-    inst = instance_id("reward")
-    client = connect(url)
-    bus = StreamBus(client, Keys(cfg.queue.namespace), consumer=inst)
-    bus.ensure_groups()
-    worker = RewardWorker(cfg, bus, AutoTokenizer.from_pretrained(cfg.model.path))
-    hb = Heartbeat(client, bus.keys, "reward", inst, cfg.queue.heartbeat_ttl_s, worker.status).start()
+    ctx = service_context(cfg, "reward")
+    worker = RewardWorker(cfg, ctx.bus, AutoTokenizer.from_pretrained(cfg.model.path))
+    hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)
     try:
-        run_stage_loop(bus, bus.keys.rollouts, worker.handle, queue=cfg.queue, stop=stop, batch=8)
+        run_stage_loop(ctx.bus, ctx.bus.keys.rollouts, worker.handle, queue=cfg.queue, stop=ctx.stop, batch=REWARD_BATCH)
     finally:
-        client.hset(bus.keys.final_stats("reward", inst), mapping={k: json.dumps(v) for k, v in worker.status().items()})
+        ctx.write_final_stats(worker.status())
         hb.stop()
         worker.scorer.close()
     return 0

@@ -20,7 +20,6 @@ import redis
 
 from rollout.engine import Engine, make_engine
 from services.config import DapoConfig
-from services.keys import Keys
 from services.schemas import (
     PromptJob,
     Response,
@@ -29,9 +28,9 @@ from services.schemas import (
     decode_job,
     encode_group,
 )
-from services.streams import Entry, StreamBus, connect
+from services.streams import Entry, StreamBus
 from services.weight_group import Announcement
-from services.worker import Heartbeat, StopFlag, instance_id
+from services.worker import Heartbeat, StopFlag, service_context
 
 log = logging.getLogger(__name__)
 
@@ -204,24 +203,17 @@ class RolloutWorker:
 
 
 def main(cfg: DapoConfig) -> int:
-    url = cfg.redis_url
-    if not url:
-        raise SystemExit("dapo rollout: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
-    stop = StopFlag().install()
-    replica_id = instance_id("rollout")
-    client = connect(url)
-    bus = StreamBus(client, Keys(cfg.queue.namespace), consumer=replica_id)
-    bus.ensure_groups()
+    ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
     engine = make_engine(cfg)
-    worker = RolloutWorker(cfg, bus, engine, replica_id, stop)
-    worker.hb = Heartbeat(client, bus.keys, "rollout", replica_id, cfg.queue.heartbeat_ttl_s, worker.status).start()
-    log.info("rollout replica %s ready", replica_id)
+    worker = RolloutWorker(cfg, ctx.bus, engine, ctx.inst, ctx.stop)
+    worker.hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)
+    log.info("rollout replica %s ready", ctx.inst)
     try:
         worker.run()
     finally:
-        client.hset(bus.keys.final_stats("rollout", replica_id), mapping={k: json.dumps(v) for k, v in worker.status().items()})
+        ctx.write_final_stats(worker.status())
         worker.hb.stop()
         engine.close()
-    log.info("rollout replica %s stopped after %d groups", replica_id, worker.groups_done)
+    log.info("rollout replica %s stopped after %d groups", ctx.inst, worker.groups_done)
     return 0

@@ -25,13 +25,11 @@ How a Serve replica differs from the CLI process:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 from typing import Any
 
-import redis
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -46,18 +44,15 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingContext
 from ray.serve.handle import DeploymentHandle
 
+from reward.service import REWARD_BATCH
 from services.config import ConfigError, load_config
-from services.keys import Keys
-from services.streams import StreamBus, connect
-from services.worker import Heartbeat, StopFlag, instance_id, run_stage_loop
+from services.worker import Heartbeat, run_stage_loop, service_context
 
 log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 60.0
 """Serve's deadline for `__del__`: one rollout batch of the CPU demo takes seconds. Raise it in
 serve.yaml (`deployments[].graceful_shutdown_timeout_s`) for long generations on GPU."""
-REWARD_BATCH = 8
-"""Groups a reward worker reads per call, as in `dapo reward`."""
 BACKLOG_METRIC = "prompt_backlog"
 
 
@@ -80,14 +75,9 @@ class _StageHost:
 
         setup_logging(self.kind)
         self.cfg = load_config(config, list(overrides or []))
-        url = self.cfg.redis_url
-        if not url:
-            raise ConfigError(f"{self.kind} replica: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
-        self.id = instance_id(self.kind)
-        self.stop = StopFlag()  # not installed: signal handlers need the main thread, Serve owns it
-        self.client = connect(url)
-        self.bus = StreamBus(self.client, Keys(self.cfg.queue.namespace), consumer=self.id)
-        self.bus.ensure_groups()
+        # Signal handlers need the main thread, which Serve owns: the StopFlag is not installed.
+        self.ctx = service_context(self.cfg, self.kind, install_signals=False)
+        self.id, self.stop, self.client, self.bus = self.ctx.inst, self.ctx.stop, self.ctx.client, self.ctx.bus
         self.error: BaseException | None = None
         self._stopped = False
         self.setup()
@@ -121,11 +111,7 @@ class _StageHost:
             self._finish()
 
     def _finish(self) -> None:
-        try:
-            stats = self.worker_status()
-            self.client.hset(self.bus.keys.final_stats(self.kind, self.id), mapping={k: json.dumps(v) for k, v in stats.items()})
-        except redis.RedisError as exc:
-            log.warning("%s %s: final stats not written: %s", self.kind, self.id, exc)
+        self.ctx.write_final_stats(self.worker_status())
         self.hb.stop()  # deletes the key: the learner stops counting this replica at once
         self.close()
         log.info("%s replica %s stopped: %s", self.kind, self.id, self.worker_status())

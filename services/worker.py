@@ -18,13 +18,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from services.config import QueueConfig
+from services.config import ConfigError, DapoConfig, QueueConfig
 from services.keys import Keys, Stage
-from services.streams import Entry, StreamBus
+from services.streams import Entry, StreamBus, connect
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +150,44 @@ def run_stage_loop(
         except Exception:  # the loop boundary: log, leave entries pending for retry/dead-letter
             log.exception("handler failed on %d entries of %s; they stay pending", len(entries), stage.stream)
             stop.wait(1.0)
+
+
+@dataclass
+class ServiceContext:
+    """What every service process starts with: its identity, its streams and its stop flag."""
+
+    kind: str
+    inst: str
+    bus: StreamBus
+    stop: StopFlag
+
+    @property
+    def client(self) -> redis.Redis:
+        return self.bus.r
+
+    def heartbeat(self, ttl_s: float, status: Callable[[], dict[str, Any]]) -> Heartbeat:
+        return Heartbeat(self.client, self.bus.keys, self.kind, self.inst, ttl_s, status).start()
+
+    def write_final_stats(self, stats: dict[str, Any]) -> None:
+        """What the run summary reports about this instance after it is gone."""
+        try:
+            self.client.hset(self.bus.keys.final_stats(self.kind, self.inst), mapping={k: json.dumps(v) for k, v in stats.items()})
+        except redis.RedisError as exc:
+            log.warning("%s %s: final stats not written: %s", self.kind, self.inst, exc)
+
+
+def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True) -> ServiceContext:
+    """Connect to the run's Redis (config or DAPO_REDIS_URL) and create the consumer groups.
+
+    `install_signals=False` where the process's main thread belongs to a host (Ray Serve).
+    """
+    url = cfg.redis_url
+    if not url:
+        raise ConfigError(f"{kind}: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
+    stop = StopFlag()
+    if install_signals:
+        stop.install()
+    inst = instance_id(kind)
+    bus = StreamBus(connect(url), Keys(cfg.queue.namespace), consumer=inst)
+    bus.ensure_groups()
+    return ServiceContext(kind, inst, bus, stop)

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from services.redis_server import RedisServer, free_port
+from tests.helpers import learner_step, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,16 +44,6 @@ def call(url: str, method: str = "GET", token: str | None = TOKEN, body: Any = N
         return err.code, json.loads(err.read().decode() or "null")
 
 
-def wait(what: str, check: Any, timeout_s: float = 240) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise TimeoutError(what)
-
-
 def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_dir: Path) -> None:
     port = free_port()
     api = f"http://127.0.0.1:{port}"
@@ -66,8 +57,8 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
             cwd=REPO, env=env, stdout=LOG(tmp_path), stderr=subprocess.STDOUT, text=True,
         )
         try:
-            step = lambda: int(r.hget("dapo:learner:state", "step") or 0)  # noqa: E731
-            wait("step 5", lambda: step() >= 5)
+            step = lambda: learner_step(r)  # noqa: E731
+            wait_for("step 5", lambda: step() >= 5)
             status = call(f"{api}/status")[1]
             (artifacts_dir / "status-sample.json").write_text(json.dumps(status, indent=1))
             assert status["ledger"]["balanced"] and status["policy_version"] >= 4
@@ -78,23 +69,23 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
 
             assert call(f"{api}/pause", "POST", token=None)[0] == 401
             assert call(f"{api}/pause", "POST")[0] == 202
-            wait("paused", lambda: r.hget("dapo:learner:state", "state") == b"paused")
+            wait_for("paused", lambda: r.hget("dapo:learner:state", "state") == b"paused")
             paused_at = step()
             time.sleep(3)
             assert step() == paused_at  # no training while paused
             assert call(f"{api}/resume", "POST")[0] == 202
-            wait("training again", lambda: step() > paused_at)
+            wait_for("training again", lambda: step() > paused_at)
 
             assert call(f"{api}/checkpoints", "POST", body={"keep": True})[0] == 202
-            kept = wait("kept checkpoint", lambda: [c for c in call(f"{api}/checkpoints")[1] if c["keep"]])
+            kept = wait_for("kept checkpoint", lambda: [c for c in call(f"{api}/checkpoints")[1] if c["keep"]])
             kept_step = kept[0]["step"]
             assert Path(kept[0]["hf_path"], "model.safetensors").exists()
-            wait("a periodic checkpoint after it", lambda: step() >= kept_step + 12)
+            wait_for("a periodic checkpoint after it", lambda: step() >= kept_step + 12)
             assert kept_step in [c["step"] for c in call(f"{api}/checkpoints")[1]]  # keep survives keep_last=1
 
             version_before, step_before = int(r.get("dapo:policy_version")), step()
             assert call(f"{api}/checkpoints/{kept_step}/restore", "POST")[0] == 202
-            wait("restored", lambda: r.hget("dapo:counters", "restores"))
+            wait_for("restored", lambda: r.hget("dapo:counters", "restores"))
             assert step() < step_before  # the learner went back to the checkpoint's step
             assert int(r.get("dapo:policy_version")) > version_before  # versions only go up
             proc.wait(timeout=600)

@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
 from services.redis_server import RedisServer
+from tests.helpers import learner_step, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,20 +26,6 @@ def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 pytestmark = pytest.mark.slow
-
-
-def step(r: redis.Redis) -> int:
-    return int(r.hget("dapo:learner:state", "step") or 0)
-
-
-def wait_for(what: str, check, timeout_s: float = 300):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise TimeoutError(what)
 
 
 def replica_versions(r: redis.Redis) -> dict[int, int]:
@@ -66,20 +52,20 @@ def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
         try:
             env = {**os.environ, "DAPO_REDIS_URL": server.url}
             config = str(out / "config.yaml")
-            wait_for("step 5", lambda: step(r) >= 5)
+            wait_for("step 5", lambda: learner_step(r) >= 5)
             for target in (10, 18):
                 extra.append(subprocess.Popen([sys.executable, "-m", "services.cli", "rollout", "--config", config],
                                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 want = len(extra) + 1
                 wait_for(f"{want} replicas", lambda want=want: len(replica_versions(r)) == want, 120)
-                wait_for(f"step {target}", lambda t=target: step(r) >= t)
+                wait_for(f"step {target}", lambda t=target: learner_step(r) >= t)
             # The newcomers caught up and receive every broadcast.
             versions = wait_for("3 replicas in sync", lambda: (v := replica_versions(r)) and len(set(v.values())) == 1 and len(v) == 3 and v, 60)
             assert min(versions.values()) >= 17  # step N is trained by version N - 1
             victim = extra[0]
             victim.send_signal(signal.SIGKILL)
             victim.wait()
-            killed_at = step(r)
+            killed_at = learner_step(r)
             run.wait(timeout=900)
             output = (tmp_path / "dapo-run.log").read_text()
             assert run.returncode == 0, output[-3000:]

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import redis
 
 from learner.checkpoint import latest_checkpoint
 from services.redis_server import RedisServer
+from tests.helpers import learner_step, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,15 +37,6 @@ def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subp
     return subprocess.Popen(cmd, cwd=REPO, stdout=LOG(out.parent), stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_step(r: redis.Redis, step: int, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if int(r.hget("dapo:learner:state", "step") or 0) >= step:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"learner did not reach step {step}")
-
-
 def learner_pid(r: redis.Redis) -> int:
     [key] = list(r.scan_iter(match="dapo:hb:learner:*"))
     return int(json.loads(r.get(key))["pid"])
@@ -57,7 +48,7 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
         r = redis.Redis.from_url(server.url)
         proc = dapo_run(out, server.url, "learner.total_steps=30")
         try:
-            wait_for_step(r, 12)
+            wait_for("step 12", lambda: learner_step(r) >= 12)
             os.kill(learner_pid(r), signal.SIGKILL)
             proc.wait(timeout=900)
             output = (tmp_path / "dapo-run.log").read_text()

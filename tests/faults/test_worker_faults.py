@@ -1,0 +1,110 @@
+"""Faults during a real run (real processes, a real Redis): workers killed with SIGKILL, and
+poison messages in every stream. Each scenario ends with the run finished and the ledger
+balanced; the recovery time is printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from services.keys import Keys
+from services.redis_server import RedisServer
+from services.schemas import encode_group
+from services.status import run_status
+from services.streams import StreamBus, connect
+from tests.helpers import learner_step, wait_for
+from tests.services.test_schemas import make_group
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def start_run(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
+    log = (tmp_path / "dapo-run.log").open("a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+         f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], tmp_path: Path) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (tmp_path / "dapo-run.log").read_text()[-3000:]
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def pid_of(r: redis.Redis, kind: str) -> int:
+    key = next(iter(r.scan_iter(match=f"dapo:hb:{kind}:*")))
+    return int(json.loads(r.get(key))["pid"])
+
+
+def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis", appendonly=True) as server:
+        r = redis.Redis.from_url(server.url)
+        proc = start_run(tmp_path, server.url, "learner.total_steps=30", "queue.claim_idle_s=3")
+        recovery = {}
+        for kind in ("rollout", "reward", "gatekeeper"):
+            wait_for("progress", lambda: learner_step(r) >= 4 + 6 * len(recovery))
+            at = learner_step(r)
+            os.kill(pid_of(r, kind), signal.SIGKILL)
+            start = time.monotonic()
+            wait_for(f"training after killing the {kind}", lambda at=at: learner_step(r) >= at + 2)
+            recovery[kind] = round(time.monotonic() - start, 1)
+        summary = finish(proc, tmp_path)
+    print(f"seconds from SIGKILL to two more training steps: {recovery}")
+    assert summary["steps"] == 30
+    ledger = summary["ledger"]
+    assert ledger["balanced"] and ledger["in_flight"] == 0
+    assert summary["counters"].get("trained_twice", 0) == 0
+    restarted = summary["restarts"]
+    assert restarted.get("reward-0") == 1 and restarted.get("gatekeeper") == 1
+    assert sum(v for k, v in restarted.items() if k.startswith("rollout")) == 1
+
+
+def test_poison_messages_are_dead_lettered_and_the_run_goes_on(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis", appendonly=True) as server:
+        r = redis.Redis.from_url(server.url)
+        bus = StreamBus(connect(server.url), Keys("dapo"), "injector")
+        proc = start_run(tmp_path, server.url, "learner.total_steps=15")
+        wait_for("step 3", lambda: learner_step(r) >= 3)
+        keys = bus.keys
+        # 1. Undecodable bytes with no group id: poison, not a ledger entry.
+        r.xadd(keys.prompts.stream, {"junk": b"\xff\x00\xfe"})
+        # 2. A group from a producer speaking another schema version (counted as issued by it).
+        wrong = encode_group(make_group())
+        wrong.update(v=b"99", gid=b"poison-version")
+        # 3. A group that lost a response on the way.
+        short = encode_group(make_group())
+        meta = json.loads(short["meta"])
+        meta["responses"].pop()
+        short.update(meta=json.dumps(meta).encode(), gid=b"poison-short")
+        for stream, fields in ((keys.rollouts.stream, wrong), (keys.scored.stream, short)):
+            with r.pipeline(transaction=True) as pipe:
+                pipe.xadd(stream, fields)
+                pipe.hincrby(keys.ledger, "issued", 1)
+                pipe.execute()
+        wait_for("3 dead letters", lambda: r.xlen(keys.dead) == 3, 60)
+        status = run_status(bus, heartbeat_ttl_s=30)
+        assert status["dead_letters"] == 3 and status["counters"]["poison_messages"] == 1
+        reasons = sorted(f[b"reason"].decode() for _, f in r.xrange(keys.dead))
+        summary = finish(proc, tmp_path)
+    assert any("schema version b'99'" in x for x in reasons), reasons
+    assert any("belong to no response" in x for x in reasons), reasons
+    assert any("schema version None" in x or "missing field" in x for x in reasons), reasons
+    ledger = summary["ledger"]
+    assert summary["steps"] == 15
+    assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["dead"] == 2
