@@ -24,6 +24,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import redis
 import torch
 import torch.distributed as dist
 
@@ -76,7 +77,17 @@ def _share(obj: Any, rank: int) -> Any:
 
 
 def next_command(cfg: DapoConfig, coord: Coordinator) -> Command:
-    """Rank 0 decides what all ranks do next."""
+    """Rank 0 decides what all ranks do next; `wait` while Redis is unreachable (the client
+    already retried with back-off), so a Redis restart costs time, not the run."""
+    try:
+        return _decide(cfg, coord)
+    except redis.ConnectionError as exc:
+        log.warning("redis unavailable (%s); waiting", exc)
+        time.sleep(1.0)
+        return {"cmd": "wait"}
+
+
+def _decide(cfg: DapoConfig, coord: Coordinator) -> Command:
     requests = coord.control_requests()
     if coord.stop.stopping or coord.step >= cfg.learner.total_steps:
         return {"cmd": "stop"}
