@@ -76,7 +76,24 @@ class Coordinator:
         self.orphans = self.take_over_pending()
         self.trackers = Trackers(cfg)
         self.hb = Heartbeat(self.bus.r, self.bus.keys, "learner", self.inst, cfg.queue.heartbeat_ttl_s, self.status).start()
-        self.bus.r.hset(self.bus.keys.run_info, "run_name", cfg.run_name)
+        self.bus.r.hset(self.bus.keys.run_info, mapping={"run_name": cfg.run_name, "alive_marker": self.inst})
+
+    def check_redis_state(self) -> None:
+        """Detect Redis having lost the run's state (restarted without AOF, or flushed): the
+        marker written at start is gone. The loss is reported in /status and the counters, never
+        hidden; work that was queued is gone with it, and the ledger restarts from zero."""
+        if self.bus.r.hexists(self.bus.keys.run_info, "alive_marker"):
+            return
+        lost_at = time.time()
+        log.error("Redis lost the run's state (queued groups and ledger are gone); continuing from step %d", self.step)
+        self.bus.ensure_groups()
+        self.pending, self.picked, self.orphans = [], [], []
+        self.bus.r.hset(self.bus.keys.run_info, mapping={
+            "run_name": self.cfg.run_name, "alive_marker": self.inst, "redis_data_lost_at": lost_at,
+            "data_cursor": self.feeder.cursor, "eval_history": json.dumps(self.evals),
+        })
+        self.bus.r.set(self.bus.keys.policy_version, self.version)
+        self.bus.incr("redis_data_loss")
 
     def resume_from(self, meta: dict[str, Any] | None) -> None:
         """Continue numbering after a restart: step and data cursor from the checkpoint (or what
@@ -128,6 +145,12 @@ class Coordinator:
         if len(self.pending) < need:
             return None
         batch, self.pending = self.pending[:need], self.pending[need:]
+        fresh = [(eid, g) for eid, g in batch if self.version - g.policy_version <= self.cfg.algorithm.max_staleness]
+        if len(fresh) < need:  # groups left over from before the last step may have aged
+            for entry_id, _ in (p for p in batch if p not in fresh):
+                self.bus.hop(stage, entry_id, outcome=LEDGER_STALE)
+            self.pending = fresh + self.pending
+            return None
         return batch
 
     def take_over_pending(self) -> list[tuple[str, dict[bytes, bytes]]]:

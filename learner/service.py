@@ -80,6 +80,7 @@ def next_command(cfg: DapoConfig, coord: Coordinator) -> Command:
     """Rank 0 decides what all ranks do next; `wait` while Redis is unreachable (the client
     already retried with back-off), so a Redis restart costs time, not the run."""
     try:
+        coord.check_redis_state()
         return _decide(cfg, coord)
     except redis.ConnectionError as exc:
         log.warning("redis unavailable (%s); waiting", exc)

@@ -51,6 +51,7 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         "gatekeeper_pass_rate": kept / seen if seen else None,
         "throughput": throughput,
         "base_eval_acc": _float(info.get("base_eval_acc")),
+        "redis_data_lost_at": _float(info.get("redis_data_lost_at")),
         "eval_history": json.loads(info.get("eval_history", "[]")),
         "last_metrics": last,
         "counters": counters,

@@ -143,7 +143,16 @@ class StreamBus:
     # --- consuming --------------------------------------------------------------------------
     def read(self, stage: Stage, *, count: int, block_ms: int) -> list[Entry]:
         """New entries for this consumer (blocking up to block_ms when there are none)."""
-        reply: Any = self.r.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
+        try:
+            reply: Any = self.r.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis came back empty (restarted without persistence): recreate the groups. The
+            # learner detects the loss and reports it; here we just keep working.
+            log.error("consumer group %s is gone (Redis lost its data?); recreating", stage.group)
+            self.ensure_groups()
+            return []
         return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
 
     def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:

@@ -52,3 +52,39 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
     assert summary["counters"].get("trained_twice", 0) == 0
     assert summary["restarts"] == {}  # every service rode out the outage
+
+
+def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> None:
+    """With persistence off a restart loses the queues and the ledger: that must be detected,
+    reported in /status and the counters, and the run must carry on, not hang or crash."""
+    from services.keys import Keys
+    from services.status import run_status
+    from services.streams import StreamBus, connect
+
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    log = (tmp_path / "dapo-run.log").open("a")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+         f"queue.redis_url={server.url}", "learner.total_steps=20", "eval.every_steps=0", "checkpoint.every_steps=0"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        r = redis.Redis.from_url(server.url)
+        wait_for("step 6", lambda: learner_step(r) >= 6)
+        server.stop()
+        time.sleep(2)
+        server = RedisServer(tmp_path / "redis", port=server.port, appendonly=False).start()
+        bus = StreamBus(connect(server.url), Keys("dapo"), "test")
+        status = wait_for("the loss reported", lambda: (s := run_status(bus, heartbeat_ttl_s=30))["redis_data_lost_at"] and s, 120)
+        assert status["counters"]["redis_data_loss"] == 1
+        proc.wait(timeout=900)
+        assert proc.returncode == 0, (tmp_path / "dapo-run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 20
+    assert summary["counters"]["redis_data_loss"] == 1
+    assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
+    assert summary["restarts"] == {}  # detected and carried on: no service crashed
