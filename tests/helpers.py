@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_run(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
+    """`dapo run` on the tiny preset against the test's Redis, output in tmp_path/dapo-run.log
+    (a pipe nobody reads could fill and block the launcher). No evals, no checkpoints unless
+    the overrides ask for them."""
+    log = (tmp_path / "dapo-run.log").open("a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+         f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
 
 
 def wait_for(what: str, check: Any, timeout_s: float = 300, every_s: float = 0.2) -> Any:

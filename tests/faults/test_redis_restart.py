@@ -4,8 +4,6 @@ acknowledged is lost, and the run finishes with the ledger balanced."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,20 +11,14 @@ import pytest
 import redis
 
 from services.redis_server import RedisServer
-from tests.helpers import learner_step, wait_for
+from tests.helpers import learner_step, start_run, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis", appendonly=True).start()
-    log = (tmp_path / "dapo-run.log").open("a")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
-         f"queue.redis_url={server.url}", "learner.total_steps=25", "eval.every_steps=0", "checkpoint.every_steps=0"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = start_run(tmp_path, server.url, "learner.total_steps=25")
     try:
         r = redis.Redis.from_url(server.url)
         wait_for("step 6", lambda: learner_step(r) >= 6)
@@ -62,12 +54,7 @@ def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> N
     from services.streams import StreamBus, connect
 
     server = RedisServer(tmp_path / "redis", appendonly=False).start()
-    log = (tmp_path / "dapo-run.log").open("a")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
-         f"queue.redis_url={server.url}", "learner.total_steps=20", "eval.every_steps=0", "checkpoint.every_steps=0"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = start_run(tmp_path, server.url, "learner.total_steps=20")
     try:
         r = redis.Redis.from_url(server.url)
         wait_for("step 6", lambda: learner_step(r) >= 6)

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,20 +20,10 @@ from services.redis_server import RedisServer
 from services.schemas import encode_group
 from services.status import run_status
 from services.streams import StreamBus, connect
-from tests.helpers import learner_step, wait_for
+from tests.helpers import learner_step, start_run, wait_for
 from tests.services.test_schemas import make_group
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def start_run(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
-    log = (tmp_path / "dapo-run.log").open("a")
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
-         f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
 
 
 def finish(proc: subprocess.Popen[str], tmp_path: Path) -> dict[str, Any]:
