@@ -23,6 +23,7 @@ from learner.tracking import Trackers
 from learner.trainer import Trainer
 from services.config import DapoConfig
 from services.data import load_prompts
+from services.gatekeeper import read_pass_rate
 from services.keys import LEDGER_STALE, LEDGER_TRAINED, Keys
 from services.schemas import RolloutGroup, SchemaError, decode_group
 from services.streams import StreamBus, connect
@@ -185,9 +186,8 @@ class Coordinator:
         lengths = [len(r.token_ids) for g in groups for r in g.responses]
         lags = [float(self.version - g.policy_version) for g in groups]
         self.lags.extend(lags)
-        counters = {k.decode(): int(v) for k, v in self.bus.r.hgetall(self.bus.keys.counters).items()}
         ledger = self.bus.ledger()
-        kept, filtered = counters.get("gate_kept", 0), ledger.filtered
+        rate = read_pass_rate(self.bus, ledger.filtered)
         return {
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/acc_mean": sum(accs) / len(accs),
@@ -198,8 +198,8 @@ class Coordinator:
             "rollout/tokens": float(sum(lengths)),
             "rollout/groups": float(len(groups)),
             **{f"depth/{stage}": float(n) for stage, n in self.bus.depths().items()},
-            "gate/pass_rate": kept / (kept + filtered) if kept + filtered else 0.0,
-            "gate/filtered_total": float(filtered),
+            "gate/pass_rate": 0.0 if rate is None else rate,
+            "gate/filtered_total": float(ledger.filtered),
             "ledger/issued": float(ledger.issued),
             "ledger/in_flight": float(ledger.in_flight),
         }

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from services.data import PromptRecord, render_prompt
+from services.gatekeeper import read_pass_rate
 from services.schemas import PromptJob, encode_job
 from services.streams import StreamBus
 
@@ -83,15 +84,13 @@ class PromptFeeder:
             self._token_cache[index] = ids[-self.max_prompt_len :]  # left-truncate (paper)
         return self._token_cache[index]
 
-    def pass_rate(self) -> float:
-        """Share of gated groups the gatekeeper kept so far (1.0 before any was gated)."""
-        kept = int(self.bus.r.hget(self.bus.keys.counters, "gate_kept") or 0)
-        filtered = self.bus.ledger().filtered
-        return kept / (kept + filtered) if kept + filtered else 1.0
-
     def admit(self, policy_version: int) -> int:
         """Issue the prompt jobs admission control allows now; returns how many."""
-        n = self.wanted(in_flight=self.bus.ledger().in_flight, train_depth=self.bus.depths()["learner"], pass_rate=self.pass_rate())
+        ledger = self.bus.ledger()
+        rate = read_pass_rate(self.bus, ledger.filtered)
+        n = self.wanted(
+            in_flight=ledger.in_flight, train_depth=self.bus.depths()["learner"], pass_rate=1.0 if rate is None else rate
+        )
         if n <= 0:
             return 0
         jobs = []

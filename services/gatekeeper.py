@@ -48,6 +48,21 @@ def group_metric(group: RolloutGroup, metric: str) -> list[float]:
     raise ValueError(f"unknown gatekeeper metric {metric!r}; expected acc, score or reward")
 
 
+KEPT_COUNTER = "gate_kept"
+"""Counter (in the counters hash) of groups the gatekeeper forwarded; filtered ones are in the
+ledger."""
+
+
+def pass_rate(kept: int, filtered: int) -> float | None:
+    """Share of gated groups that were kept; None before any group was gated."""
+    return kept / (kept + filtered) if kept + filtered else None
+
+
+def read_pass_rate(bus: StreamBus, filtered: int) -> float | None:
+    """The run's pass rate so far, given the ledger's filtered count."""
+    return pass_rate(int(bus.r.hget(bus.keys.counters, KEPT_COUNTER) or 0), filtered)
+
+
 class Gatekeeper:
     """The stage handler: decide, then hop each group to `train` or count it as filtered."""
 
@@ -74,7 +89,7 @@ class Gatekeeper:
             if not self.enabled or keep_group(group_metric(group, self.metric)):
                 done = self.bus.hop(
                     stage, entry_id, downstream=self.bus.keys.train.stream,
-                    fields={k.decode(): v for k, v in fields.items()}, counter="gate_kept",
+                    fields={k.decode(): v for k, v in fields.items()}, counter=KEPT_COUNTER,
                 )
                 self.kept += done
             else:

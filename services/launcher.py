@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import redis
 
 from services.config import DapoConfig, dump_config
+from services.gatekeeper import KEPT_COUNTER, pass_rate
 from services.keys import Keys
 from services.plots import write_curves_svg
 from services.streams import StreamBus, connect
@@ -178,6 +179,8 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
     counters = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
     metrics = [json.loads(f[b"m"]) for _, f in r.xrange(keys.metrics)]
 
+    ledger = bus.ledger()
+
     def num(name: str, default: float = float("nan")) -> float:
         return float(info[name]) if name in info else default
 
@@ -188,12 +191,12 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "steps": int(num("steps", 0)),
         "policy_version": int(num("policy_version", 0)),
         "wall_seconds": round(wall_s, 1),
-        "ledger": bus.ledger().as_dict(),
+        "ledger": ledger.as_dict(),
         "mean_version_lag": num("mean_version_lag"),
         "learner_idle_fraction": num("learner_idle_fraction"),
         "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
         "replica_final_versions": replica_versions,
-        "gate_pass_rate": counters.get("gate_kept", 0) / max(counters.get("gate_kept", 0) + bus.ledger().filtered, 1),
+        "gate_pass_rate": pass_rate(counters.get(KEPT_COUNTER, 0), ledger.filtered),
         "eval_history": json.loads(info.get("eval_history", "[]")),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from services.gatekeeper import KEPT_COUNTER, pass_rate
 from services.streams import StreamBus
 from services.worker import live_instances
 
@@ -34,8 +35,6 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
     ledger = bus.ledger()
     metrics = recent_metrics(bus, count=20)
     last = metrics[-1] if metrics else {}
-    kept = counters.get("gate_kept", 0)
-    seen = kept + ledger.filtered
     throughput = _throughput(metrics)
     instances = live_instances(r, keys)
     learner_fresh = any(i.get("kind") == "learner" and i["age_s"] < heartbeat_ttl_s for i in instances)
@@ -48,7 +47,7 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         "stream_depths": bus.depths(),
         "dead_letters": int(r.xlen(keys.dead)),
         "ledger": ledger.as_dict(),
-        "gatekeeper_pass_rate": kept / seen if seen else None,
+        "gatekeeper_pass_rate": pass_rate(counters.get(KEPT_COUNTER, 0), ledger.filtered),
         "throughput": throughput,
         "base_eval_acc": _float(info.get("base_eval_acc")),
         "redis_data_lost_at": _float(info.get("redis_data_lost_at")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -23,6 +24,17 @@ def start_run(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str
          f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
+
+
+def finish(proc: subprocess.Popen[str], tmp_path: Path, timeout_s: float = 900) -> dict[str, Any]:
+    """Wait for a `start_run` run to end; assert it succeeded; return its summary.json."""
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (tmp_path / "dapo-run.log").read_text()[-3000:]
+    return dict(json.loads((tmp_path / "run" / "summary.json").read_text()))
 
 
 def wait_for(what: str, check: Any, timeout_s: float = 300, every_s: float = 0.2) -> Any:

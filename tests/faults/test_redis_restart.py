@@ -3,7 +3,6 @@ acknowledged is lost, and the run finishes with the ledger balanced."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import redis
 
 from services.redis_server import RedisServer
-from tests.helpers import learner_step, start_run, wait_for
+from tests.helpers import finish, learner_step, start_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +32,11 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         at = learner_step(r)
         wait_for("training after the restart", lambda: learner_step(r) >= at + 2, 180)
         print(f"seconds from Redis back to two more training steps: {time.monotonic() - restarted_at:.1f}")
-        proc.wait(timeout=900)
-        assert proc.returncode == 0, (tmp_path / "dapo-run.log").read_text()[-3000:]
+        summary = finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
         server.stop()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 25
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
     assert summary["counters"].get("trained_twice", 0) == 0
@@ -64,13 +61,11 @@ def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> N
         bus = StreamBus(connect(server.url), Keys("dapo"), "test")
         status = wait_for("the loss reported", lambda: (s := run_status(bus, heartbeat_ttl_s=30))["redis_data_lost_at"] and s, 120)
         assert status["counters"]["redis_data_loss"] == 1
-        proc.wait(timeout=900)
-        assert proc.returncode == 0, (tmp_path / "dapo-run.log").read_text()[-3000:]
+        summary = finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
         server.stop()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 20
     assert summary["counters"]["redis_data_loss"] == 1
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0

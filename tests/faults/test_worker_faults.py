@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -20,20 +18,10 @@ from services.redis_server import RedisServer
 from services.schemas import encode_group
 from services.status import run_status
 from services.streams import StreamBus, connect
-from tests.helpers import learner_step, start_run, wait_for
+from tests.helpers import finish, learner_step, start_run, wait_for
 from tests.services.test_schemas import make_group
 
 pytestmark = pytest.mark.slow
-
-
-def finish(proc: subprocess.Popen[str], tmp_path: Path) -> dict[str, Any]:
-    try:
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, (tmp_path / "dapo-run.log").read_text()[-3000:]
-    return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
 def pid_of(r: redis.Redis, kind: str) -> int:
