@@ -60,7 +60,8 @@ class WeightPublisher:
         self.last_sync_s = 0.0
         self.join_timeout_s = min(timeout_s, 15.0)
         self.quarantine_s = 30.0
-        self.quarantined: dict[str, float] = {}
+        # id -> (until, what its heartbeat showed when it was set aside); see replica_versions
+        self.quarantined: dict[str, tuple[float, tuple[object, ...]]] = {}
 
     def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]], layout: list[tuple[str, torch.Tensor]]) -> None:
         """Take a new version's full parameters (consumes `named`, which may be a collective)."""
@@ -71,13 +72,29 @@ class WeightPublisher:
         self.version = version
 
     def replica_versions(self) -> dict[str, int]:
-        """Policy version of every live, responsive replica."""
+        """Policy version of every live, responsive replica.
+
+        A replica set aside for not answering comes back when its quarantine ends, or earlier
+        when its heartbeat shows its work loop moved (new weights or new groups): a woken
+        replica that reloaded from the checkpoint store need not wait out the quarantine, while
+        one whose heartbeat thread lives on but whose loop is stuck still does.
+        """
         now = time.monotonic()
-        return {
-            i["id"]: int(i.get("policy_version", -1))
-            for i in live_instances(self.bus.r, self.bus.keys, "rollout")
-            if self.quarantined.get(i["id"], 0.0) < now
-        }
+        out = {}
+        for info in live_instances(self.bus.r, self.bus.keys, "rollout"):
+            rid = info["id"]
+            if rid in self.quarantined:
+                until, seen = self.quarantined[rid]
+                if now < until and _progress(info) == seen:
+                    continue
+                del self.quarantined[rid]
+            out[rid] = int(info.get("policy_version", -1))
+        return out
+
+    def _set_aside(self, members: Iterable[str]) -> None:
+        progress = {i["id"]: _progress(i) for i in live_instances(self.bus.r, self.bus.keys, "rollout")}
+        for m in members:
+            self.quarantined[m] = (time.monotonic() + self.quarantine_s, progress.get(m, ()))
 
     def _await_joins(self, ann: Announcement) -> set[str]:
         key, deadline = self.bus.keys.weight_join(ann.group_key), time.monotonic() + self.join_timeout_s
@@ -109,8 +126,7 @@ class WeightPublisher:
             if joined != set(chosen):
                 self._decide(ann, "abort")
                 silent = set(chosen) - joined
-                for m in silent:
-                    self.quarantined[m] = time.monotonic() + self.quarantine_s
+                self._set_aside(silent)
                 self.bus.incr("weight_sync_dropped_members", len(silent))
                 log.warning("replicas %s did not join weight sync %s; re-forming without them", sorted(silent), ann.group_key)
                 self.members = ()
@@ -146,3 +162,8 @@ class WeightPublisher:
         if behind:
             log.info("catching up %s to version %d", behind, self.version)
             self.publish(behind)
+
+
+def _progress(info: dict[str, object]) -> tuple[object, ...]:
+    """What moves in a replica's heartbeat only when its work loop runs."""
+    return (info.get("policy_version"), info.get("groups"))

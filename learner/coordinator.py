@@ -26,7 +26,7 @@ from services.data import load_prompts
 from services.gatekeeper import read_pass_rate
 from services.keys import LEDGER_STALE, LEDGER_TRAINED, Keys
 from services.schemas import RolloutGroup, SchemaError, decode_group
-from services.streams import StreamBus, connect
+from services.streams import StreamBus, check_memory_policy, connect
 from services.weight_group import unflatten
 from services.worker import Heartbeat, StopFlag, instance_id
 
@@ -46,7 +46,11 @@ class Coordinator:
             raise SystemExit("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
         self.cfg, self.trainer, self.stop = cfg, trainer, stop
         self.inst = instance_id("learner")
-        self.bus = StreamBus(connect(url), Keys(cfg.queue.namespace), consumer=self.inst)
+        keys = Keys(cfg.queue.namespace)
+        # At maxmemory rank 0 pauses on the refused write. With several ranks, a pause longer than
+        # learner.collective_timeout_s times the others out; they restart from the last checkpoint.
+        self.bus = StreamBus(connect(url, stop=stop.event, counters_key=keys.counters), keys, consumer=self.inst)
+        check_memory_policy(self.bus.r)
         self.bus.ensure_groups()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         alg = cfg.algorithm
@@ -111,6 +115,7 @@ class Coordinator:
             self.version = ckpt_version if redis_version <= ckpt_version else redis_version + 1
             self.feeder.cursor = max(int(meta["data_cursor"]), redis_cursor)
         self.bus.r.set(self.bus.keys.policy_version, self.version)
+        self.bus.r.hset(self.bus.keys.run_info, "finished", 0)  # until this learner completes the run
 
     def status(self) -> dict[str, Any]:
         return {"policy_version": self.version, "step": self.step, "state": self.state}
@@ -283,17 +288,21 @@ class Coordinator:
         }
 
     def finish(self) -> None:
-        """Final evaluation; drain the pipeline if the run completed; record the summary."""
+        """A completed run: final evaluation, drain the pipeline, export the model, record the
+        summary. A stopped one (SIGTERM; the checkpoint is already written) only records where
+        it stopped, so the process exits within its grace period; its groups in flight stay
+        queued for the learner that resumes."""
         completed = self.step >= self.cfg.learner.total_steps and not self.stop.stopping
-        final = self.run_eval()
-        if completed:
-            self.drain()
         wall = time.monotonic() - self.started
-        self.bus.r.hset(self.bus.keys.run_info, mapping={
-            "final_eval_acc": final.get("eval/acc", -1.0), "steps": self.step, "policy_version": self.version,
+        summary: dict[str, Any] = {
+            "steps": self.step, "policy_version": self.version, "finished": int(completed),
             "learner_idle_fraction": self.wait_s / wall, "learner_wall_s": wall,
             "mean_version_lag": sum(self.lags) / len(self.lags) if self.lags else 0.0,
-            "final_model": str(self.save_final()), "finished": int(completed),
-        })
+        }
+        if completed:
+            summary["final_eval_acc"] = self.run_eval().get("eval/acc", -1.0)
+            self.drain()
+            summary["final_model"] = str(self.save_final())
+        self.bus.r.hset(self.bus.keys.run_info, mapping=summary)
         self.set_state("finished" if completed else "stopped")
         self.trackers.close()

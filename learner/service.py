@@ -39,6 +39,7 @@ from learner.checkpoint import (
 from learner.coordinator import Coordinator
 from learner.trainer import Trainer
 from services.config import DapoConfig
+from services.faults import stretch
 from services.worker import StopFlag
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class Learner:
         batch = build_batch(groups, pad_id=0, norm_by_std=cfg.algorithm.norm_by_std, overlong_filter=cfg.reward.overlong.filter)
         version = _share(coord.version if coord is not None else None, self.rank)
         metrics = self.trainer.train_step(batch, learner_version=version)
+        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/faults.py)
         t1 = time.monotonic()
         rollout_metrics = coord.rollout_metrics(groups) if coord is not None else {}
         self.publish(version + 1)

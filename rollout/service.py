@@ -20,6 +20,7 @@ import redis
 
 from rollout.engine import Engine, make_engine
 from services.config import DapoConfig
+from services.faults import stretch
 from services.schemas import (
     PromptJob,
     Response,
@@ -137,6 +138,25 @@ class RolloutWorker:
         log.info("loaded published weights: policy version %d", self.policy_version)
         self.heartbeat_now()
 
+    def catch_up_from_store(self) -> bool:
+        """A replica too far behind to produce usable samples (it was hung, partitioned, or its
+        broadcasts failed) first loads the newest committed checkpoint when that is newer than
+        what it holds: a local read instead of a broadcast. The learner's catch-up sync then
+        brings it the rest of the way. Returns True when it loaded."""
+        from learner.checkpoint import latest_checkpoint
+
+        published = int(self.bus.r.get(self.bus.keys.policy_version) or 0)
+        if published - self.policy_version <= self.cfg.algorithm.max_staleness:
+            return False
+        latest = latest_checkpoint(self.cfg.checkpoint_dir)
+        if latest is None or not (latest.path / "hf").is_dir() or int(latest.meta.get("policy_version", 0)) <= self.policy_version:
+            return False
+        log.warning("holding version %d while the learner is at %d: loading checkpoint step %d",
+                    self.policy_version, published, latest.step)
+        self.load_published()
+        self.bus.incr("replica_store_catch_ups")
+        return True
+
     def heartbeat_now(self) -> None:
         if self.hb is not None:
             self.hb.beat()
@@ -169,6 +189,7 @@ class RolloutWorker:
             [job.prompt_ids for _, job in jobs], n=ro.group_size, max_tokens=ro.max_response_len,
             temperature=ro.temperature, top_p=ro.top_p,
         )
+        stretch("rollout.slowdown", time.monotonic() - start, self.stop.event)  # fault suite only
         seconds = time.monotonic() - start
         self.busy_s += seconds
         for (entry_id, job), samples in zip(jobs, outputs, strict=True):
@@ -192,6 +213,7 @@ class RolloutWorker:
                 entries: list[Entry] = []
                 if time.monotonic() - last_reclaim > 5.0:
                     last_reclaim = time.monotonic()
+                    self.catch_up_from_store()
                     entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
                 if not entries:
                     entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)

@@ -57,7 +57,7 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
     if client is None:
         if not url:
             raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
-        client = connect(url, retries=2)
+        client = connect(url, retries=2, pause_when_full=False)  # answer 503, don't hang
     bus = StreamBus(client, Keys(cfg.queue.namespace), consumer="api")
     store = cfg.checkpoint_dir
     app = FastAPI(title="DAPO control plane", version="1", description=__doc__)

@@ -28,7 +28,7 @@ from services.config import DapoConfig, dump_config
 from services.gatekeeper import KEPT_COUNTER, pass_rate
 from services.keys import Keys
 from services.plots import write_curves_svg
-from services.streams import StreamBus, connect
+from services.streams import StreamBus, check_memory_policy, connect
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,9 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         url = server.url
     env = {**os.environ, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
     keys = Keys(cfg.queue.namespace)
-    bus = StreamBus(connect(url), keys, consumer="launcher")
+    # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
+    bus = StreamBus(connect(url, pause_when_full=False), keys, consumer="launcher")
+    check_memory_policy(bus.r)
     if not resume:
         clear_namespace(bus.r, keys)
         _set_aside_checkpoints(cfg.checkpoint_dir)
@@ -254,10 +256,11 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
                 log.warning("interrupted: stopping every service")
                 break
             if not learner.alive():
-                assert learner.proc is not None
-                if learner.proc.returncode == 0 or learner.restarts >= MAX_RESTARTS:
-                    break  # finished (or out of restarts)
-                _restart(learner, env, bus)  # it resumes from the newest committed checkpoint
+                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS:
+                    break
+                # Crashed, or stopped from outside (SIGTERM: it exits 0 after checkpointing): it
+                # resumes from the newest committed checkpoint.
+                _restart(learner, env, bus)
             for svc in services[1:]:
                 if not svc.alive():
                     _restart(svc, env, bus)
@@ -284,6 +287,14 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         f"summary: {out / 'summary.json'}, curves: {out / 'curves.svg'}\n"
     )
     return 0 if learner_rc == 0 and not interrupted else 1
+
+
+def _run_finished(bus: StreamBus) -> bool:
+    """The learner records `finished` when it completed total_steps (not when merely stopped)."""
+    try:
+        return bus.r.hget(bus.keys.run_info, "finished") == b"1"
+    except redis.RedisError:
+        return False
 
 
 def _set_aside_checkpoints(store: Path) -> None:

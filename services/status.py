@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from services.gatekeeper import KEPT_COUNTER, pass_rate
-from services.streams import StreamBus
+from services.streams import StreamBus, memory_report
 from services.worker import live_instances
 
 
@@ -51,6 +51,7 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         "throughput": throughput,
         "base_eval_acc": _float(info.get("base_eval_acc")),
         "redis_data_lost_at": _float(info.get("redis_data_lost_at")),
+        "redis_memory": memory_report(r),
         "eval_history": json.loads(info.get("eval_history", "[]")),
         "last_metrics": last,
         "counters": counters,
@@ -103,6 +104,11 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("ledger_balanced", "gauge", "1 when issued = trained + filtered + stale + dead + in flight.", float(status["ledger"]["balanced"]))
     for stage, depth in status["stream_depths"].items():
         metric("stream_depth", "gauge", "Entries waiting or in progress per stage.", depth, f'{{stage="{stage}"}}')
+    mem = status["redis_memory"]
+    metric("redis_used_bytes", "gauge", "Redis used_memory.", mem["used_bytes"])
+    metric("redis_peak_bytes", "gauge", "Redis used_memory_peak.", mem["peak_bytes"])
+    metric("redis_maxmemory_bytes", "gauge", "Redis maxmemory (0 = no limit).", mem["maxmemory_bytes"])
+    metric("redis_at_maxmemory", "gauge", "1 while Redis refuses writes (services are paused).", float(mem["at_maxmemory"]))
     metric("dead_letters", "gauge", "Entries in the dead-letter stream.", status["dead_letters"])
     metric("gate_pass_rate", "gauge", "Fraction of groups kept by dynamic sampling.", status["gatekeeper_pass_rate"])
     metric("throughput_prompts_per_second", "gauge", "Trained prompt groups per second.", status["throughput"]["prompts_per_s"])
@@ -131,6 +137,7 @@ def format_status(status: dict[str, Any]) -> str:
                    f"+ dead {led['dead']} + in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})"),
         ("stream depths", ", ".join(f"{k} {v}" for k, v in status["stream_depths"].items())),
         ("dead letters", str(status["dead_letters"])),
+        ("redis memory", _memory_line(status["redis_memory"])),
         ("gatekeeper pass rate", "-" if status["gatekeeper_pass_rate"] is None else f"{status['gatekeeper_pass_rate']:.3f}"),
         ("throughput", f"{status['throughput']['prompts_per_s']:.2f} prompts/s, {status['throughput']['tokens_per_s']:.0f} tokens/s"),
         ("eval", ", ".join(f"step {s}: {a:.3f}" for s, a in status["eval_history"][-5:]) or "-"),
@@ -149,6 +156,13 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _memory_line(mem: dict[str, Any]) -> str:
+    mib = 1 << 20
+    limit = f"{mem['maxmemory_bytes'] / mib:.1f} MiB" if mem["maxmemory_bytes"] else "no limit"
+    line = f"{mem['used_bytes'] / mib:.1f} MiB used (peak {mem['peak_bytes'] / mib:.1f}), maxmemory {limit}"
+    return line + (" -- AT MAXMEMORY: writes refused, services paused" if mem["at_maxmemory"] else "")
+
+
 def print_status(cfg: Any, *, as_json: bool = False) -> int:
     import sys
 
@@ -159,7 +173,7 @@ def print_status(cfg: Any, *, as_json: bool = False) -> int:
     if not url:
         sys.stderr.write("dapo status: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)\n")
         return 2
-    bus = StreamBus(connect(url, retries=1), Keys(cfg.queue.namespace), consumer="status")
+    bus = StreamBus(connect(url, retries=1, pause_when_full=False), Keys(cfg.queue.namespace), consumer="status")
     status = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
     sys.stdout.write((json.dumps(status, indent=1) if as_json else format_status(status)) + "\n")
     return 0

@@ -12,14 +12,22 @@ or being processed at that stage, and the ledger balance is a real check, not a 
 
     issued == trained + filtered + stale + dead + sum(XLEN of the four stage streams)
 
+When Redis reaches `maxmemory` (policy `noeviction`, which `check_memory_policy` insists on)
+it refuses commands that would grow its memory. Clients from `connect()` then *pause*: they log
+one clear error, retry the refused command with back-off until Redis accepts it, and count the
+pause. Nothing is dropped: a hop script runs whole or not at all (its first write, XACK, is
+always allowed, and Redis never stops a script half-way), and a refused XADD wrote nothing.
+
 What this does NOT guarantee: work done by a worker that dies before its hop is redone by
 whoever reclaims the entry (at-least-once processing, exactly-once forwarding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,15 +78,101 @@ return count
 """
 
 
-def connect(url: str, *, retries: int = 8) -> redis.Redis:
-    """A client that retries with bounded exponential back-off when the server goes away."""
-    return redis.Redis.from_url(
+# Read-only, so Redis runs it even at maxmemory (a MULTI/EXEC would be refused there).
+# KEYS: ledger, then every stage stream. Returns [HGETALL ledger, XLEN stream...].
+_LEDGER = """
+local out = {redis.call('HGETALL', KEYS[1])}
+for i = 2, #KEYS do out[#out + 1] = redis.call('XLEN', KEYS[i]) end
+return out
+"""
+
+OOM_PAUSE_COUNTER = "redis_oom_pauses"
+
+
+class PausingRedis(redis.Redis):
+    """A client that waits out Redis at `maxmemory` instead of failing the caller.
+
+    A refused command (OOM) is retried with back-off (0.5 s doubling to 5 s) until Redis accepts
+    it; the first refusal logs a clear error, and the pause is counted under
+    `OOM_PAUSE_COUNTER` in `counters_key` once Redis accepts writes again. If `stop` is set
+    while paused the error is raised, so a process asked to exit is not held by a full Redis.
+    """
+
+    stop: threading.Event | None = None
+    counters_key: str | None = None
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        paused_at: float | None = None
+        delay = 0.5
+        while True:
+            try:
+                result = super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+            except redis.OutOfMemoryError:
+                if self.stop is not None and self.stop.is_set():
+                    raise
+                if paused_at is None:
+                    paused_at = time.monotonic()
+                    log.error(
+                        "Redis is at maxmemory and refused %s: pausing until it accepts writes again "
+                        "(raise the server's maxmemory, or lower algorithm.max_staleness / oversampling so "
+                        "less work is queued); nothing has been dropped", args[0],
+                    )
+                if self.stop is not None:
+                    self.stop.wait(delay)
+                else:
+                    time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if paused_at is not None:
+                log.warning("Redis accepts writes again; resumed after a %.1fs pause", time.monotonic() - paused_at)
+                if self.counters_key:
+                    with contextlib.suppress(redis.RedisError):  # a count is not worth another pause
+                        super().execute_command("HINCRBY", self.counters_key, OOM_PAUSE_COUNTER, 1)  # type: ignore[no-untyped-call]
+            return result
+
+
+def connect(
+    url: str, *, retries: int = 8, pause_when_full: bool = True, stop: threading.Event | None = None,
+    counters_key: str | None = None,
+) -> redis.Redis:
+    """A client that retries with bounded exponential back-off when the server goes away and,
+    with `pause_when_full` (services; not the API, which answers 503 instead), waits out Redis
+    at maxmemory (see `PausingRedis`)."""
+    cls = PausingRedis if pause_when_full else redis.Redis
+    client = cls.from_url(
         url,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=10,
         socket_keepalive=True,
     )
+    if isinstance(client, PausingRedis):
+        client.stop, client.counters_key = stop, counters_key
+    return client
+
+
+def check_memory_policy(client: redis.Redis) -> None:
+    """Refuse a Redis that would evict keys under memory pressure: that is silent data loss."""
+    mem: Any = client.info("memory")
+    policy = str(mem.get("maxmemory_policy", "noeviction"))
+    if int(mem.get("maxmemory", 0)) > 0 and policy != "noeviction":
+        raise RuntimeError(
+            f"Redis maxmemory-policy is {policy!r}: under memory pressure Redis would delete queued samples; "
+            "set it to noeviction (the run then pauses at maxmemory instead of losing data)"
+        )
+
+
+def memory_report(client: redis.Redis) -> dict[str, Any]:
+    """Redis memory as /status shows it: used, peak, limit, and whether writes are being refused."""
+    mem: Any = client.info("memory")
+    used, limit = int(mem.get("used_memory", 0)), int(mem.get("maxmemory", 0))
+    return {
+        "used_bytes": used,
+        "peak_bytes": int(mem.get("used_memory_peak", 0)),
+        "maxmemory_bytes": limit,
+        "policy": str(mem.get("maxmemory_policy", "")),
+        "at_maxmemory": bool(limit and used >= limit),
+    }
 
 
 @dataclass(frozen=True)
@@ -116,6 +210,7 @@ class StreamBus:
         self.consumer = consumer
         self._hop = client.register_script(_HOP)
         self._issue = client.register_script(_ISSUE)
+        self._ledger = client.register_script(_LEDGER)
 
     def ensure_groups(self) -> None:
         """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
@@ -239,12 +334,9 @@ class StreamBus:
 
     # --- observing --------------------------------------------------------------------------
     def ledger(self) -> LedgerSnapshot:
-        with self.r.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.keys.ledger)
-            for stage in self.keys.stages:
-                pipe.xlen(stage.stream)
-            counts, *lengths = pipe.execute()
-        c = {k.decode(): int(v) for k, v in counts.items()}
+        """One consistent snapshot (a read-only script, so it works at maxmemory too)."""
+        flat, *lengths = self._ledger(keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)])
+        c = {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         return LedgerSnapshot(
             issued=c.get(LEDGER_ISSUED, 0),
             **{name: c.get(name, 0) for name in LEDGER_OUTCOMES},

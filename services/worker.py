@@ -25,7 +25,7 @@ import redis
 
 from services.config import ConfigError, DapoConfig, QueueConfig
 from services.keys import Keys, Stage
-from services.streams import Entry, StreamBus, connect
+from services.streams import Entry, StreamBus, check_memory_policy, connect
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,8 @@ def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True)
     if install_signals:
         stop.install()
     inst = instance_id(kind)
-    bus = StreamBus(connect(url), Keys(cfg.queue.namespace), consumer=inst)
+    keys = Keys(cfg.queue.namespace)
+    bus = StreamBus(connect(url, stop=stop.event, counters_key=keys.counters), keys, consumer=inst)
+    check_memory_policy(bus.r)
     bus.ensure_groups()
     return ServiceContext(kind, inst, bus, stop)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,16 +15,31 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_run(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
+def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
     """`dapo run` on the tiny preset against the test's Redis, output in tmp_path/dapo-run.log
     (a pipe nobody reads could fill and block the launcher). No evals, no checkpoints unless
-    the overrides ask for them."""
+    the overrides ask for them. `faults` is passed as DAPO_FAULTS (services/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
          f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "DAPO_FAULTS": faults},
     )
+
+
+def pid_of(r: redis.Redis, kind: str, namespace: str = "dapo") -> int:
+    """The process id of one live instance of `kind` (from its heartbeat)."""
+    key = next(iter(r.scan_iter(match=f"{namespace}:hb:{kind}:*")))
+    return int(json.loads(r.get(key))["pid"])
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
 
 
 def finish(proc: subprocess.Popen[str], tmp_path: Path, timeout_s: float = 900) -> dict[str, Any]:

@@ -18,15 +18,10 @@ from services.redis_server import RedisServer
 from services.schemas import encode_group
 from services.status import run_status
 from services.streams import StreamBus, connect
-from tests.helpers import finish, learner_step, start_run, wait_for
+from tests.helpers import finish, learner_step, pid_of, start_run, wait_for
 from tests.services.test_schemas import make_group
 
 pytestmark = pytest.mark.slow
-
-
-def pid_of(r: redis.Redis, kind: str) -> int:
-    key = next(iter(r.scan_iter(match=f"dapo:hb:{kind}:*")))
-    return int(json.loads(r.get(key))["pid"])
 
 
 def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,12 @@ def learner_pid(r: redis.Redis) -> int:
     return int(json.loads(r.get(key))["pid"])
 
 
+def _training_again(r: redis.Redis, killed: int) -> bool:
+    """A learner other than the killed one is up (the killed one's heartbeat may linger) and training."""
+    pids = {int(json.loads(v)["pid"]) for k in r.scan_iter(match="dapo:hb:learner:*") if (v := r.get(k))}
+    return bool(pids - {killed}) and r.hget("dapo:learner:state", "state") == b"training"
+
+
 def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with RedisServer(tmp_path / "redis", appendonly=True) as server:
@@ -49,7 +56,11 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
         proc = dapo_run(out, server.url, "learner.total_steps=30")
         try:
             wait_for("step 12", lambda: learner_step(r) >= 12)
-            os.kill(learner_pid(r), signal.SIGKILL)
+            killed = learner_pid(r)
+            os.kill(killed, signal.SIGKILL)
+            killed_at, step_at_kill = time.monotonic(), learner_step(r)
+            wait_for("the restarted learner training", lambda: _training_again(r, killed), every_s=0.1)
+            recovery_s = time.monotonic() - killed_at
             proc.wait(timeout=900)
             output = (tmp_path / "dapo-run.log").read_text()
         finally:
@@ -57,6 +68,8 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
                 proc.kill()
         assert proc.returncode == 0, output[-4000:]
         summary = json.loads((out / "summary.json").read_text())
+        print(f"learner SIGKILL at step {step_at_kill}: training again {recovery_s:.1f}s later "
+              "(supervisor back-off, process start, checkpoint load)")
         assert summary["restarts"] == {"learner": 1}
         assert summary["steps"] == 30
         ledger = summary["ledger"]
