@@ -44,6 +44,11 @@ class RewardWorker:
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
                 continue
+            longest = max(len(r.token_ids) for r in group.responses)
+            if longest > max_len:  # no sampler produces this; the overlong penalty is unbounded past it
+                self.bus.dead_letter(stage, entry_id, fields, f"reward: a response of {longest} tokens exceeds "
+                                     f"rollout.max_response_len={max_len} (services running with different configs?)")
+                continue
             texts = self.tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
             results = self.scorer.score_many([(t, group.job.ground_truth) for t in texts])
             group.scores = [r.score for r in results]

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 2.0
 WORKERS = 2
 NESTING = 2000
+MAX_LEN = 1_100_000
+"""Long enough for the 1 MB response (the tiny tokenizer spells digits one token each)."""
 
 
 def hostile_texts(tokenizer: object) -> dict[str, list[int]]:
@@ -72,7 +74,7 @@ def test_hostile_responses_are_scored_within_the_bound(verifier: str, redis_url:
     worker = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "reward", "--config", "configs/tiny.yaml", f"model.path={tiny_model_dir}",
          f"queue.redis_url={redis_url}", f"reward.verifier={verifier}", f"reward.timeout_s={TIMEOUT_S}",
-         f"reward.sandbox_workers={WORKERS}", f"output_dir={tmp_path / 'run'}"],
+         f"reward.sandbox_workers={WORKERS}", f"output_dir={tmp_path / 'run'}", f"rollout.max_response_len={MAX_LEN}"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
@@ -82,11 +84,14 @@ def test_hostile_responses_are_scored_within_the_bound(verifier: str, redis_url:
         hostile = hostile_texts(tokenizer)
         names = [*hostile, "control"]
         groups = [group_of(name, hostile.get(name, good), good, i) for i, name in enumerate(names)]
+        # A response longer than any sampler could produce is malformed: dead-lettered, not scored.
+        too_long = group_of("too long", [7] * (MAX_LEN + 1), good, len(groups))
         # Issue the jobs and hop them to the rollouts stream as a replica would, so the ledger counts them.
-        bus.issue([encode_job(g.job) for g in groups])
-        for (entry_id, _), g in zip(bus.read(keys.prompts, count=len(groups), block_ms=100), groups, strict=True):
+        bus.issue([encode_job(g.job) for g in [*groups, too_long]])
+        sent_ms = {}
+        for (entry_id, _), g in zip(bus.read(keys.prompts, count=len(groups) + 1, block_ms=100), [*groups, too_long], strict=True):
             bus.hop(keys.prompts, entry_id, downstream=keys.rollouts.stream, fields=encode_group(g))
-        sent_ms = {g.job.group_id: int(e.split("-")[0]) for g, (e, _) in zip(groups, r.xrange(keys.rollouts.stream), strict=True)}
+            sent_ms[g.job.group_id] = int(time.time() * 1000)
         per_group_bound_s = math.ceil(4 / WORKERS) * TIMEOUT_S + 5.0  # 4 responses, plus decode and overhead
         scored = wait_for("every group scored", lambda: _scored(r, keys, len(groups)),
                           timeout_s=len(groups) * per_group_bound_s + 30)
@@ -101,6 +106,8 @@ def test_hostile_responses_are_scored_within_the_bound(verifier: str, redis_url:
             done = int(e.split("-")[0]) / 1000
             own[g.replica_id.split(":", 1)[1]] = round(done - max(previous, sent_ms[g.job.group_id] / 1000), 2)
             previous = done
+        wait_for("the dead letter", lambda: r.xlen(keys.dead) == 1, timeout_s=60)
+        dead_reason = r.xrange(keys.dead)[0][1][b"reason"].decode()
         ledger = bus.ledger()
         timeouts = int(r.hget(keys.counters, "reward_timeouts") or 0)
     finally:
@@ -117,7 +124,8 @@ def test_hostile_responses_are_scored_within_the_bound(verifier: str, redis_url:
         name = g.replica_id.split(":", 1)[1]
         if name != "control":
             assert not any(g.acc[:3]), f"{name} scored as correct"
-    assert ledger.issued == len(groups) and ledger.in_flight == len(groups) and ledger.balanced
+    assert f"a response of {MAX_LEN + 1} tokens exceeds rollout.max_response_len={MAX_LEN}" in dead_reason
+    assert ledger.issued == len(groups) + 1 and ledger.in_flight == len(groups) and ledger.dead == 1 and ledger.balanced
 
 
 def _scored(r: redis.Redis, keys: Keys, n: int) -> list[tuple[str, RolloutGroup]] | None:
