@@ -10,7 +10,8 @@ A sync is two-phase so one dead or hung replica cannot stall everyone: the learn
 group, each member registers in a Redis join set before touching torch.distributed, and only
 when every member has joined (within `join_timeout_s`) does the learner say `go`; otherwise it
 says `abort`, sets the silent members aside for `quarantine_s` (their heartbeat may not have
-expired yet), and re-forms the group from those that answered.
+expired yet; one that reloads weights from the checkpoint store comes back earlier), and
+re-forms the group from those that answered.
 
 What this does NOT guarantee: a member that joins and then dies mid-broadcast makes that
 broadcast fail after `learner.collective_timeout_s`; the learner never blocks longer than that,
@@ -75,9 +76,9 @@ class WeightPublisher:
         """Policy version of every live, responsive replica.
 
         A replica set aside for not answering comes back when its quarantine ends, or earlier
-        when its heartbeat shows its work loop moved (new weights or new groups): a woken
-        replica that reloaded from the checkpoint store need not wait out the quarantine, while
-        one whose heartbeat thread lives on but whose loop is stuck still does.
+        when its heartbeat shows it loaded other weights (a woken replica that reloaded from the
+        checkpoint store); one that is merely slow, or whose heartbeat thread lives on while its
+        loop is stuck, waits out the quarantine.
         """
         now = time.monotonic()
         out = {}
@@ -165,5 +166,5 @@ class WeightPublisher:
 
 
 def _progress(info: dict[str, object]) -> tuple[object, ...]:
-    """What moves in a replica's heartbeat only when its work loop runs."""
-    return (info.get("policy_version"), info.get("groups"))
+    """What changes in a replica's heartbeat only when it has loaded other weights."""
+    return (info.get("policy_version"),)

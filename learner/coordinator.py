@@ -47,9 +47,11 @@ class Coordinator:
         self.cfg, self.trainer, self.stop = cfg, trainer, stop
         self.inst = instance_id("learner")
         keys = Keys(cfg.queue.namespace)
-        # At maxmemory rank 0 pauses on the refused write. With several ranks, a pause longer than
-        # learner.collective_timeout_s times the others out; they restart from the last checkpoint.
-        self.bus = StreamBus(connect(url, stop=stop.event, counters_key=keys.counters), keys, consumer=self.inst)
+        # At maxmemory rank 0 pauses on the refused write, even when asked to stop: giving up half
+        # way through a step could record groups as trained in Redis but not in a checkpoint; if
+        # the pause outlasts the grace period, SIGKILL and a restart lose nothing. With several
+        # ranks, a pause longer than learner.collective_timeout_s times the others out (a restart).
+        self.bus = StreamBus(connect(url, counters_key=keys.counters), keys, consumer=self.inst)
         check_memory_policy(self.bus.r)
         self.bus.ensure_groups()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -8,8 +8,10 @@ gather the new weights, and rank 0 publishes them to the rollout replicas as pol
 acknowledges the trained groups, evaluates when due and reports metrics.
 
 On start the learner resumes from the newest committed checkpoint if there is one (a restarted
-process continues the run; `dapo run` without --resume starts a fresh store). At the end it
-drains the pipeline, so every issued job is accounted for (in_flight = 0 after a clean stop).
+process continues the run; `dapo run` without --resume starts a fresh store). When it completes
+`total_steps` it drains the pipeline, so every issued job is accounted for (in_flight = 0). On
+SIGTERM it finishes the current step, commits a checkpoint and exits 0 without draining: the
+work in flight stays queued for the learner that resumes.
 
 Departures from the paper: asynchronous (bounded staleness with importance-weight correction,
 DAPO.md s9; `max_staleness: 0` is the synchronous algorithm), and evaluation runs on rank 0 with

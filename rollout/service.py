@@ -29,7 +29,7 @@ from services.schemas import (
     decode_job,
     encode_group,
 )
-from services.streams import Entry, StreamBus
+from services.streams import Entry, StreamBus, is_oom
 from services.weight_group import Announcement
 from services.worker import Heartbeat, StopFlag, service_context
 
@@ -47,6 +47,9 @@ class RolloutWorker:
         self.started = time.monotonic()
         self.hb: Heartbeat | None = None
         self.group_key = ""  # the broadcast group this replica last received over
+        # Wall-clock time of the newest weights held: when their broadcast was announced, or when
+        # they were loaded from the store. A late-completing old broadcast does not look recent.
+        self.weights_from = time.time()
 
     # --- weights ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -67,17 +70,18 @@ class RolloutWorker:
             last = self.bus.r.xrevrange(self.bus.keys.weights, count=1)
             self.weights_cursor = last[0][0].decode() if last else "0"
         newest: Announcement | None = None
+        newest_at = 0.0
         for _, entries in reply or []:
             for eid, fields in entries:
                 self.weights_cursor = eid.decode()
                 ann = Announcement.from_json(json.loads(fields[b"ann"]))
-                age_s = time.time() - int(self.weights_cursor.split("-")[0]) / 1000
+                announced_at = int(self.weights_cursor.split("-")[0]) / 1000
                 # Only the newest announcement naming this replica matters, and only while its
                 # rendezvous can still be open: joining an abandoned one would just time out.
-                if self.id in ann.members and age_s < ann.timeout_s / 2:
-                    newest = ann
+                if self.id in ann.members and time.time() - announced_at < ann.timeout_s / 2:
+                    newest, newest_at = ann, announced_at
         if newest is not None:
-            self._apply(newest)
+            self._apply(newest, newest_at)
 
     def _await_go(self, ann: Announcement) -> bool:
         """Phase one of a sync: register, then wait for the learner's go/abort."""
@@ -92,7 +96,7 @@ class RolloutWorker:
             time.sleep(0.02)
         return False
 
-    def _apply(self, ann: Announcement) -> None:
+    def _apply(self, ann: Announcement, announced_at: float) -> None:
         start = time.monotonic()
         if not self.engine_has_group(ann) and not self._await_go(ann):
             log.info("weight sync %s aborted; waiting for the next", ann.group_key)
@@ -108,6 +112,7 @@ class RolloutWorker:
         finally:
             self.sync_s += time.monotonic() - start
         self.group_key = ann.group_key
+        self.weights_from = announced_at
         if ann.version < self.policy_version:  # must never happen: the learner numbers upwards
             self.bus.incr("replica_version_regressions")
             log.error("received version %d while holding %d", ann.version, self.policy_version)
@@ -135,16 +140,20 @@ class RolloutWorker:
         if self.policy_version < held:
             self.bus.incr("replica_version_regressions")
             log.warning("fell back from version %d to the published version %d", held, self.policy_version)
+        self.weights_from = time.time()
         log.info("loaded published weights: policy version %d", self.policy_version)
         self.heartbeat_now()
 
     def catch_up_from_store(self) -> bool:
-        """A replica too far behind to produce usable samples (it was hung, partitioned, or its
-        broadcasts failed) first loads the newest committed checkpoint when that is newer than
-        what it holds: a local read instead of a broadcast. The learner's catch-up sync then
-        brings it the rest of the way. Returns True when it loaded."""
+        """A replica that lost contact (no weights for longer than a broadcast may take: it was
+        hung, partitioned, or its syncs failed) and is too far behind to produce usable samples
+        first loads the newest committed checkpoint when that is newer than what it holds: a
+        local read instead of a broadcast. The learner's catch-up sync then brings it the rest of
+        the way. A replica in a working group never does this. Returns True when it loaded."""
         from learner.checkpoint import latest_checkpoint
 
+        if time.time() - self.weights_from < self.cfg.learner.collective_timeout_s:
+            return False
         published = int(self.bus.r.get(self.bus.keys.policy_version) or 0)
         if published - self.policy_version <= self.cfg.algorithm.max_staleness:
             return False
@@ -153,7 +162,12 @@ class RolloutWorker:
             return False
         log.warning("holding version %d while the learner is at %d: loading checkpoint step %d",
                     self.policy_version, published, latest.step)
-        self.load_published()
+        try:
+            self.load_published()
+        except (OSError, RuntimeError, ValueError):  # retention removed it meanwhile, a bad file...
+            log.exception("could not load checkpoint step %d; waiting for the learner's sync", latest.step)
+            self.weights_from = time.time()  # don't retry at once
+            return False
         self.bus.incr("replica_store_catch_ups")
         return True
 
@@ -209,11 +223,13 @@ class RolloutWorker:
         q = self.cfg.queue
         while not self.stop.stopping:
             try:
+                maintenance = time.monotonic() - last_reclaim > 5.0
+                if maintenance:
+                    self.catch_up_from_store()  # before taking a broadcast: the store is the cheap part
                 self.poll_weights()
                 entries: list[Entry] = []
-                if time.monotonic() - last_reclaim > 5.0:
+                if maintenance:
                     last_reclaim = time.monotonic()
-                    self.catch_up_from_store()
                     entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
                 if not entries:
                     entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)
@@ -222,6 +238,10 @@ class RolloutWorker:
             except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
                 log.warning("redis unavailable (%s); retrying", exc)
                 self.stop.wait(1.0)
+            except redis.ResponseError as exc:
+                if self.stop.stopping and is_oom(exc):  # asked to stop while paused on a full Redis
+                    break
+                raise
 
 
 def main(cfg: DapoConfig) -> int:

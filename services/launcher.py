@@ -231,6 +231,7 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
     if not resume:
         clear_namespace(bus.r, keys)
         _set_aside_checkpoints(cfg.checkpoint_dir)
+    bus.r.hdel(keys.run_info, "finished")  # a resumed run is not finished until its learner says so
     bus.ensure_groups()
 
     from services.redis_server import free_port
@@ -269,6 +270,7 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
     finally:
         progress.close()
         learner_rc = learner.proc.poll() if learner.proc else None
+        finished = _run_finished(bus)
         _stop_all(services, learner_first=interrupted)
         wall = time.monotonic() - started
         summary = summarize(cfg, bus, wall, services)
@@ -286,15 +288,18 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; ledger {summary['ledger']}\n"
         f"summary: {out / 'summary.json'}, curves: {out / 'curves.svg'}\n"
     )
-    return 0 if learner_rc == 0 and not interrupted else 1
+    return 0 if learner_rc == 0 and finished and not interrupted else 1
 
 
-def _run_finished(bus: StreamBus) -> bool:
+def _run_finished(bus: StreamBus, attempts: int = 3) -> bool:
     """The learner records `finished` when it completed total_steps (not when merely stopped)."""
-    try:
-        return bus.r.hget(bus.keys.run_info, "finished") == b"1"
-    except redis.RedisError:
-        return False
+    for attempt in range(attempts):
+        try:
+            return bus.r.hget(bus.keys.run_info, "finished") == b"1"
+        except redis.RedisError as exc:
+            log.warning("could not read whether the run finished (%s)", exc)
+            time.sleep(1.0 + attempt)
+    return False
 
 
 def _set_aside_checkpoints(store: Path) -> None:

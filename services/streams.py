@@ -13,10 +13,13 @@ or being processed at that stage, and the ledger balance is a real check, not a 
     issued == trained + filtered + stale + dead + sum(XLEN of the four stage streams)
 
 When Redis reaches `maxmemory` (policy `noeviction`, which `check_memory_policy` insists on)
-it refuses commands that would grow its memory. Clients from `connect()` then *pause*: they log
-one clear error, retry the refused command with back-off until Redis accepts it, and count the
-pause. Nothing is dropped: a hop script runs whole or not at all (its first write, XACK, is
-always allowed, and Redis never stops a script half-way), and a refused XADD wrote nothing.
+it refuses plain writes that may grow its memory (XADD, SET, HINCRBY, ...). Clients from
+`connect()` then *pause*: they log one clear error, retry the refused command with back-off
+until Redis accepts it, and count the pause. Nothing is dropped: issuing new jobs is refused
+whole (its first write is an XADD), and a hop script always runs whole (its first write, XACK,
+is not refused, and Redis never stops a script half-way). So hops in progress still complete
+and Redis can overshoot maxmemory by at most the groups of the jobs already in flight (bounded
+by admission control), while everything else waits until memory is freed or maxmemory raised.
 
 What this does NOT guarantee: work done by a worker that dies before its hop is redone by
 whoever reclaims the entry (at-least-once processing, exactly-once forwarding).
@@ -89,6 +92,11 @@ return out
 OOM_PAUSE_COUNTER = "redis_oom_pauses"
 
 
+def is_oom(exc: redis.ResponseError) -> bool:
+    """Redis refused a write at maxmemory (Redis 7 says OOM; 6.2 wraps it inside a script error)."""
+    return isinstance(exc, redis.OutOfMemoryError) or "OOM command not allowed" in str(exc)
+
+
 class PausingRedis(redis.Redis):
     """A client that waits out Redis at `maxmemory` instead of failing the caller.
 
@@ -107,7 +115,9 @@ class PausingRedis(redis.Redis):
         while True:
             try:
                 result = super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
-            except redis.OutOfMemoryError:
+            except redis.ResponseError as exc:
+                if not is_oom(exc):
+                    raise
                 if self.stop is not None and self.stop.is_set():
                     raise
                 if paused_at is None:
@@ -165,13 +175,15 @@ def check_memory_policy(client: redis.Redis) -> None:
 def memory_report(client: redis.Redis) -> dict[str, Any]:
     """Redis memory as /status shows it: used, peak, limit, and whether writes are being refused."""
     mem: Any = client.info("memory")
-    used, limit = int(mem.get("used_memory", 0)), int(mem.get("maxmemory", 0))
+    limit = int(mem.get("maxmemory", 0))
+    used = int(mem.get("used_memory", 0))
+    counted = used - int(mem.get("mem_not_counted_for_evict", 0))  # what Redis compares with the limit
     return {
         "used_bytes": used,
         "peak_bytes": int(mem.get("used_memory_peak", 0)),
         "maxmemory_bytes": limit,
         "policy": str(mem.get("maxmemory_policy", "")),
-        "at_maxmemory": bool(limit and used >= limit),
+        "at_maxmemory": bool(limit and counted >= limit),
     }
 
 
@@ -315,7 +327,8 @@ class StreamBus:
             "reason": reason.encode("utf-8", "replace"),
             "gid": gid or b"",
             "at": str(time.time()).encode(),
-            "payload": json.dumps({k.decode("latin-1"): v.decode("latin-1") for k, v in fields.items()})[:65536].encode(),
+            # Each field cut before encoding: a dead-lettered group may be megabytes of token ids.
+            "payload": json.dumps({k.decode("latin-1"): v[:16384].decode("latin-1") for k, v in fields.items()})[:65536].encode(),
         }
         log.error("dead-lettered %s %s: %s", stage.stream, entry_id, reason)
         return self.hop(

@@ -25,7 +25,7 @@ import redis
 
 from services.config import ConfigError, DapoConfig, QueueConfig
 from services.keys import Keys, Stage
-from services.streams import Entry, StreamBus, check_memory_policy, connect
+from services.streams import Entry, StreamBus, check_memory_policy, connect, is_oom
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,11 @@ class Heartbeat:
         ttl_s: float,
         status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self.client, self.key, self.ttl_s = client, keys.heartbeat(kind, inst), ttl_s
+        # A heartbeat must not pause when Redis is at maxmemory (the instance would look dead
+        # after ttl_s): this client fails instead, and a refused SET falls back to PEXPIRE, which
+        # Redis still accepts, so the last status stays visible.
+        self.client = redis.Redis(connection_pool=client.connection_pool)
+        self.key, self.ttl_s = keys.heartbeat(kind, inst), ttl_s
         self.base = {"kind": kind, "id": inst, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
         self.status = status or (lambda: {})
         self._stop = threading.Event()
@@ -82,7 +86,12 @@ class Heartbeat:
 
     def beat(self) -> None:
         value = {**self.base, **self.status(), "at": time.time()}
-        self.client.set(self.key, json.dumps(value), px=int(self.ttl_s * 1000))
+        try:
+            self.client.set(self.key, json.dumps(value), px=int(self.ttl_s * 1000))
+        except redis.ResponseError as exc:
+            if not is_oom(exc):
+                raise
+            self.client.pexpire(self.key, int(self.ttl_s * 1000))
 
     def _loop(self) -> None:
         while not self._stop.wait(max(self.ttl_s / 3, 0.2)):

@@ -16,8 +16,10 @@ from services.streams import (
     StreamBus,
     check_memory_policy,
     connect,
+    is_oom,
     memory_report,
 )
+from services.worker import Heartbeat, live_instances
 
 
 @pytest.fixture()
@@ -75,3 +77,22 @@ def test_an_evicting_policy_is_refused(redis_url: str, full_redis: redis.Redis) 
     full_redis.config_set("maxmemory-policy", "allkeys-lru")
     with pytest.raises(RuntimeError, match=r"allkeys-lru.*noeviction"):
         check_memory_policy(full_redis)
+
+
+def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(redis_url: str, full_redis: redis.Redis) -> None:
+    keys = Keys("t")
+    full_redis.config_set("maxmemory", 0)
+    hb = Heartbeat(connect(redis_url), keys, "rollout", "r-1", ttl_s=2, status=lambda: {"policy_version": 7})
+    hb.beat()
+    full_redis.config_set("maxmemory", int(full_redis.info("memory")["used_memory"]) // 2)
+    time.sleep(1.5)
+    hb.beat()  # SET refused: the TTL is refreshed instead, and it neither raises nor waits
+    time.sleep(1.0)
+    [info] = live_instances(full_redis, keys, "rollout")
+    assert info["policy_version"] == 7
+
+
+def test_redis_62_reports_oom_inside_a_script_as_a_plain_error() -> None:
+    assert is_oom(redis.ResponseError("Error running script (call to f_x): @user_script:8: -OOM command not allowed when used memory > 'maxmemory'."))
+    assert is_oom(redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
+    assert not is_oom(redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"))
