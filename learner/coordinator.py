@@ -269,7 +269,10 @@ class Coordinator:
             if self.bus.ledger().in_flight == 0:
                 break
             self.publisher.catch_up()  # a replica waiting for weights must not hold jobs forever
-        log.info("drained: %s", self.bus.ledger().as_dict())
+        ledger = self.bus.ledger()
+        if ledger.in_flight:
+            log.warning("drain timed out with %d jobs in flight; stream depths %s", ledger.in_flight, self.bus.depths())
+        log.info("drained: %s", ledger.as_dict())
 
     def save_final(self) -> Path:
         out = Path(self.cfg.output_dir) / "final_model"

@@ -91,6 +91,9 @@ return out
 
 OOM_PAUSE_COUNTER = "redis_oom_pauses"
 
+OWN_IDLE_MS = 1000
+"""A consumer's own pending entry idle this long, while it holds none, is an orphan (reclaim)."""
+
 
 def is_oom(exc: redis.ResponseError) -> bool:
     """Redis refused a write at maxmemory (Redis 7 says OOM; 6.2 wraps it inside a script error)."""
@@ -263,30 +266,45 @@ class StreamBus:
         return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
 
     def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:
-        """Take over entries idle longer than min_idle_s (their consumer presumably died).
+        """Take over entries idle longer than min_idle_s (their consumer presumably died), and
+        this consumer's own pending entries idle over a second.
+
+        Call it only while holding no entries of `stage` (the stage loops call it between
+        batches). Then any entry still pending under this consumer's own name is one it will
+        never finish by itself: a delivery whose reply was lost when the connection dropped and
+        the client retried the read (a Redis restart), or one its handler failed on. Those are
+        redone now rather than after `claim_idle_s`.
 
         Entries already delivered max_deliveries times are dead-lettered instead: a message that
         kills every worker that touches it must not circulate forever.
         """
-        pending: Any = self.r.xpending_range(
+        own: Any = self.r.xpending_range(
+            stage.stream, stage.group, min="-", max="+", count=count, consumername=self.consumer, idle=OWN_IDLE_MS
+        )
+        others: Any = self.r.xpending_range(
             stage.stream, stage.group, min="-", max="+", count=count, idle=int(min_idle_s * 1000)
         )
-        if not pending:
-            return []
+        own_ids = {_entry_id(p) for p in own}
+        entries = self._take(stage, own_ids, OWN_IDLE_MS, own, max_deliveries)
+        entries += self._take(stage, {_entry_id(p) for p in others} - own_ids, int(min_idle_s * 1000), others, max_deliveries)
+        if entries:
+            log.warning("reclaimed %d idle entries from %s", len(entries), stage.stream)
+        return entries
+
+    def _take(self, stage: Stage, ids: set[str], min_idle_ms: int, pending: Any, max_deliveries: int) -> list[Entry]:
         retry_ids: list[Any] = []
         for p in pending:
-            eid = p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]
+            eid = _entry_id(p)
+            if eid not in ids:
+                continue
             if p["times_delivered"] >= max_deliveries:
                 self._dead_letter_by_id(stage, eid, f"delivered {p['times_delivered']} times without completing")
             else:
                 retry_ids.append(eid)
         if not retry_ids:
             return []
-        claimed: Any = self.r.xclaim(stage.stream, stage.group, self.consumer, int(min_idle_s * 1000), retry_ids)
-        entries = [(eid.decode(), fields) for eid, fields in claimed if fields is not None]
-        if entries:
-            log.warning("reclaimed %d idle entries from %s", len(entries), stage.stream)
-        return entries
+        claimed: Any = self.r.xclaim(stage.stream, stage.group, self.consumer, min_idle_ms, retry_ids)
+        return [(eid.decode(), fields) for eid, fields in claimed if fields is not None]
 
     def hop(
         self,
@@ -365,6 +383,11 @@ class StreamBus:
 
     def incr(self, counter: str, amount: int = 1) -> None:
         self.r.hincrby(self.keys.counters, counter, amount)
+
+
+def _entry_id(pending: Any) -> str:
+    eid = pending["message_id"]
+    return str(eid.decode() if isinstance(eid, bytes) else eid)
 
 
 def _gid_from_meta(fields: Fields) -> bytes | None:

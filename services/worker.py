@@ -3,8 +3,8 @@
 A stage worker (rollout, reward, gatekeeper) repeats: reclaim entries abandoned by dead
 consumers, read new entries, hand them to its handler, which finishes each with one atomic hop.
 The catch-all exception handler lives here, at the loop boundary only: an entry whose handler
-raised stays pending, is retried after `queue.claim_idle_s`, and is dead-lettered after
-`queue.max_deliveries` attempts.
+raised stays pending, is retried at the next reclaim (every few seconds), and is dead-lettered
+after `queue.max_deliveries` attempts.
 """
 
 from __future__ import annotations

@@ -99,3 +99,15 @@ def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
 )
 def test_keep_group(values: list[float], kept: bool) -> None:
     assert keep_group(values) is kept
+
+
+def test_a_delivery_whose_reply_was_lost_is_redone_by_its_own_consumer_at_once(bus: StreamBus) -> None:
+    """A read whose reply never arrived (the connection dropped and the client retried) leaves
+    the entry pending under this consumer's name; the next reclaim takes it back within about a
+    second instead of waiting out claim_idle_s (300 s) for another consumer."""
+    issue(bus, 1)
+    assert len(bus.read(bus.keys.prompts, count=1, block_ms=10)) == 1  # the reply is "lost"
+    assert bus.reclaim(bus.keys.prompts, min_idle_s=300, max_deliveries=3) == []  # too fresh yet
+    time.sleep(1.1)
+    [(_, fields)] = bus.reclaim(bus.keys.prompts, min_idle_s=300, max_deliveries=3)
+    assert fields[b"gid"] == b"g0"
