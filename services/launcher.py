@@ -29,6 +29,7 @@ from services.gatekeeper import KEPT_COUNTER, pass_rate
 from services.keys import Keys
 from services.plots import write_curves_svg
 from services.streams import StreamBus, check_memory_policy, connect
+from services.worker import instance_id
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,12 @@ def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
     svc.restarts += 1
     with contextlib.suppress(redis.RedisError):
         bus.incr(f"restarts:{svc.name}")  # visible in /status and /metrics
+        if svc.proc is not None:
+            # A killed process leaves its heartbeat until the TTL runs out, and until then the
+            # learner would still count it as a replica (and wait for it to join a weight sync).
+            # The supervisor knows it is gone, so it says so at once.
+            kind = svc.name.split("-")[0]
+            bus.r.delete(bus.keys.heartbeat(kind, instance_id(kind, pid=svc.proc.pid)))
     if svc.log_file:
         svc.log_file.close()
     delay = min(2.0**svc.restarts, 30.0)

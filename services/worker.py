@@ -53,8 +53,9 @@ class StopFlag:
         return self.event.wait(seconds)
 
 
-def instance_id(kind: str) -> str:
-    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+def instance_id(kind: str, pid: int | None = None) -> str:
+    """`<kind>-<host>-<pid>`: unique per process, and derivable by a supervisor on the same host."""
+    return f"{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
 class Heartbeat:
