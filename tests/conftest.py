@@ -57,3 +57,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_cache() -> None:
+    """The tiny preset's synthetic data and SFT-warmed base model under runs/cache, built once.
+
+    On a fresh checkout this takes minutes (the first `dapo run` would do it too); building it
+    here, before any test starts a run, keeps that one-time cost out of the runs' own timeouts.
+    A subprocess keeps the build's torch thread settings out of the test process."""
+    import subprocess
+    import sys
+
+    code = ("from services.config import load_config; from services.launcher import prepare; "
+            "prepare(load_config('configs/tiny.yaml'))")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=3600)
+

@@ -28,7 +28,7 @@ def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 TOKEN = "e2e-token"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def call(url: str, method: str = "GET", token: str | None = TOKEN, body: Any = None) -> tuple[int, Any]:

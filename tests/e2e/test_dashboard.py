@@ -17,7 +17,7 @@ from services.redis_server import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache"), pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)")]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
 

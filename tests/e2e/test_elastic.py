@@ -25,7 +25,7 @@ def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
     return (tmp_path / "dapo-run.log").open("a")
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def replica_versions(r: redis.Redis) -> dict[int, int]:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def run_dapo(out: Path, *overrides: str, timeout_s: int = 1200) -> dict:

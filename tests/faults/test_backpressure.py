@@ -23,7 +23,7 @@ from services.status import run_status
 from services.streams import OOM_PAUSE_COUNTER, StreamBus, connect
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 MIB = 1 << 20
 

@@ -27,7 +27,7 @@ def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
     return (tmp_path / "dapo-run.log").open("a")
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subprocess.Popen[str]:

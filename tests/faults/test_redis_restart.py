@@ -12,7 +12,7 @@ import redis
 from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import redis
 from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, pid_of, process_gone, start_run, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 GRACE_S = 30.0
 """The launcher's (and Kubernetes' default) grace period between SIGTERM and SIGKILL."""

@@ -21,7 +21,7 @@ from services.streams import StreamBus, connect
 from tests.helpers import finish, learner_step, pid_of, start_run, wait_for
 from tests.services.test_schemas import make_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
