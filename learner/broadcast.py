@@ -61,8 +61,8 @@ class WeightPublisher:
         self.last_sync_s = 0.0
         self.join_timeout_s = min(timeout_s, 15.0)
         self.quarantine_s = 30.0
-        # id -> (until, what its heartbeat showed when it was set aside); see replica_versions
-        self.quarantined: dict[str, tuple[float, tuple[object, ...]]] = {}
+        # id -> (until, the policy version its heartbeat showed when set aside); see replica_versions
+        self.quarantined: dict[str, tuple[float, int]] = {}
 
     def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]], layout: list[tuple[str, torch.Tensor]]) -> None:
         """Take a new version's full parameters (consumes `named`, which may be a collective)."""
@@ -84,18 +84,19 @@ class WeightPublisher:
         out = {}
         for info in live_instances(self.bus.r, self.bus.keys, "rollout"):
             rid = info["id"]
+            version = int(info.get("policy_version", -1))
             if rid in self.quarantined:
                 until, seen = self.quarantined[rid]
-                if now < until and _progress(info) == seen:
+                if now < until and version == seen:
                     continue
                 del self.quarantined[rid]
-            out[rid] = int(info.get("policy_version", -1))
+            out[rid] = version
         return out
 
     def _set_aside(self, members: Iterable[str]) -> None:
-        progress = {i["id"]: _progress(i) for i in live_instances(self.bus.r, self.bus.keys, "rollout")}
+        versions = self.replica_versions()
         for m in members:
-            self.quarantined[m] = (time.monotonic() + self.quarantine_s, progress.get(m, ()))
+            self.quarantined[m] = (time.monotonic() + self.quarantine_s, versions.get(m, -1))
 
     def _await_joins(self, ann: Announcement) -> set[str]:
         key, deadline = self.bus.keys.weight_join(ann.group_key), time.monotonic() + self.join_timeout_s
@@ -163,8 +164,3 @@ class WeightPublisher:
         if behind:
             log.info("catching up %s to version %d", behind, self.version)
             self.publish(behind)
-
-
-def _progress(info: dict[str, object]) -> tuple[object, ...]:
-    """What changes in a replica's heartbeat only when it has loaded other weights."""
-    return (info.get("policy_version"),)

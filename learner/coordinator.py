@@ -117,7 +117,6 @@ class Coordinator:
             self.version = ckpt_version if redis_version <= ckpt_version else redis_version + 1
             self.feeder.cursor = max(int(meta["data_cursor"]), redis_cursor)
         self.bus.r.set(self.bus.keys.policy_version, self.version)
-        self.bus.r.hset(self.bus.keys.run_info, "finished", 0)  # until this learner completes the run
 
     def status(self) -> dict[str, Any]:
         return {"policy_version": self.version, "step": self.step, "state": self.state}

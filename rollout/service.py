@@ -219,17 +219,17 @@ class RolloutWorker:
         if latest_checkpoint(self.cfg.checkpoint_dir) is not None:
             self.load_published()
         self.poll_weights()
-        last_reclaim = 0.0
+        last_maintenance = 0.0
         q = self.cfg.queue
         while not self.stop.stopping:
             try:
-                maintenance = time.monotonic() - last_reclaim > 5.0
+                maintenance = time.monotonic() - last_maintenance > 5.0
                 if maintenance:
                     self.catch_up_from_store()  # before taking a broadcast: the store is the cheap part
                 self.poll_weights()
                 entries: list[Entry] = []
                 if maintenance:
-                    last_reclaim = time.monotonic()
+                    last_maintenance = time.monotonic()
                     entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
                 if not entries:
                     entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)

@@ -12,6 +12,9 @@ from typing import Any
 
 import redis
 
+from services.keys import Keys
+from services.worker import live_instances
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,10 +30,24 @@ def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> su
     )
 
 
-def pid_of(r: redis.Redis, kind: str, namespace: str = "dapo") -> int:
-    """The process id of one live instance of `kind` (from its heartbeat)."""
-    key = next(iter(r.scan_iter(match=f"{namespace}:hb:{kind}:*")))
-    return int(json.loads(r.get(key))["pid"])
+def versions_by_pid(r: redis.Redis, kind: str = "rollout") -> dict[int, int]:
+    """pid -> policy version of every live instance of `kind` (from the heartbeats)."""
+    return {int(i["pid"]): int(i.get("policy_version", -1)) for i in live_instances(r, Keys("dapo"), kind)}
+
+
+def pids(r: redis.Redis, kind: str) -> set[int]:
+    """Process ids of the live instances of `kind`."""
+    return set(versions_by_pid(r, kind))
+
+
+def pid_of(r: redis.Redis, kind: str) -> int:
+    """The process id of one live instance of `kind` (the lowest, so repeated calls agree)."""
+    return min(pids(r, kind))
+
+
+def counter(r: redis.Redis, name: str) -> int:
+    """A service counter of the run (as /status shows it)."""
+    return int(r.hget(Keys("dapo").counters, name) or 0)
 
 
 def process_gone(pid: int) -> bool:

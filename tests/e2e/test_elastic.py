@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from services.redis_server import RedisServer
-from tests.helpers import learner_step, wait_for
+from tests.helpers import learner_step, versions_by_pid, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,16 +26,6 @@ def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
-
-
-def replica_versions(r: redis.Redis) -> dict[int, int]:
-    out = {}
-    for key in r.scan_iter(match="dapo:hb:rollout:*"):
-        raw = r.get(key)
-        if raw:
-            info = json.loads(raw)
-            out[int(info["pid"])] = int(info.get("policy_version", -1))
-    return out
 
 
 def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
@@ -57,10 +47,10 @@ def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
                 extra.append(subprocess.Popen([sys.executable, "-m", "services.cli", "rollout", "--config", config],
                                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 want = len(extra) + 1
-                wait_for(f"{want} replicas", lambda want=want: len(replica_versions(r)) == want, 120)
+                wait_for(f"{want} replicas", lambda want=want: len(versions_by_pid(r)) == want, 120)
                 wait_for(f"step {target}", lambda t=target: learner_step(r) >= t)
             # The newcomers caught up and receive every broadcast.
-            versions = wait_for("3 replicas in sync", lambda: (v := replica_versions(r)) and len(set(v.values())) == 1 and len(v) == 3 and v, 60)
+            versions = wait_for("3 replicas in sync", lambda: (v := versions_by_pid(r)) and len(set(v.values())) == 1 and len(v) == 3 and v, 60)
             assert min(versions.values()) >= 17  # step N is trained by version N - 1
             victim = extra[0]
             victim.send_signal(signal.SIGKILL)
@@ -70,7 +60,7 @@ def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
             output = (tmp_path / "dapo-run.log").read_text()
             assert run.returncode == 0, output[-3000:]
             survivors = {p.pid for p in extra[1:]}
-            final = {pid: v for pid, v in replica_versions(r).items() if pid in survivors}
+            final = {pid: v for pid, v in versions_by_pid(r).items() if pid in survivors}
         finally:
             for p in [*extra, run]:
                 if p.poll() is None:

@@ -6,7 +6,6 @@ catch-up sync. The learner never blocks longer than its timeout, and no version 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,26 +15,11 @@ import pytest
 import redis
 
 from services.redis_server import RedisServer
-from tests.helpers import finish, learner_step, start_run, wait_for
+from tests.helpers import counter, finish, learner_step, start_run, versions_by_pid, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 TIMEOUT_S = 10
-
-
-def replicas(r: redis.Redis) -> dict[int, int]:
-    """pid -> policy version of every live rollout replica."""
-    out = {}
-    for key in r.scan_iter(match="dapo:hb:rollout:*"):
-        raw = r.get(key)
-        if raw:
-            info = json.loads(raw)
-            out[int(info["pid"])] = int(info.get("policy_version", -1))
-    return out
-
-
-def counter(r: redis.Redis, name: str) -> int:
-    return int(r.hget("dapo:counters", name) or 0)
 
 
 def test_replica_hung_mid_sync_is_dropped_and_catches_up_from_the_checkpoint_store(tmp_path: Path) -> None:
@@ -43,8 +27,8 @@ def test_replica_hung_mid_sync_is_dropped_and_catches_up_from_the_checkpoint_sto
         r = redis.Redis.from_url(server.url)
         proc = start_run(tmp_path, server.url, "learner.total_steps=40", "checkpoint.every_steps=4",
                          f"learner.collective_timeout_s={TIMEOUT_S}")
-        wait_for("step 5 and two replicas", lambda: learner_step(r) >= 5 and len(replicas(r)) == 2)
-        hung = min(replicas(r))
+        wait_for("step 5 and two replicas", lambda: learner_step(r) >= 5 and len(versions_by_pid(r)) == 2)
+        hung = min(versions_by_pid(r))
         # Catch the learner in a sync: it announces the state, then gathers and broadcasts.
         wait_for("a weight sync", lambda: r.hget("dapo:learner:state", "state") == b"broadcasting", every_s=0.002)
         os.kill(hung, signal.SIGSTOP)
@@ -60,8 +44,8 @@ def test_replica_hung_mid_sync_is_dropped_and_catches_up_from_the_checkpoint_sto
             os.kill(hung, signal.SIGCONT)
         woke_at = time.monotonic()
         wait_for("a load from the checkpoint store", lambda: counter(r, "replica_store_catch_ups") >= 1, timeout_s=60)
-        from_store_s, from_store = time.monotonic() - woke_at, replicas(r).get(hung, -1)
-        wait_for("the learner's catch-up sync", lambda: replicas(r).get(hung, -1) > from_store, timeout_s=60)
+        from_store_s, from_store = time.monotonic() - woke_at, versions_by_pid(r).get(hung, -1)
+        wait_for("the learner's catch-up sync", lambda: versions_by_pid(r).get(hung, -1) > from_store, timeout_s=60)
         synced_s = time.monotonic() - woke_at
         summary = finish(proc, tmp_path)
     print(f"hung replica: the learner trained 3 more steps {trained_on_s:.1f}s after SIGSTOP "

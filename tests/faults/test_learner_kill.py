@@ -17,7 +17,7 @@ import redis
 
 from learner.checkpoint import latest_checkpoint
 from services.redis_server import RedisServer
-from tests.helpers import learner_step, wait_for
+from tests.helpers import learner_step, pid_of, pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,15 +38,9 @@ def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subp
     return subprocess.Popen(cmd, cwd=REPO, stdout=LOG(out.parent), stderr=subprocess.STDOUT, text=True)
 
 
-def learner_pid(r: redis.Redis) -> int:
-    [key] = list(r.scan_iter(match="dapo:hb:learner:*"))
-    return int(json.loads(r.get(key))["pid"])
-
-
 def _training_again(r: redis.Redis, killed: int) -> bool:
     """A learner other than the killed one is up (the killed one's heartbeat may linger) and training."""
-    pids = {int(json.loads(v)["pid"]) for k in r.scan_iter(match="dapo:hb:learner:*") if (v := r.get(k))}
-    return bool(pids - {killed}) and r.hget("dapo:learner:state", "state") == b"training"
+    return bool(pids(r, "learner") - {killed}) and r.hget("dapo:learner:state", "state") == b"training"
 
 
 def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
@@ -56,7 +50,7 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
         proc = dapo_run(out, server.url, "learner.total_steps=30")
         try:
             wait_for("step 12", lambda: learner_step(r) >= 12)
-            killed = learner_pid(r)
+            killed = pid_of(r, "learner")
             os.kill(killed, signal.SIGKILL)
             killed_at, step_at_kill = time.monotonic(), learner_step(r)
             wait_for("the restarted learner training", lambda: _training_again(r, killed), every_s=0.1)

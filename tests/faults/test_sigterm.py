@@ -4,7 +4,6 @@ resumes from the checkpoint it wrote on the way out); nothing is lost or dead-le
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import pytest
 import redis
 
 from services.redis_server import RedisServer
-from tests.helpers import finish, learner_step, pid_of, process_gone, start_run, wait_for
+from tests.helpers import finish, learner_step, pid_of, pids, process_gone, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
@@ -53,7 +52,3 @@ def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Pa
     assert counters.get("trained_twice", 0) == 0 and counters.get("replica_version_regressions", 0) == 0
     assert logs.count("received SIGTERM") == 4  # before the end of the run: the four sent above
 
-
-def pids(r: redis.Redis, kind: str) -> set[int]:
-    """Process ids of the live instances of `kind` (from their heartbeats)."""
-    return {int(json.loads(v)["pid"]) for k in r.scan_iter(match=f"dapo:hb:{kind}:*") if (v := r.get(k))}
