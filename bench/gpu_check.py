@@ -30,8 +30,8 @@ OUT = REPO / "runs" / "gpu-check"
 
 
 def build_model() -> Path:
-    from learner.tiny_base import ensure_tiny_base
-    from services.data import synth_rows
+    from services.demo.synthetic import synth_rows
+    from services.demo.tiny_base import ensure_tiny_base
 
     path = OUT / "model"
     info = ensure_tiny_base(
@@ -47,9 +47,9 @@ def check_sync(model_dir: Path) -> None:
     import torch.distributed as dist
 
     from rollout.vllm_engine import VLLMEngine
-    from services.config import load_config
-    from services.redis_server import free_port
-    from services.weight_group import (
+    from services.contracts.config import load_config
+    from services.contracts.runtime import free_port
+    from services.contracts.weight_sync import (
         Announcement,
         broadcast_bucket,
         make_group_on_store,
@@ -97,7 +97,7 @@ def check_sync(model_dir: Path) -> None:
 
 def short_run(model_dir: Path) -> None:
     weights = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    cmd = [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(OUT / "run"),
+    cmd = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(OUT / "run"),
            f"model.path={model_dir}", "model.build_tiny=null", "model.dtype=bfloat16", "rollout.engine=vllm", "rollout.replicas=1",
            "rollout.gpu_memory_utilization=0.3", "rollout.torch_threads=null", "learner.backend=nccl",
            f"learner.weights_backend={weights}", "learner.torch_threads=null", "learner.total_steps=40", "eval.every_steps=20",

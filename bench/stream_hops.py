@@ -12,10 +12,10 @@ import argparse
 import tempfile
 import time
 
-from services.keys import Keys
-from services.redis_server import RedisServer
-from services.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
-from services.streams import StreamBus, connect
+from services.contracts.bus import StreamBus, connect
+from services.contracts.keys import Keys
+from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
+from services.shell.redis_server import RedisServer
 
 
 def make_group(group_size: int, tokens: int) -> RolloutGroup:
@@ -38,7 +38,7 @@ def main() -> None:
         job = encode_job(make_group(1, 1).job)
 
         # Baseline: plain stream ops, pipelined per group, no atomicity, no ledger.
-        r = bus.r
+        r = bus.redis
         for _ in range(args.groups):
             r.xadd("base:in", job)
         r.xgroup_create("base:in", "g", id="0")

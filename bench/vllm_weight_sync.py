@@ -24,10 +24,15 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 
-from learner.tiny_base import tiny_qwen2_config, train_tokenizer
 from rollout.engine import Engine, make_engine
-from services.config import DapoConfig, build_config
-from services.weight_group import Announcement, broadcast_bucket, make_group_on_store, plan_buckets
+from services.contracts.config import DapoConfig, build_config
+from services.contracts.weight_sync import (
+    Announcement,
+    broadcast_bucket,
+    make_group_on_store,
+    plan_buckets,
+)
+from services.demo.tiny_base import tiny_qwen2_config, train_tokenizer
 
 TEXTS = ["What is 12 + 30? Answer: 42", "Compute 7 * 6. Answer: 42", "the quick brown fox"] * 20
 

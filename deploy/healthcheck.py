@@ -11,7 +11,7 @@ It is deliberately not a Kubernetes livenessProbe: it depends on Redis, and rest
 worker while Redis is briefly away would throw away their work. A worker whose process dies
 ends its container anyway, and a hung worker's heartbeat expires, which `dapo status` and the
 API's /status show. The heartbeat thread also does not prove the work loop is progressing
-(see services/worker.py).
+(see services/contracts/runtime.py).
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import redis
 
-    from services.config import ConfigError, load_config
-    from services.keys import Keys
-    from services.worker import live_instances
+    from services.contracts.bus import open_bus
+    from services.contracts.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -48,14 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("dapo-healthcheck: no Redis URL (queue.redis_url or DAPO_REDIS_URL)\n")
         return 1
     host = socket.gethostname()
-    client = redis.Redis.from_url(url, socket_timeout=args.timeout, socket_connect_timeout=args.timeout)
+    bus = open_bus(url, cfg.queue.namespace, "healthcheck", retries=0, pause_when_full=False, socket_timeout=args.timeout)
     try:
-        mine = [i for i in live_instances(client, Keys(cfg.queue.namespace), args.kind) if i.get("host") == host]
+        mine = [i for i in bus.live_instances(args.kind) if i.get("host") == host]
     except redis.RedisError as exc:
         sys.stderr.write(f"dapo-healthcheck: redis unreachable: {exc}\n")
         return 1
     finally:
-        client.close()
+        bus.close()
     if not mine:
         sys.stderr.write(f"dapo-healthcheck: no live {args.kind} heartbeat from host {host}\n")
         return 1

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from learner.algos import group_advantages
-from services.schemas import RolloutGroup
+from services.contracts.schemas import RolloutGroup
 
 
 @dataclass

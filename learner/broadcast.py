@@ -1,4 +1,4 @@
-"""Publishing weights to rollout replicas (learner side of services/weight_group.py).
+"""Publishing weights to rollout replicas (learner side of services/contracts/weight_sync.py).
 
 After each step every learner rank takes part in gathering full parameters bucket by bucket
 (FSDP2 `full_tensor`, a collective); rank 0 keeps the flattened buckets of the newest version in
@@ -29,15 +29,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.streams import StreamBus
-from services.weight_group import (
+from services.contracts.bus import StreamBus
+from services.contracts.keys import Counter
+from services.contracts.weight_sync import (
     Announcement,
     ParamSpec,
     broadcast_bucket,
     make_group_on_store,
     plan_buckets,
 )
-from services.worker import live_instances
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class WeightPublisher:
         """
         now = time.monotonic()
         out = {}
-        for info in live_instances(self.bus.r, self.bus.keys, "rollout"):
+        for info in self.bus.live_instances("rollout"):
             rid = info["id"]
             version = int(info.get("policy_version", -1))
             if rid in self.quarantined:
@@ -101,13 +101,13 @@ class WeightPublisher:
     def _await_joins(self, ann: Announcement) -> set[str]:
         key, deadline = self.bus.keys.weight_join(ann.group_key), time.monotonic() + self.join_timeout_s
         while True:
-            joined = {m.decode() for m in self.bus.r.smembers(key)}
+            joined = {m.decode() for m in self.bus.redis.smembers(key)}
             if joined >= set(ann.members) or time.monotonic() > deadline:
                 return joined & set(ann.members)
             time.sleep(0.02)
 
     def _decide(self, ann: Announcement, decision: str) -> None:
-        self.bus.r.set(self.bus.keys.weight_decision(ann.group_key), decision, ex=int(self.timeout_s * 4) + 60)
+        self.bus.redis.set(self.bus.keys.weight_decision(ann.group_key), decision, ex=int(self.timeout_s * 4) + 60)
 
     def publish(self, members: Iterable[str] | None = None) -> bool:
         """Broadcast the staged version to `members` (default: every live replica)."""
@@ -123,19 +123,19 @@ class WeightPublisher:
         )
         start = time.monotonic()
         if self.group is None:  # a new group: two-phase join first
-            self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
+            self.bus.redis.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
             joined = self._await_joins(ann)
             if joined != set(chosen):
                 self._decide(ann, "abort")
                 silent = set(chosen) - joined
                 self._set_aside(silent)
-                self.bus.incr("weight_sync_dropped_members", len(silent))
+                self.bus.incr(Counter.WEIGHT_SYNC_DROPPED_REPLICAS, len(silent))
                 log.warning("replicas %s did not join weight sync %s; re-forming without them", sorted(silent), ann.group_key)
                 self.members = ()
                 return self.publish(joined) if joined else False
             self._decide(ann, "go")
         else:  # same members as the last sync: the group exists, just announce the version
-            self.bus.r.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
+            self.bus.redis.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
         try:
             if self.group is None:
                 self.group = make_group_on_store(self.store, ann, 0)
@@ -144,7 +144,7 @@ class WeightPublisher:
         except Exception as exc:  # a member died or hung: drop the group, retry later
             self.failures += 1
             self.group, self.members = None, ()
-            self.bus.incr("weight_sync_failures")
+            self.bus.incr(Counter.WEIGHT_SYNC_FAILURES)
             log.warning("weight broadcast of version %d to %s failed: %s", self.version, list(chosen), exc)
             return False
         self.last_sync_s = time.monotonic() - start

@@ -17,18 +17,17 @@ from typing import Any
 import torch
 
 from learner.broadcast import WeightPublisher
-from learner.evaluate import eval_prompts, evaluate
 from learner.feeder import PromptFeeder
 from learner.tracking import Trackers
 from learner.trainer import Trainer
-from services.config import DapoConfig
-from services.data import load_prompts
-from services.gatekeeper import read_pass_rate
-from services.keys import LEDGER_STALE, LEDGER_TRAINED, Keys
-from services.schemas import RolloutGroup, SchemaError, decode_group
-from services.streams import StreamBus, check_memory_policy, connect
-from services.weight_group import unflatten
-from services.worker import Heartbeat, StopFlag, instance_id
+from services.contracts.bus import StreamBus, open_bus
+from services.contracts.config import DapoConfig
+from services.contracts.data import load_prompts
+from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
+from services.contracts.runtime import Heartbeat, StopFlag, instance_id
+from services.contracts.schemas import RolloutGroup, SchemaError, decode_group
+from services.contracts.weight_sync import unflatten
+from services.shell.evaluation import eval_prompts, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +45,12 @@ class Coordinator:
             raise SystemExit("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
         self.cfg, self.trainer, self.stop = cfg, trainer, stop
         self.inst = instance_id("learner")
-        keys = Keys(cfg.queue.namespace)
         # At maxmemory rank 0 pauses on the refused write, even when asked to stop: giving up half
         # way through a step could record groups as trained in Redis but not in a checkpoint; if
         # the pause outlasts the grace period, SIGKILL and a restart lose nothing. With several
         # ranks, a pause longer than learner.collective_timeout_s times the others out (a restart).
-        self.bus = StreamBus(connect(url, counters_key=keys.counters), keys, consumer=self.inst)
-        check_memory_policy(self.bus.r)
+        self.bus = open_bus(url, cfg.queue.namespace, self.inst)
+        self.bus.check_memory_policy()
         self.bus.ensure_groups()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         alg = cfg.algorithm
@@ -75,39 +73,39 @@ class Coordinator:
         self.wait_s = 0.0
         self.started = time.monotonic()
         self.lags: list[float] = []
-        self.evals: list[tuple[int, float]] = json.loads(self.bus.r.hget(self.bus.keys.run_info, "eval_history") or "[]")
+        self.evals: list[tuple[int, float]] = self.bus.eval_history()
         self.pending: list[tuple[str, RolloutGroup]] = []
         self.picked: list[tuple[str, RolloutGroup]] = []
         # Only one coordinator runs at a time, so any group pending in the train stream belongs
         # to a previous incarnation that died before training it: take those over first.
         self.orphans = self.take_over_pending()
         self.trackers = Trackers(cfg)
-        self.hb = Heartbeat(self.bus.r, self.bus.keys, "learner", self.inst, cfg.queue.heartbeat_ttl_s, self.status).start()
-        self.bus.r.hset(self.bus.keys.run_info, mapping={"run_name": cfg.run_name, "alive_marker": self.inst})
+        self.hb = Heartbeat(self.bus, "learner", self.inst, cfg.queue.heartbeat_ttl_s, self.status).start()
+        self.bus.update_run_info({RunField.RUN_NAME: cfg.run_name, RunField.ALIVE_MARKER: self.inst})
 
     def check_redis_state(self) -> None:
         """Detect Redis having lost the run's state (restarted without AOF, or flushed): the
         marker written at start is gone. The loss is reported in /status and the counters, never
         hidden; work that was queued is gone with it, and the ledger restarts from zero."""
-        if self.bus.r.hexists(self.bus.keys.run_info, "alive_marker"):
+        if self.bus.run_field(RunField.ALIVE_MARKER) is not None:
             return
         lost_at = time.time()
         log.error("Redis lost the run's state (queued groups and ledger are gone); continuing from step %d", self.step)
         self.bus.ensure_groups()
         self.pending, self.picked, self.orphans = [], [], []
-        self.bus.r.hset(self.bus.keys.run_info, mapping={
-            "run_name": self.cfg.run_name, "alive_marker": self.inst, "redis_data_lost_at": lost_at,
-            "data_cursor": self.feeder.cursor, "eval_history": json.dumps(self.evals),
+        self.bus.update_run_info({
+            RunField.RUN_NAME: self.cfg.run_name, RunField.ALIVE_MARKER: self.inst, RunField.REDIS_DATA_LOST_AT: lost_at,
+            RunField.DATA_CURSOR: self.feeder.cursor, RunField.EVAL_HISTORY: json.dumps(self.evals),
         })
-        self.bus.r.set(self.bus.keys.policy_version, self.version)
-        self.bus.incr("redis_data_loss")
+        self.bus.set_policy_version(self.version)
+        self.bus.incr(Counter.REDIS_DATA_LOSS)
 
     def resume_from(self, meta: dict[str, Any] | None) -> None:
         """Continue numbering after a restart: step and data cursor from the checkpoint (or what
         Redis recorded later), and a policy version above anything a replica may already hold,
         so versions never go backwards."""
-        redis_version = int(self.bus.r.get(self.bus.keys.policy_version) or 0)
-        redis_cursor = int(self.bus.r.hget(self.bus.keys.run_info, "data_cursor") or 0)
+        redis_version = self.bus.policy_version()
+        redis_cursor = int(self.bus.run_field(RunField.DATA_CURSOR) or 0)
         if meta is None:
             self.version = redis_version
             self.feeder.cursor = redis_cursor
@@ -116,14 +114,14 @@ class Coordinator:
             ckpt_version = int(meta["policy_version"])
             self.version = ckpt_version if redis_version <= ckpt_version else redis_version + 1
             self.feeder.cursor = max(int(meta["data_cursor"]), redis_cursor)
-        self.bus.r.set(self.bus.keys.policy_version, self.version)
+        self.bus.set_policy_version(self.version)
 
     def status(self) -> dict[str, Any]:
         return {"policy_version": self.version, "step": self.step, "state": self.state}
 
     def set_state(self, state: str) -> None:
         self.state = state
-        self.bus.r.hset(self.bus.keys.learner_state, mapping={"state": state, "step": self.step, "policy_version": self.version, "at": time.time()})
+        self.bus.set_learner_state(state, step=self.step, policy_version=self.version)
 
     # --- data in ------------------------------------------------------------------------------
     def collect(self, budget_s: float = 5.0) -> list[tuple[str, RolloutGroup]] | None:
@@ -134,7 +132,7 @@ class Coordinator:
         self.set_state("waiting for data")
         while len(self.pending) < need and time.monotonic() - start < budget_s and not self.stop.stopping:
             self.feeder.admit(self.version)
-            self.bus.r.hset(self.bus.keys.run_info, "data_cursor", self.feeder.cursor)
+            self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
             entries = self.orphans or self.bus.read(stage, count=need - len(self.pending), block_ms=200)
             self.orphans = []
             for entry_id, fields in entries:
@@ -172,18 +170,17 @@ class Coordinator:
         keys = self.bus.keys
         for entry_id, group in self.picked:
             self.bus.hop(keys.train, entry_id, outcome=LEDGER_TRAINED)
-            if not self.bus.r.sadd(keys.trained_ids, group.job.group_id):
-                self.bus.incr("trained_twice")
+            if not self.bus.mark_trained_id(group.job.group_id):
+                self.bus.incr(Counter.TRAINED_TWICE)
                 log.error("group %s was trained twice", group.job.group_id)
         self.picked = []
 
     def control_requests(self) -> dict[str, dict[str, Any]]:
         """Operator requests posted through the API (pause stays set until resumed)."""
-        raw = self.bus.r.hgetall(self.bus.keys.control)
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return {k: r.model_dump() for k, r in self.bus.control_requests().items()}
 
     def clear_request(self, name: str) -> None:
-        self.bus.r.hdel(self.bus.keys.control, name)
+        self.bus.clear_control(name)
 
     # --- reporting ----------------------------------------------------------------------------
     def rollout_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
@@ -193,7 +190,7 @@ class Coordinator:
         lags = [float(self.version - g.policy_version) for g in groups]
         self.lags.extend(lags)
         ledger = self.bus.ledger()
-        rate = read_pass_rate(self.bus, ledger.filtered)
+        rate = self.bus.pass_rate(ledger.filtered)
         return {
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/acc_mean": sum(accs) / len(accs),
@@ -212,7 +209,7 @@ class Coordinator:
 
     def report(self, metrics: dict[str, float]) -> None:
         record = {"step": self.step, "policy_version": self.version, "time": time.time(), **metrics}
-        self.bus.r.xadd(self.bus.keys.metrics, {"m": json.dumps(record)}, maxlen=100_000, approximate=True)
+        self.bus.append_metrics(record)
         self.trackers.log(self.step, metrics)
         log.info(
             "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f %s",
@@ -247,7 +244,7 @@ class Coordinator:
         result = evaluate(self.eval_engine, self.tokenizer, self.eval_records, self.eval_ids, self.cfg)
         self.evals.append((self.step, result["eval/acc"]))
         self.trackers.log(self.step, result)
-        self.bus.r.hset(self.bus.keys.run_info, mapping={"eval_history": json.dumps(self.evals)})
+        self.bus.update_run_info({RunField.EVAL_HISTORY: json.dumps(self.evals)})
         log.info("eval at step %d: avg@%d = %.3f", self.step, self.cfg.eval.samples_per_problem, result["eval/acc"])
         return result
 
@@ -259,7 +256,7 @@ class Coordinator:
         for entry_id, _ in [*self.pending, *self.orphans, *self.take_over_pending()]:
             self.bus.hop(keys.train, entry_id, outcome=LEDGER_STALE)
         self.pending, self.orphans = [], []
-        drainer = StreamBus(self.bus.r, keys, consumer=f"{self.inst}-drain")
+        drainer = StreamBus(self.bus.redis, keys, consumer=f"{self.inst}-drain")
         for entry_id, _ in drainer.read(keys.prompts, count=1_000_000, block_ms=1):  # undelivered jobs
             drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
         while time.monotonic() < deadline:
@@ -280,8 +277,7 @@ class Coordinator:
 
     # --- checkpoints and the end of the run ---------------------------------------------------
     def checkpoint_meta(self) -> dict[str, Any]:
-        last = self.bus.r.xrevrange(self.bus.keys.metrics, count=1)
-        metrics = json.loads(last[0][1][b"m"]) if last else {}
+        metrics = self.bus.last_metrics()
         return {
             "policy_version": self.version,
             "data_cursor": self.feeder.cursor,
@@ -307,6 +303,6 @@ class Coordinator:
             summary["final_eval_acc"] = self.run_eval().get("eval/acc", -1.0)
             self.drain()
             summary["final_model"] = str(self.save_final())
-        self.bus.r.hset(self.bus.keys.run_info, mapping=summary)
+        self.bus.update_run_info({RunField(k): v for k, v in summary.items()})
         self.set_state("finished" if completed else "stopped")
         self.trackers.close()

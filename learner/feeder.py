@@ -22,10 +22,9 @@ import random
 import time
 from typing import Any
 
-from services.data import PromptRecord, render_prompt
-from services.gatekeeper import read_pass_rate
-from services.schemas import PromptJob, encode_job
-from services.streams import StreamBus
+from services.contracts.bus import StreamBus
+from services.contracts.data import PromptRecord, render_prompt
+from services.contracts.schemas import PromptJob, encode_job
 
 
 class PromptFeeder:
@@ -87,7 +86,7 @@ class PromptFeeder:
     def admit(self, policy_version: int) -> int:
         """Issue the prompt jobs admission control allows now; returns how many."""
         ledger = self.bus.ledger()
-        rate = read_pass_rate(self.bus, ledger.filtered)
+        rate = self.bus.pass_rate(ledger.filtered)
         n = self.wanted(
             in_flight=ledger.in_flight, train_depth=self.bus.depths()["learner"], pass_rate=1.0 if rate is None else rate
         )

@@ -31,18 +31,14 @@ import torch
 import torch.distributed as dist
 
 from learner.batch import build_batch
-from learner.checkpoint import (
-    apply_retention,
-    get_checkpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.coordinator import Coordinator
 from learner.trainer import Trainer
-from services.config import DapoConfig
-from services.faults import stretch
-from services.worker import StopFlag
+from services.contracts.checkpoint_store import apply_retention, get_checkpoint, latest_checkpoint
+from services.contracts.config import DapoConfig
+from services.contracts.faults import stretch
+from services.contracts.keys import Counter, RunField
+from services.contracts.runtime import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +58,7 @@ def init_distributed(cfg: DapoConfig) -> tuple[int, int, str]:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from services.redis_server import free_port
+        from services.contracts.runtime import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     if backend == "nccl":
@@ -130,7 +126,7 @@ class Learner:
         self.coord.set_state("broadcasting")
         self.coord.version = version
         self.coord.publisher.stage(version, named, self.layout)
-        self.coord.bus.r.set(self.coord.bus.keys.policy_version, version)
+        self.coord.bus.set_policy_version(version)
         self.coord.publisher.publish()
 
     def train(self, groups: list[Any]) -> None:
@@ -143,7 +139,7 @@ class Learner:
         batch = build_batch(groups, pad_id=0, norm_by_std=cfg.algorithm.norm_by_std, overlong_filter=cfg.reward.overlong.filter)
         version = _share(coord.version if coord is not None else None, self.rank)
         metrics = self.trainer.train_step(batch, learner_version=version)
-        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/faults.py)
+        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/contracts/faults.py)
         t1 = time.monotonic()
         rollout_metrics = coord.rollout_metrics(groups) if coord is not None else {}
         self.publish(version + 1)
@@ -188,7 +184,7 @@ class Learner:
         if self.coord is not None:
             self.coord.resume_from(meta)
             if publish:  # an operator's restore (not a restart)
-                self.coord.bus.incr("restores")
+                self.coord.bus.incr(Counter.RESTORES)
         log.info("restored checkpoint step %d", step)
         if publish:
             version = _share(self.coord.version if self.coord is not None else None, self.rank)
@@ -231,7 +227,7 @@ def main(cfg: DapoConfig) -> int:
         learner.publish(version)  # stage the starting weights (and sync replicas on a resume)
         if coord is not None and not coord.evals:
             base = coord.run_eval()
-            coord.bus.r.hset(coord.bus.keys.run_info, mapping={"base_eval_acc": base.get("eval/acc", -1.0)})
+            coord.bus.update_run_info({RunField.BASE_EVAL_ACC: base.get("eval/acc", -1.0)})
         learner.run()
         if learner.step and (cfg.checkpoint.every_steps == 0 or learner.step % cfg.checkpoint.every_steps):
             learner.checkpoint()  # the end of the run is always checkpointed

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from services.config import DapoConfig
+from services.contracts.config import DapoConfig
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.algos import count_tokens, entropy_from_logits, log_probs_from_logits, policy_loss
 from learner.batch import TrainBatch
-from services.config import DapoConfig
+from services.contracts.config import DapoConfig
 
 log = logging.getLogger(__name__)
 

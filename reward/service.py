@@ -13,10 +13,11 @@ from typing import Any
 
 from reward.overlong import shaped_reward
 from reward.verifiers import make_scorer
-from services.config import DapoConfig
-from services.schemas import SchemaError, decode_group, encode_group
-from services.streams import Entry, StreamBus
-from services.worker import run_stage_loop, service_context
+from services.contracts.bus import Entry, StreamBus
+from services.contracts.config import DapoConfig
+from services.contracts.keys import Counter
+from services.contracts.runtime import run_stage_loop, service_context
+from services.contracts.schemas import SchemaError, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class RewardWorker:
             group.reward_timeouts = sum(r.timeout for r in results)
             self.timeouts += group.reward_timeouts
             if group.reward_timeouts:
-                self.bus.incr("reward_timeouts", group.reward_timeouts)
+                self.bus.incr(Counter.REWARD_TIMEOUTS, group.reward_timeouts)
             self.groups += self.bus.hop(stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(group))
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.config import DapoConfig
-from services.weight_group import Announcement
+from services.contracts.config import DapoConfig
+from services.contracts.weight_sync import Announcement
 
 
 @dataclass

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout.engine import Sample
 from rollout.weight_receiver import WeightReceiver
-from services.weight_group import DTYPES, Announcement
+from services.contracts.weight_sync import DTYPES, Announcement
 
 log = logging.getLogger(__name__)
 

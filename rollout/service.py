@@ -19,9 +19,12 @@ from typing import Any
 import redis
 
 from rollout.engine import Engine, make_engine
-from services.config import DapoConfig
-from services.faults import stretch
-from services.schemas import (
+from services.contracts.bus import Entry, StreamBus, is_oom
+from services.contracts.config import DapoConfig
+from services.contracts.faults import stretch
+from services.contracts.keys import Counter
+from services.contracts.runtime import Heartbeat, StopFlag, service_context
+from services.contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
@@ -29,9 +32,7 @@ from services.schemas import (
     decode_job,
     encode_group,
 )
-from services.streams import Entry, StreamBus, is_oom
-from services.weight_group import Announcement
-from services.worker import Heartbeat, StopFlag, service_context
+from services.contracts.weight_sync import Announcement
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,11 @@ class RolloutWorker:
 
     def poll_weights(self, block_ms: int | None = None) -> None:
         """Apply every pending announcement that names this replica (newest wins)."""
-        reply = self.bus.r.xread({self.bus.keys.weights: self.weights_cursor}, count=64, block=block_ms)
+        reply = self.bus.redis.xread({self.bus.keys.weights: self.weights_cursor}, count=64, block=block_ms)
         if self.weights_cursor == "$":
             # First call: start after the newest announcement; the learner's catch-up sync includes
             # this replica once its heartbeat is seen.
-            last = self.bus.r.xrevrange(self.bus.keys.weights, count=1)
+            last = self.bus.redis.xrevrange(self.bus.keys.weights, count=1)
             self.weights_cursor = last[0][0].decode() if last else "0"
         newest: Announcement | None = None
         newest_at = 0.0
@@ -85,7 +86,7 @@ class RolloutWorker:
 
     def _await_go(self, ann: Announcement) -> bool:
         """Phase one of a sync: register, then wait for the learner's go/abort."""
-        keys, r = self.bus.keys, self.bus.r
+        keys, r = self.bus.keys, self.bus.redis
         r.sadd(keys.weight_join(ann.group_key), self.id)
         r.expire(keys.weight_join(ann.group_key), int(ann.timeout_s * 4) + 60)
         deadline = time.monotonic() + ann.timeout_s
@@ -114,7 +115,7 @@ class RolloutWorker:
         self.group_key = ann.group_key
         self.weights_from = announced_at
         if ann.version < self.policy_version:  # must never happen: the learner numbers upwards
-            self.bus.incr("replica_version_regressions")
+            self.bus.incr(Counter.REPLICA_VERSION_REGRESSIONS)
             log.error("received version %d while holding %d", ann.version, self.policy_version)
         self.policy_version = ann.version
         self.heartbeat_now()
@@ -127,7 +128,7 @@ class RolloutWorker:
         """Load the newest committed checkpoint (or the base model): after a failed broadcast,
         and at start, so a late joiner begins from recent weights. The learner's catch-up sync
         brings the replica the rest of the way."""
-        from learner.checkpoint import latest_checkpoint
+        from services.contracts.checkpoint_store import latest_checkpoint
 
         latest = latest_checkpoint(self.cfg.checkpoint_dir)
         held = self.policy_version
@@ -138,7 +139,7 @@ class RolloutWorker:
             self.engine.load_weights_from_dir(self.cfg.model.path)
             self.policy_version = 0
         if self.policy_version < held:
-            self.bus.incr("replica_version_regressions")
+            self.bus.incr(Counter.REPLICA_VERSION_REGRESSIONS)
             log.warning("fell back from version %d to the published version %d", held, self.policy_version)
         self.weights_from = time.time()
         log.info("loaded published weights: policy version %d", self.policy_version)
@@ -150,11 +151,11 @@ class RolloutWorker:
         first loads the newest committed checkpoint when that is newer than what it holds: a
         local read instead of a broadcast. The learner's catch-up sync then brings it the rest of
         the way. A replica in a working group never does this. Returns True when it loaded."""
-        from learner.checkpoint import latest_checkpoint
+        from services.contracts.checkpoint_store import latest_checkpoint
 
         if time.time() - self.weights_from < self.cfg.learner.collective_timeout_s:
             return False
-        published = int(self.bus.r.get(self.bus.keys.policy_version) or 0)
+        published = self.bus.policy_version()
         if published - self.policy_version <= self.cfg.algorithm.max_staleness:
             return False
         latest = latest_checkpoint(self.cfg.checkpoint_dir)
@@ -168,7 +169,7 @@ class RolloutWorker:
             log.exception("could not load checkpoint step %d; waiting for the learner's sync", latest.step)
             self.weights_from = time.time()  # don't retry at once
             return False
-        self.bus.incr("replica_store_catch_ups")
+        self.bus.incr(Counter.REPLICA_STORE_CATCH_UPS)
         return True
 
     def heartbeat_now(self) -> None:
@@ -214,7 +215,7 @@ class RolloutWorker:
             self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
 
     def run(self) -> None:
-        from learner.checkpoint import latest_checkpoint
+        from services.contracts.checkpoint_store import latest_checkpoint
 
         if latest_checkpoint(self.cfg.checkpoint_dir) is not None:
             self.load_published()

@@ -7,7 +7,7 @@ top-k/top-p mask (the default, `raw_logprobs`, ignores the temperature). With to
 paper's training setting) this equals what the transformers engine and the learner compute; with
 top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does not.
 
-Weights arrive over the side group of `services.weight_group` inside vLLM's worker process(es):
+Weights arrive over the side group of `services.contracts.weight_sync` inside vLLM's worker process(es):
 `rollout.vllm_worker_ext.WeightSyncExtension` is mixed into the worker class and called through
 `collective_rpc`. The prefix cache is reset after every swap, since cached KV blocks were
 computed with the old weights. A swap that fails part-way leaves some layers new and some old;
@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from rollout.engine import Sample
-from services.config import DapoConfig
-from services.weight_group import Announcement
+from services.contracts.config import DapoConfig
+from services.contracts.weight_sync import Announcement
 
 if TYPE_CHECKING:
     from vllm import LLM

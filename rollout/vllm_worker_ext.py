@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rollout.weight_receiver import WeightReceiver
-from services.weight_group import DTYPES, Announcement
+from services.contracts.weight_sync import DTYPES, Announcement
 
 log = logging.getLogger(__name__)
 

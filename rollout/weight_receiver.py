@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from services.weight_group import (
+from services.contracts.weight_sync import (
     DTYPES,
     Announcement,
     broadcast_bucket,

@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
-from services.keys import LEDGER_FILTERED
-from services.schemas import RolloutGroup, SchemaError, decode_group
-from services.streams import Entry, StreamBus
+from services.contracts.bus import Entry, StreamBus
+from services.contracts.config import DapoConfig
+from services.contracts.keys import LEDGER_FILTERED, Counter
+from services.contracts.runtime import run_stage_loop, service_context
+from services.contracts.schemas import RolloutGroup, SchemaError, decode_group
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +51,6 @@ def group_metric(group: RolloutGroup, metric: str) -> list[float]:
     raise ValueError(f"unknown gatekeeper metric {metric!r}; expected acc, score or reward")
 
 
-KEPT_COUNTER = "gate_kept"
-"""Counter (in the counters hash) of groups the gatekeeper forwarded; filtered ones are in the
-ledger."""
-
-
-def pass_rate(kept: int, filtered: int) -> float | None:
-    """Share of gated groups that were kept; None before any group was gated."""
-    return kept / (kept + filtered) if kept + filtered else None
-
-
-def read_pass_rate(bus: StreamBus, filtered: int) -> float | None:
-    """The run's pass rate so far, given the ledger's filtered count."""
-    return pass_rate(int(bus.r.hget(bus.keys.counters, KEPT_COUNTER) or 0), filtered)
-
-
 class Gatekeeper:
     """The stage handler: decide, then hop each group to `train` or count it as filtered."""
 
@@ -89,9 +77,26 @@ class Gatekeeper:
             if not self.enabled or keep_group(group_metric(group, self.metric)):
                 done = self.bus.hop(
                     stage, entry_id, downstream=self.bus.keys.train.stream,
-                    fields={k.decode(): v for k, v in fields.items()}, counter=KEPT_COUNTER,
+                    fields={k.decode(): v for k, v in fields.items()}, counter=Counter.GATEKEEPER_KEPT,
                 )
                 self.kept += done
             else:
                 done = self.bus.hop(stage, entry_id, outcome=LEDGER_FILTERED)
                 self.filtered += done
+
+
+def main(cfg: DapoConfig) -> int:
+    ctx = service_context(cfg, "gatekeeper")
+    gate = Gatekeeper(ctx.bus, metric=cfg.algorithm.gatekeeper_metric, enabled=cfg.algorithm.gatekeeper)
+
+    def status() -> dict[str, Any]:
+        return {"kept": gate.kept, "filtered": gate.filtered, "pass_rate": round(gate.pass_rate, 4)}
+
+    hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, status)
+    try:
+        run_stage_loop(ctx.bus, ctx.bus.keys.scored, gate.handle, queue=cfg.queue, stop=ctx.stop, batch=32)
+    finally:
+        ctx.write_final_stats(status())
+        hb.stop()
+    log.info("gatekeeper stopped: kept %d, filtered %d", gate.kept, gate.filtered)
+    return 0

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from services.redis_server import RedisServer
+    from services.shell.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
     yield server
@@ -44,8 +44,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny Qwen2 model + locally trained tokenizer (no skill)."""
     from transformers import AutoModelForCausalLM
 
-    from learner.tiny_base import tiny_qwen2_config, train_tokenizer
-    from services.data import synth_rows
+    from services.demo.synthetic import synth_rows
+    from services.demo.tiny_base import tiny_qwen2_config, train_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-model")
     rows = synth_rows(500, seed=0)
@@ -69,7 +69,7 @@ def tiny_cache() -> None:
     import subprocess
     import sys
 
-    code = ("from services.config import load_config; from services.launcher import prepare; "
+    code = ("from services.contracts.config import load_config; from services.shell.launcher import prepare; "
             "prepare(load_config('configs/tiny.yaml'))")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=3600)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
-from services.keys import Keys
-from services.worker import live_instances
+from services.contracts.bus import StreamBus
+from services.contracts.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
     """`dapo run` on the tiny preset against the test's Redis, output in tmp_path/dapo-run.log
     (a pipe nobody reads could fill and block the launcher). No evals, no checkpoints unless
-    the overrides ask for them. `faults` is passed as DAPO_FAULTS (services/faults.py)."""
+    the overrides ask for them. `faults` is passed as DAPO_FAULTS (services/contracts/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+        [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
          f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "DAPO_FAULTS": faults},
     )
@@ -32,7 +32,7 @@ def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> su
 
 def versions_by_pid(r: redis.Redis, kind: str = "rollout") -> dict[int, int]:
     """pid -> policy version of every live instance of `kind` (from the heartbeats)."""
-    return {int(i["pid"]): int(i.get("policy_version", -1)) for i in live_instances(r, Keys("dapo"), kind)}
+    return {int(i["pid"]): int(i.get("policy_version", -1)) for i in StreamBus(r, Keys("dapo"), "test").live_instances(kind)}
 
 
 def pids(r: redis.Redis, kind: str) -> set[int]:

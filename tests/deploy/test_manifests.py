@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
-from services.cli import build_parser
-from services.config import load_config
-from services.keys import Keys
+from services.contracts.config import load_config
+from services.contracts.keys import Keys
+from services.shell.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -72,7 +72,7 @@ def check_dapo_argv(argv: list[str], where: str) -> str:
     try:
         build_parser().parse_args(argv)
     except SystemExit as exc:
-        raise AssertionError(f"{where}: `dapo {' '.join(argv)}` does not parse with services.cli.build_parser()") from exc
+        raise AssertionError(f"{where}: `dapo {' '.join(argv)}` does not parse with services.shell.cli.build_parser()") from exc
     return argv[0]
 
 
@@ -90,16 +90,16 @@ def check_python_c(code: str, where: str) -> None:
 
 
 def check_invocation(argv: list[str], where: str) -> str:
-    """What a container runs: `dapo ...`, `torchrun ... -m services.cli ...` or `python -c`.
+    """What a container runs: `dapo ...`, `torchrun ... -m services.shell.cli ...` or `python -c`.
     Returns a label of what it runs (the dapo subcommand, or `python -c`)."""
     assert argv, f"{where}: empty command"
     exe = Path(argv[0]).name
     if exe == "dapo":
         return check_dapo_argv(argv[1:], where)
     if exe == "torchrun":
-        assert "-m" in argv, f"{where}: torchrun without -m services.cli"
+        assert "-m" in argv, f"{where}: torchrun without -m services.shell.cli"
         i = argv.index("-m")
-        assert argv[i + 1] == "services.cli", f"{where}: torchrun runs {argv[i + 1]}, not services.cli"
+        assert argv[i + 1] == "services.shell.cli", f"{where}: torchrun runs {argv[i + 1]}, not services.shell.cli"
         assert all(a.startswith("-") for a in argv[1:i]), f"{where}: torchrun arguments before -m: {argv[1:i]}"
         return check_dapo_argv(argv[i + 2 :], where)
     if exe in {"python", "python3"} and argv[1:2] == ["-c"]:
@@ -108,7 +108,7 @@ def check_invocation(argv: list[str], where: str) -> str:
     if exe == "dapo-healthcheck":
         assert argv[1] in {"rollout", "reward", "gatekeeper", "learner"}, f"{where}: {argv}"
         return "dapo-healthcheck"
-    raise AssertionError(f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.cli or python -c")
+    raise AssertionError(f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.shell.cli or python -c")
 
 
 # Prose and comments: every `dapo WORD` must name a real subcommand (`-n dapo`, `namespace dapo`
@@ -136,7 +136,7 @@ def test_every_dapo_command_named_in_deploy_files_exists() -> None:
                 assert action in cmds[word], f"{where}: `dapo {word} {action}` does not exist"
             seen.add(word)
         for m in MODULE_MENTION.finditer(text):
-            assert m.group(1) in cmds, f"{path.relative_to(REPO)}: services.cli {m.group(1)} is not a subcommand"
+            assert m.group(1) in cmds, f"{path.relative_to(REPO)}: services.shell.cli {m.group(1)} is not a subcommand"
     assert seen, "no `dapo <command>` found: is the pattern still right?"
 
 
@@ -373,7 +373,8 @@ def _healthcheck_module() -> Any:
 def test_healthcheck_reports_this_hosts_heartbeat(redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import redis
 
-    from services.worker import Heartbeat, instance_id
+    from services.contracts.bus import StreamBus
+    from services.contracts.runtime import Heartbeat, instance_id
 
     monkeypatch.setenv("DAPO_REDIS_URL", redis_url)
     check = _healthcheck_module().main
@@ -381,7 +382,7 @@ def test_healthcheck_reports_this_hosts_heartbeat(redis_url: str, monkeypatch: p
     assert check(["reward", "--config", config]) == 1
     assert "no live reward heartbeat" in capsys.readouterr().err
     client = redis.Redis.from_url(redis_url)
-    hb = Heartbeat(client, Keys(load_config(config).queue.namespace), "reward", instance_id("reward"), ttl_s=30)
+    hb = Heartbeat(StreamBus(client, Keys(load_config(config).queue.namespace), "test"), "reward", instance_id("reward"), ttl_s=30)
     hb.beat()
     assert check(["reward", "--config", config]) == 0
     assert check(["rollout", "--config", config]) == 1

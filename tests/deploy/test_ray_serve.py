@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.config import ConfigError
+from services.contracts.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
@@ -40,7 +40,7 @@ def test_serve_yaml_is_a_valid_serve_config_whose_builder_resolves() -> None:
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
-    from services import ray_serve
+    from services.shell import ray_serve
 
     raw = yaml.safe_load(SERVE_YAML.read_text())
     ServeDeploySchema.model_validate(raw)
@@ -69,7 +69,7 @@ def test_rayservice_embeds_the_same_applications() -> None:
 
 
 def test_builder_options_fail_fast() -> None:
-    from services.ray_serve import app
+    from services.shell.ray_serve import app
 
     args = _with_repo_config({"config": "configs/tiny.yaml"})
     app({**args, "overrides": "rollout.group_size=4 rollout.max_response_len=8", "rollout_replicas": "3"})
@@ -84,7 +84,7 @@ def test_builder_options_fail_fast() -> None:
 
 
 def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
-    from services.ray_serve import BACKLOG_METRIC, BacklogPolicy
+    from services.shell.ray_serve import BACKLOG_METRIC, BacklogPolicy
 
     policy = BacklogPolicy(target_backlog_per_replica=16)
 
@@ -118,8 +118,8 @@ def _keys(redis_url: str, pattern: str) -> set[str]:
 
 
 def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.keys import Keys
-    from services.ray_serve import RewardHost
+    from services.contracts.keys import Keys
+    from services.shell.ray_serve import RewardHost
 
     keys = Keys()
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
@@ -139,8 +139,8 @@ def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_
 def test_check_health_surfaces_a_dead_worker(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.keys import Keys
-    from services.ray_serve import RewardHost, WorkerDied
+    from services.contracts.keys import Keys
+    from services.shell.ray_serve import RewardHost, WorkerDied
 
     def broken(self: RewardHost) -> None:
         raise RuntimeError("verifier exploded")
@@ -185,12 +185,12 @@ def test_serve_replicas_score_prompt_jobs(
     from transformers import AutoTokenizer
 
     from learner.feeder import PromptFeeder
-    from services.data import parse_row, synth_rows
-    from services.keys import Keys
-    from services.ray_serve import app
-    from services.schemas import decode_group
-    from services.streams import StreamBus, connect
-    from services.worker import live_instances
+    from services.contracts.bus import StreamBus, connect
+    from services.contracts.data import parse_row
+    from services.contracts.keys import Keys
+    from services.contracts.schemas import decode_group
+    from services.demo.synthetic import synth_rows
+    from services.shell.ray_serve import app
 
     overrides = _overrides(redis_url, tiny_model_dir, tmp_path)
     bus = StreamBus(connect(redis_url), Keys(), consumer="test")
@@ -204,7 +204,7 @@ def test_serve_replicas_score_prompt_jobs(
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"config": str(TINY), "overrides": overrides, "rollout_replicas": 1, "reward_replicas": 1}
         serve.run(app(args), name="dapo", route_prefix="/dapo")
-        assert {i["kind"] for i in live_instances(bus.r, bus.keys)} == {"rollout", "reward"}
+        assert {i["kind"] for i in bus.live_instances()} == {"rollout", "reward"}
 
         # Issue jobs exactly as the learner does: the feeder, with admission control.
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -213,7 +213,7 @@ def test_serve_replicas_score_prompt_jobs(
         assert feeder.admit(policy_version=0) == 4
 
         def scored() -> list[Any] | None:
-            entries: list[Any] = bus.r.xrange(bus.keys.scored.stream)  # type: ignore[assignment]
+            entries: list[Any] = bus.redis.xrange(bus.keys.scored.stream)  # type: ignore[assignment]
             return entries if len(entries) == 4 else None
 
         entries = _wait_for("4 scored groups", scored, 90)
@@ -239,7 +239,7 @@ def test_serve_replicas_score_prompt_jobs(
 
     # Shutdown ran each replica's __del__: heartbeats deleted (or, at worst, expired), final
     # stats written.
-    _wait_for("heartbeats gone", lambda: not list(bus.r.scan_iter(match=bus.keys.heartbeat_pattern())), 10)
-    finals = {k.decode().split(":")[2] for k in bus.r.scan_iter(match=bus.keys.final_stats_pattern())}
+    _wait_for("heartbeats gone", lambda: not list(bus.redis.scan_iter(match=bus.keys.heartbeat_pattern())), 10)
+    finals = {k.decode().split(":")[2] for k in bus.redis.scan_iter(match=bus.keys.final_stats_pattern())}
     assert finals == {"rollout", "reward"}
     assert bus.ledger().balanced

@@ -10,11 +10,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from services.api import create_app
-from services.config import build_config
-from services.keys import Keys
-from services.streams import StreamBus, connect
-from services.worker import Heartbeat
+from services.contracts.bus import StreamBus, connect
+from services.contracts.config import build_config
+from services.contracts.keys import Keys
+from services.contracts.runtime import Heartbeat
+from services.shell.api import create_app
 from tests.services.test_streams import issue
 
 TOKEN = "fuzz-token"
@@ -30,7 +30,7 @@ def api_schema(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     bus.ensure_groups()
     issue(bus, 3)
     # A live learner, so /readyz answers 200 (its 503 without one is the designed answer).
-    Heartbeat(bus.r, bus.keys, "learner", "learner-fuzz", ttl_s=600, status=lambda: {"state": "training"}).beat()
+    Heartbeat(bus, "learner", "learner-fuzz", ttl_s=600, status=lambda: {"state": "training"}).beat()
     return schemathesis.openapi.from_asgi("/openapi.json", create_app(cfg))
 
 

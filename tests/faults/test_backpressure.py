@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from learner.feeder import PromptFeeder
-from services.config import load_config
-from services.keys import Keys
-from services.redis_server import RedisServer
-from services.status import run_status
-from services.streams import OOM_PAUSE_COUNTER, StreamBus, connect
+from services.contracts.bus import OOM_PAUSE_COUNTER, StreamBus, connect
+from services.contracts.config import load_config
+from services.contracts.keys import Keys
+from services.shell.redis_server import RedisServer
+from services.shell.status import run_status
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -45,7 +45,7 @@ class Sampler(threading.Thread):
             try:
                 ledger = self.bus.ledger()
                 depths = self.bus.depths()
-                used = int(self.bus.r.info("memory")["used_memory"])
+                used = int(self.bus.redis.info("memory")["used_memory"])
             except redis.RedisError:
                 continue
             if not ledger.balanced:  # it must balance at every instant, not just at the end

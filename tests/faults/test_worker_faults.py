@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.keys import Keys
-from services.redis_server import RedisServer
-from services.schemas import encode_group
-from services.status import run_status
-from services.streams import StreamBus, connect
+from services.contracts.bus import StreamBus, connect
+from services.contracts.keys import Keys
+from services.contracts.schemas import encode_group
+from services.shell.redis_server import RedisServer
+from services.shell.status import run_status
 from tests.helpers import finish, learner_step, pid_of, start_run, wait_for
 from tests.services.test_schemas import make_group
 

@@ -1,4 +1,4 @@
-"""Tests for learner.tiny_base: tokenizer, config, and the warm-started tiny base checkpoint."""
+"""Tests for services.demo.tiny_base: tokenizer, config, and the warm-started tiny base checkpoint."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import learner.tiny_base as tiny_base
-from learner.tiny_base import (
+import services.demo.tiny_base as tiny_base
+from services.contracts.data import parse_row, render_prompt
+from services.demo.synthetic import synth_rows
+from services.demo.tiny_base import (
     BUILD_INFO,
     EOS_TOKEN,
     answer_correct,
@@ -22,7 +24,6 @@ from learner.tiny_base import (
     tiny_qwen2_config,
     train_tokenizer,
 )
-from services.data import parse_row, render_prompt, synth_rows
 
 SAMPLES = [
     "Tom has 23 apples and buys 45 more. How many apples does Tom have?\nAnswer: 68",

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from learner.batch import build_batch
 from learner.trainer import Trainer
-from services.config import DapoConfig, load_config
-from services.redis_server import free_port
-from services.schemas import PromptJob, Response, RolloutGroup
+from services.contracts.config import DapoConfig, load_config
+from services.contracts.runtime import free_port
+from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

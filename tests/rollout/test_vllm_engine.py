@@ -20,11 +20,16 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 
-from learner.tiny_base import EOS_TOKEN_ID, tiny_qwen2_config, train_tokenizer
 from rollout.engine import Sample
 from rollout.vllm_engine import VLLMEngine, WeightSyncError  # vllm loads with the first engine
-from services.config import DapoConfig, build_config
-from services.weight_group import Announcement, broadcast_bucket, make_group_on_store, plan_buckets
+from services.contracts.config import DapoConfig, build_config
+from services.contracts.weight_sync import (
+    Announcement,
+    broadcast_bucket,
+    make_group_on_store,
+    plan_buckets,
+)
+from services.demo.tiny_base import EOS_TOKEN_ID, tiny_qwen2_config, train_tokenizer
 
 pytestmark = pytest.mark.slow
 

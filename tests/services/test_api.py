@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from learner.checkpoint import MARKER
-from services.api import create_app
-from services.config import build_config
-from services.keys import Keys
-from services.streams import StreamBus, connect
-from services.worker import Heartbeat
+from services.contracts.bus import StreamBus, connect
+from services.contracts.checkpoint_store import MARKER
+from services.contracts.config import build_config
+from services.contracts.keys import Keys
+from services.contracts.runtime import Heartbeat
+from services.shell.api import create_app
 from tests.services.test_streams import issue
 
 TOKEN = "s3cret"
@@ -43,19 +43,19 @@ def test_health_and_readiness(setup: tuple[TestClient, StreamBus, Path]) -> None
     assert client.get("/healthz").json() == {"ok": True}
     r = client.get("/readyz")
     assert r.status_code == 503 and "learner heartbeat" in r.json()["detail"]
-    hb = Heartbeat(bus.r, bus.keys, "learner", "learner-1", ttl_s=5, status=lambda: {"policy_version": 3, "state": "training"})
+    hb = Heartbeat(bus, "learner", "learner-1", ttl_s=5, status=lambda: {"policy_version": 3, "state": "training"})
     hb.beat()
-    bus.r.hset(bus.keys.learner_state, mapping={"state": "training", "step": 3})
+    bus.redis.hset(bus.keys.learner_state, mapping={"state": "training", "step": 3})
     assert client.get("/readyz").json()["ready"] is True
 
 
 def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamBus, Path]) -> None:
     client, bus, _ = setup
     issue(bus, 3)
-    bus.r.set(bus.keys.policy_version, 7)
-    bus.r.xadd(bus.keys.metrics, {"m": json.dumps({"step": 1, "time": time.time() - 2, "rollout/reward_mean": -0.5, "rollout/tokens": 100, "rollout/groups": 4})})
-    bus.r.xadd(bus.keys.metrics, {"m": json.dumps({"step": 2, "time": time.time(), "rollout/reward_mean": 0.25, "rollout/tokens": 300, "rollout/groups": 4})})
-    Heartbeat(bus.r, bus.keys, "rollout", "r-1", ttl_s=5, status=lambda: {"policy_version": 7}).beat()
+    bus.redis.set(bus.keys.policy_version, 7)
+    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 1, "time": time.time() - 2, "rollout/reward_mean": -0.5, "rollout/tokens": 100, "rollout/groups": 4})})
+    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 2, "time": time.time(), "rollout/reward_mean": 0.25, "rollout/tokens": 300, "rollout/groups": 4})})
+    Heartbeat(bus, "rollout", "r-1", ttl_s=5, status=lambda: {"policy_version": 7}).beat()
     status = client.get("/status").json()
     assert status["policy_version"] == 7
     assert status["ledger"] == {"issued": 3, "trained": 0, "filtered": 0, "stale": 0, "dead": 0, "in_flight": 3, "balanced": True}
@@ -95,12 +95,12 @@ def test_mutating_routes_need_the_token(setup: tuple[TestClient, StreamBus, Path
     assert client.get("/status").json()["paused"] is False
     r = client.post("/checkpoints", headers=auth, json={"keep": True})
     assert r.status_code == 202
-    assert json.loads(bus.r.hget(bus.keys.control, "checkpoint"))["keep"] is True
+    assert json.loads(bus.redis.hget(bus.keys.control, "checkpoint"))["keep"] is True
     bad = client.post("/checkpoints", headers=auth, json={"kep": True})
     assert bad.status_code == 422 and "kep" in bad.text
     assert client.post("/checkpoints/99/restore", headers=auth).status_code == 404
     assert client.post("/checkpoints/5/restore", headers=auth).status_code == 202
-    assert json.loads(bus.r.hget(bus.keys.control, "restore"))["step"] == 5
+    assert json.loads(bus.redis.hget(bus.keys.control, "restore"))["step"] == 5
     monkeypatch.delenv("DAPO_API_TOKEN")
     r = client.post("/pause", headers=auth)
     assert r.status_code == 403 and "disabled" in r.json()["detail"]

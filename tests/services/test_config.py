@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, build_config, dump_config, load_config
+from services.contracts.config import ConfigError, build_config, dump_config, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}

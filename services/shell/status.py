@@ -10,49 +10,36 @@ import json
 import time
 from typing import Any
 
-import redis
-
-from services.gatekeeper import KEPT_COUNTER, pass_rate
-from services.streams import StreamBus, memory_report
-from services.worker import live_instances
-
-
-def _hash(r: redis.Redis, key: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
-
-
-def recent_metrics(bus: StreamBus, count: int = 500) -> list[dict[str, Any]]:
-    """The last `count` per-step metric records, oldest first."""
-    rows = bus.r.xrevrange(bus.keys.metrics, count=count)
-    return [json.loads(fields[b"m"]) for _, fields in reversed(rows)]
+from services.contracts.bus import StreamBus, open_bus
+from services.contracts.keys import RunField
 
 
 def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
-    r, keys = bus.r, bus.keys
-    state = _hash(r, keys.learner_state)
-    info = _hash(r, keys.run_info)
-    counters = {k: int(v) for k, v in _hash(r, keys.counters).items()}
+    keys = bus.keys
+    state = bus.learner_state()
+    info = bus.run_info()
+    counters = bus.counters()
     ledger = bus.ledger()
-    metrics = recent_metrics(bus, count=20)
+    metrics = bus.recent_metrics(20)
     last = metrics[-1] if metrics else {}
     throughput = _throughput(metrics)
-    instances = live_instances(r, keys)
+    instances = bus.live_instances()
     learner_fresh = any(i.get("kind") == "learner" and i["age_s"] < heartbeat_ttl_s for i in instances)
     return {
-        "run_name": info.get("run_name", keys.ns),
+        "run_name": info.get(RunField.RUN_NAME, keys.ns),
         "namespace": keys.ns,
-        "step": int(state.get("step", 0)),
-        "policy_version": int(r.get(keys.policy_version) or 0),
+        "step": _int(state.get("step")),
+        "policy_version": bus.policy_version(),
         "learner_state": state.get("state", "unknown") if learner_fresh or state.get("state") == "finished" else "down",
         "stream_depths": bus.depths(),
-        "dead_letters": int(r.xlen(keys.dead)),
+        "dead_letters": bus.dead_letter_count(),
         "ledger": ledger.as_dict(),
-        "gatekeeper_pass_rate": pass_rate(counters.get(KEPT_COUNTER, 0), ledger.filtered),
+        "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
         "throughput": throughput,
-        "base_eval_acc": _float(info.get("base_eval_acc")),
-        "redis_data_lost_at": _float(info.get("redis_data_lost_at")),
-        "redis_memory": memory_report(r),
-        "eval_history": json.loads(info.get("eval_history", "[]")),
+        "base_eval_acc": _float(info.get(RunField.BASE_EVAL_ACC)),
+        "redis_data_lost_at": _float(info.get(RunField.REDIS_DATA_LOST_AT)),
+        "redis_memory": bus.memory_report(),
+        "eval_history": bus.eval_history(),
         "last_metrics": last,
         "counters": counters,
         "instances": [
@@ -68,7 +55,17 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
 
 
 def _float(value: str | None) -> float | None:
-    return float(value) if value is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
 
 
 def _throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
@@ -166,14 +163,11 @@ def _memory_line(mem: dict[str, Any]) -> str:
 def print_status(cfg: Any, *, as_json: bool = False) -> int:
     import sys
 
-    from services.keys import Keys
-    from services.streams import connect
-
     url = cfg.redis_url
     if not url:
         sys.stderr.write("dapo status: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)\n")
         return 2
-    bus = StreamBus(connect(url, retries=1, pause_when_full=False), Keys(cfg.queue.namespace), consumer="status")
+    bus = open_bus(url, cfg.queue.namespace, "status", retries=1, pause_when_full=False)
     status = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
     sys.stdout.write((json.dumps(status, indent=1) if as_json else format_status(status)) + "\n")
     return 0

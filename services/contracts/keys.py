@@ -8,6 +8,7 @@ the stage that consumes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 # Ledger fields: every prompt job issued ends in exactly one of these, or is still in flight.
 LEDGER_ISSUED = "issued"
@@ -16,6 +17,67 @@ LEDGER_FILTERED = "filtered"
 LEDGER_STALE = "stale"
 LEDGER_DEAD = "dead"
 LEDGER_OUTCOMES = (LEDGER_TRAINED, LEDGER_FILTERED, LEDGER_STALE, LEDGER_DEAD)
+
+
+class Counter(StrEnum):
+    """Every counter in the run's counters hash (`Keys.counters`); /status and /metrics show them.
+
+    Counters record events the ledger does not (the ledger counts prompt jobs by outcome).
+    """
+
+    GATEKEEPER_KEPT = "gatekeeper_kept"
+    """Groups the gatekeeper forwarded to the learner (filtered ones are in the ledger)."""
+    DEAD_LETTERS = "dead_letters"
+    """Issued work dead-lettered with a reason (also counted `dead` in the ledger)."""
+    POISON_MESSAGES = "poison_messages"
+    """Entries that were never issued by the feeder (garbage in a stream), dead-lettered."""
+    BAD_CONTROL_REQUESTS = "bad_control_requests"
+    """Operator requests in the control hash that did not parse; skipped."""
+    REWARD_TIMEOUTS = "reward_timeouts"
+    """Responses whose verifier ran past `reward.timeout_s` (scored -1)."""
+    TRAINED_TWICE = "trained_twice"
+    """A group id trained a second time (must stay 0)."""
+    RESTORES = "restores"
+    """Operator restores of a checkpoint."""
+    REDIS_DATA_LOSS = "redis_data_loss"
+    """Times the learner found Redis had lost the run's state (restart without AOF)."""
+    REDIS_OOM_PAUSES = "redis_oom_pauses"
+    """Times a client paused because Redis was at maxmemory."""
+    WEIGHT_SYNC_FAILURES = "weight_sync_failures"
+    """Weight broadcasts that failed (a replica died or hung mid-broadcast)."""
+    WEIGHT_SYNC_DROPPED_REPLICAS = "weight_sync_dropped_replicas"
+    """Replicas set aside because they did not join a weight sync in time."""
+    REPLICA_VERSION_REGRESSIONS = "replica_version_regressions"
+    """A replica ended up on an older policy version than it held (must stay 0 in a healthy run)."""
+    REPLICA_STORE_CATCH_UPS = "replica_store_catch_ups"
+    """Replicas that caught up by loading the newest checkpoint instead of a broadcast."""
+
+
+def restarts_counter(service: str) -> str:
+    """Per-service restart counter written by the supervisor: `restarts:<service>`."""
+    return f"restarts:{service}"
+
+
+class RunField(StrEnum):
+    """Fields of the run-info hash (`Keys.run_info`), written by learner rank 0 and the launcher."""
+
+    RUN_NAME = "run_name"
+    ALIVE_MARKER = "alive_marker"
+    """Written at learner start; its absence later means Redis lost the run's state."""
+    DATA_CURSOR = "data_cursor"
+    EVAL_HISTORY = "eval_history"
+    """JSON list of [step, accuracy]."""
+    BASE_EVAL_ACC = "base_eval_acc"
+    FINAL_EVAL_ACC = "final_eval_acc"
+    REDIS_DATA_LOST_AT = "redis_data_lost_at"
+    FINISHED = "finished"
+    """"1" once the learner completed `total_steps` (not when merely stopped)."""
+    STEPS = "steps"
+    POLICY_VERSION = "policy_version"
+    LEARNER_IDLE_FRACTION = "learner_idle_fraction"
+    LEARNER_WALL_S = "learner_wall_s"
+    MEAN_VERSION_LAG = "mean_version_lag"
+    FINAL_MODEL = "final_model"
 
 
 @dataclass(frozen=True)
@@ -81,7 +143,7 @@ class Keys:
 
     @property
     def counters(self) -> str:
-        """Hash of service counters (reward timeouts, gatekeeper kept, dead reasons...)."""
+        """Hash of `Counter` values (plus `restarts:<service>`)."""
         return self._k("counters")
 
     @property
@@ -101,11 +163,11 @@ class Keys:
 
     @property
     def run_info(self) -> str:
-        """Hash written by the learner at start: run_name, started_at, summary fields."""
+        """Hash of `RunField` values: run name, data cursor, eval history, the end-of-run summary."""
         return self._k("run")
 
     def heartbeat(self, kind: str, instance_id: str) -> str:
-        """TTL key per live service instance; value is its JSON status."""
+        """TTL key per live service instance (one process of a service); value is its JSON status."""
         return self._k("hb", kind, instance_id)
 
     def heartbeat_pattern(self, kind: str = "*") -> str:
@@ -133,5 +195,5 @@ class Keys:
 
     @property
     def control(self) -> str:
-        """Hash of operator requests (pause, stop)."""
+        """Hash of operator requests by kind (pause, checkpoint, restore; see schemas.ControlRequest)."""
         return self._k("control")

@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
-from services.config import ConfigError, DapoConfig, QueueConfig
-from services.keys import Keys, Stage
-from services.streams import Entry, StreamBus, check_memory_policy, connect, is_oom
+from services.contracts.bus import Entry, StreamBus, is_oom, open_bus
+from services.contracts.config import ConfigError, DapoConfig, QueueConfig
+from services.contracts.keys import Stage
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ class StopFlag:
         return self.event.wait(seconds)
 
 
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a rendezvous or a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def instance_id(kind: str, pid: int | None = None) -> str:
     """`<kind>-<host>-<pid>`: unique per process, and derivable by a supervisor on the same host."""
     return f"{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
@@ -68,8 +75,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        client: redis.Redis,
-        keys: Keys,
+        bus: StreamBus,
         kind: str,
         inst: str,
         ttl_s: float,
@@ -78,8 +84,8 @@ class Heartbeat:
         # A heartbeat must not pause when Redis is at maxmemory (the instance would look dead
         # after ttl_s): this client fails instead, and a refused SET falls back to PEXPIRE, which
         # Redis still accepts, so the last status stays visible.
-        self.client = redis.Redis(connection_pool=client.connection_pool)
-        self.key, self.ttl_s = keys.heartbeat(kind, inst), ttl_s
+        self.client = redis.Redis(connection_pool=bus.redis.connection_pool)
+        self.key, self.ttl_s = bus.keys.heartbeat(kind, inst), ttl_s
         self.base = {"kind": kind, "id": inst, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
         self.status = status or (lambda: {})
         self._stop = threading.Event()
@@ -110,23 +116,6 @@ class Heartbeat:
         self._stop.set()
         with contextlib.suppress(redis.RedisError):
             self.client.delete(self.key)
-
-
-def live_instances(client: redis.Redis, keys: Keys, kind: str = "*") -> list[dict[str, Any]]:
-    """Status of every instance whose heartbeat has not expired, with `age_s` added."""
-    now = time.time()
-    out = []
-    for key in client.scan_iter(match=keys.heartbeat_pattern(kind), count=200):
-        raw = client.get(key)
-        if raw is None:
-            continue
-        try:
-            info = json.loads(raw)
-        except ValueError:
-            continue
-        info["age_s"] = round(now - float(info.get("at", now)), 3)
-        out.append(info)
-    return sorted(out, key=lambda i: (i.get("kind", ""), i.get("id", "")))
 
 
 def run_stage_loop(
@@ -171,17 +160,13 @@ class ServiceContext:
     bus: StreamBus
     stop: StopFlag
 
-    @property
-    def client(self) -> redis.Redis:
-        return self.bus.r
-
     def heartbeat(self, ttl_s: float, status: Callable[[], dict[str, Any]]) -> Heartbeat:
-        return Heartbeat(self.client, self.bus.keys, self.kind, self.inst, ttl_s, status).start()
+        return Heartbeat(self.bus, self.kind, self.inst, ttl_s, status).start()
 
     def write_final_stats(self, stats: dict[str, Any]) -> None:
         """What the run summary reports about this instance after it is gone."""
         try:
-            self.client.hset(self.bus.keys.final_stats(self.kind, self.inst), mapping={k: json.dumps(v) for k, v in stats.items()})
+            self.bus.write_final_stats(self.kind, self.inst, stats)
         except redis.RedisError as exc:
             log.warning("%s %s: final stats not written: %s", self.kind, self.inst, exc)
 
@@ -198,8 +183,7 @@ def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True)
     if install_signals:
         stop.install()
     inst = instance_id(kind)
-    keys = Keys(cfg.queue.namespace)
-    bus = StreamBus(connect(url, stop=stop.event, counters_key=keys.counters), keys, consumer=inst)
-    check_memory_policy(bus.r)
+    bus = open_bus(url, cfg.queue.namespace, inst, stop=stop.event)
+    bus.check_memory_policy()
     bus.ensure_groups()
     return ServiceContext(kind, inst, bus, stop)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -73,6 +73,37 @@ class RolloutGroup(_Msg):
     @property
     def is_scored(self) -> bool:
         return self.rewards is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# operator requests (the control hash, one field per kind; carried out by the learner at its
+# next step boundary)
+
+
+class PauseRequest(_Msg):
+    """Stop taking training steps until the request is removed (POST /resume)."""
+
+    kind: Literal["pause"] = "pause"
+    at: float = 0.0
+
+
+class CheckpointRequest(_Msg):
+    """Save a checkpoint now; `keep` exempts it from retention."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    keep: bool = False
+    at: float = 0.0
+
+
+class RestoreRequest(_Msg):
+    """Load checkpoint `step` and continue from it (new policy versions keep rising)."""
+
+    kind: Literal["restore"] = "restore"
+    step: int = Field(ge=0)
+    at: float = 0.0
+
+
+ControlRequest = Annotated[PauseRequest | CheckpointRequest | RestoreRequest, Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from typing import Any, TextIO
 
 import redis
 
-from services.config import DapoConfig, dump_config
-from services.gatekeeper import KEPT_COUNTER, pass_rate
-from services.keys import Keys
-from services.plots import write_curves_svg
-from services.streams import StreamBus, check_memory_policy, connect
-from services.worker import instance_id
+from services.contracts.bus import StreamBus, open_bus
+from services.contracts.config import DapoConfig, dump_config
+from services.contracts.keys import RunField, restarts_counter
+from services.contracts.runtime import instance_id
+from services.shell.plots import write_curves_svg
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,8 @@ class Service:
 
 def prepare(cfg: DapoConfig, progress: Any = None) -> None:
     """Create the synthetic data and the tiny base model if the config asks for them."""
-    from services.data import synth_rows, write_rows
+    from services.contracts.data import write_rows
+    from services.demo.synthetic import synth_rows
 
     d = cfg.data
     if d.synth is not None:
@@ -81,8 +81,8 @@ def prepare(cfg: DapoConfig, progress: Any = None) -> None:
             write_rows(d.eval_path, synth_rows(d.synth.num_eval, difficulty=d.synth.difficulty, seed=d.seed + 1_000_003, template=d.synth.template, start_index=10_000_000))
     spec = cfg.model.build_tiny
     if spec is not None and not (Path(cfg.model.path) / "config.json").exists():
-        from learner.tiny_base import ensure_tiny_base
-        from services.data import load_prompts
+        from services.contracts.data import load_prompts
+        from services.demo.tiny_base import ensure_tiny_base
 
         log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
         train = [_as_row(r) for r in load_prompts(d.train_path)[:20000]]
@@ -104,11 +104,6 @@ def _as_row(rec: Any) -> dict[str, Any]:
     }
 
 
-def clear_namespace(client: redis.Redis, keys: Keys) -> None:
-    for key in client.scan_iter(match=f"{keys.ns}:*", count=1000):
-        client.delete(key)
-
-
 class Progress:
     """One live line: step, reward, eval accuracy, pass rate, version lag, ledger."""
 
@@ -119,12 +114,9 @@ class Progress:
         self.last_eval = float("nan")
 
     def line(self) -> str:
-        r, keys = self.bus.r, self.bus.keys
-        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.learner_state).items()}
-        last = r.xrevrange(keys.metrics, count=1)
-        m = json.loads(last[0][1][b"m"]) if last else {}
-        info = {k.decode(): v.decode() for k, v in r.hgetall(keys.run_info).items()}
-        evals = json.loads(info.get("eval_history", "[]"))
+        state = self.bus.learner_state()
+        m = self.bus.last_metrics()
+        evals = self.bus.eval_history()
         acc = f"{evals[-1][1]:.3f}" if evals else "-"
         led = self.bus.ledger()
         return (
@@ -156,10 +148,10 @@ class Progress:
 
 def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> list[Service]:
     py = sys.executable
-    cli = [py, "-m", "services.cli"]
+    cli = [py, "-m", "services.shell.cli"]
     conf = ["--config", str(config_path)]
     if cfg.learner.nproc > 1:
-        learner = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.learner.nproc}", "-m", "services.cli", "learner", *conf]
+        learner = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.learner.nproc}", "-m", "services.shell.cli", "learner", *conf]
     else:
         learner = [*cli, "learner", *conf]
     out = [Service("learner", learner, logs / "learner.log"), Service("gatekeeper", [*cli, "gatekeeper", *conf], logs / "gatekeeper.log")]
@@ -170,38 +162,37 @@ def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> 
 
 
 def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]) -> dict[str, Any]:
-    r, keys = bus.r, bus.keys
-    info = {k.decode(): v.decode() for k, v in r.hgetall(keys.run_info).items()}
-    rollout_idle, replica_versions = [], {}
-    for key in r.scan_iter(match=keys.final_stats_pattern("rollout")):
-        stats = {k.decode(): json.loads(v) for k, v in r.hgetall(key).items()}
-        rollout_idle.append(float(stats.get("idle_fraction", 0.0)))
-        replica_versions[key.decode().rsplit(":", 1)[-1]] = int(stats.get("policy_version", -1))
-    counters = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
-    metrics = [json.loads(f[b"m"]) for _, f in r.xrange(keys.metrics)]
-
+    info = bus.run_info()
+    finals = bus.final_stats("rollout")
+    rollout_idle = [float(s.get("idle_fraction", 0.0)) for s in finals.values()]
+    replica_versions = {rid: int(s.get("policy_version", -1)) for rid, s in finals.items()}
+    counters = bus.counters()
+    metrics = bus.recent_metrics()
     ledger = bus.ledger()
 
-    def num(name: str, default: float = float("nan")) -> float:
-        return float(info[name]) if name in info else default
+    def num(name: RunField, default: float = float("nan")) -> float:
+        try:
+            return float(info[name]) if name in info else default
+        except ValueError:
+            return default
 
     return {
         "run_name": cfg.run_name,
-        "base_eval_acc": num("base_eval_acc"),
-        "final_eval_acc": num("final_eval_acc"),
-        "steps": int(num("steps", 0)),
-        "policy_version": int(num("policy_version", 0)),
+        "base_eval_acc": num(RunField.BASE_EVAL_ACC),
+        "final_eval_acc": num(RunField.FINAL_EVAL_ACC),
+        "steps": int(num(RunField.STEPS, 0)),
+        "policy_version": int(num(RunField.POLICY_VERSION, 0)),
         "wall_seconds": round(wall_s, 1),
         "ledger": ledger.as_dict(),
-        "mean_version_lag": num("mean_version_lag"),
-        "learner_idle_fraction": num("learner_idle_fraction"),
+        "mean_version_lag": num(RunField.MEAN_VERSION_LAG),
+        "learner_idle_fraction": num(RunField.LEARNER_IDLE_FRACTION),
         "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
         "replica_final_versions": replica_versions,
-        "gate_pass_rate": pass_rate(counters.get(KEPT_COUNTER, 0), ledger.filtered),
-        "eval_history": json.loads(info.get("eval_history", "[]")),
+        "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
+        "eval_history": bus.eval_history(),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
-        "final_model": info.get("final_model"),
+        "final_model": info.get(RunField.FINAL_MODEL),
         "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics) / max(wall_s, 1e-9),
         "mean_sync_seconds": sum(m.get("timing/sync_s", 0.0) for m in metrics) / max(len(metrics), 1),
         "reward_curve": [[m["step"], m.get("rollout/reward_mean"), m.get("rollout/acc_mean")] for m in metrics],
@@ -209,7 +200,7 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
 
 
 def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> int:
-    from services.redis_server import RedisServer
+    from services.shell.redis_server import RedisServer
 
     started = time.monotonic()
     out = Path(cfg.output_dir)
@@ -225,17 +216,16 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         server = RedisServer(out / "redis", appendonly=True).start()
         url = server.url
     env = {**os.environ, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
-    keys = Keys(cfg.queue.namespace)
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
-    bus = StreamBus(connect(url, pause_when_full=False), keys, consumer="launcher")
-    check_memory_policy(bus.r)
+    bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
+    bus.check_memory_policy()
     if not resume:
-        clear_namespace(bus.r, keys)
+        bus.clear_namespace()
         _set_aside_checkpoints(cfg.checkpoint_dir)
-    bus.r.hdel(keys.run_info, "finished")  # a resumed run is not finished until its learner says so
+    bus.clear_run_field(RunField.FINISHED)  # a resumed run is not finished until its learner says so
     bus.ensure_groups()
 
-    from services.redis_server import free_port
+    from services.contracts.runtime import free_port
 
     api_port = cfg.api.port or free_port()
     services = _services(cfg, config_path, logs, api_port)
@@ -281,7 +271,7 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
         write_curves_svg(summary, out / "curves.svg")
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
-        bus.r.close()
+        bus.close()
         if server is not None:
             server.stop()
     sys.stderr.write(
@@ -296,7 +286,7 @@ def _run_finished(bus: StreamBus, attempts: int = 3) -> bool:
     """The learner records `finished` when it completed total_steps (not when merely stopped)."""
     for attempt in range(attempts):
         try:
-            return bus.r.hget(bus.keys.run_info, "finished") == b"1"
+            return bus.run_field(RunField.FINISHED) == "1"
         except redis.RedisError as exc:
             log.warning("could not read whether the run finished (%s)", exc)
             time.sleep(1.0 + attempt)
@@ -318,13 +308,13 @@ def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
         return
     svc.restarts += 1
     with contextlib.suppress(redis.RedisError):
-        bus.incr(f"restarts:{svc.name}")  # visible in /status and /metrics
+        bus.incr(restarts_counter(svc.name))  # visible in /status and /metrics
         if svc.proc is not None:
             # A killed process leaves its heartbeat until the TTL runs out, and until then the
             # learner would still count it as a replica (and wait for it to join a weight sync).
             # The supervisor knows it is gone, so it says so at once.
             kind = svc.name.split("-")[0]
-            bus.r.delete(bus.keys.heartbeat(kind, instance_id(kind, pid=svc.proc.pid)))
+            bus.drop_heartbeat(kind, instance_id(kind, pid=svc.proc.pid))
     if svc.log_file:
         svc.log_file.close()
     delay = min(2.0**svc.restarts, 30.0)

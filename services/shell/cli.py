@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.config import ConfigError, DapoConfig, load_config
+from services.contracts.config import ConfigError, DapoConfig, load_config
 
 log = logging.getLogger("dapo")
 
@@ -45,7 +45,7 @@ def _config(args: argparse.Namespace) -> DapoConfig:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from services.launcher import run_local
+    from services.shell.launcher import run_local
 
     return run_local(_config(args), resume=args.resume, quiet=args.quiet)
 
@@ -63,7 +63,7 @@ def _cmd_reward(args: argparse.Namespace) -> int:
 
 
 def _cmd_gatekeeper(args: argparse.Namespace) -> int:
-    from services.gatekeeper_service import main
+    from services.gatekeeper import main
 
     return main(_config(args))
 
@@ -75,25 +75,26 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from learner.evaluate import main
+    from services.shell.evaluation import main
 
     return main(_config(args), model_dir=args.model_dir)
 
 
 def _cmd_api(args: argparse.Namespace) -> int:
-    from services.api import main
+    from services.shell.api import main
 
     return main(_config(args), host=args.host, port=args.port)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from services.status import print_status
+    from services.shell.status import print_status
 
     return print_status(_config(args), as_json=args.json)
 
 
 def _cmd_data_synth(args: argparse.Namespace) -> int:
-    from services.data import synth_rows, write_rows
+    from services.contracts.data import write_rows
+    from services.demo.synthetic import synth_rows
 
     out = Path(args.out)
     write_rows(out / f"train.{args.format}", synth_rows(args.num_train, difficulty=args.difficulty, seed=args.seed, template=args.template))

@@ -37,10 +37,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from pydantic import TypeAdapter, ValidationError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from services.keys import LEDGER_DEAD, LEDGER_ISSUED, LEDGER_OUTCOMES, Keys, Stage
+from services.contracts.keys import (
+    LEDGER_DEAD,
+    LEDGER_ISSUED,
+    LEDGER_OUTCOMES,
+    Counter,
+    Keys,
+    RunField,
+    Stage,
+)
+from services.contracts.schemas import ControlRequest
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +99,7 @@ for i = 2, #KEYS do out[#out + 1] = redis.call('XLEN', KEYS[i]) end
 return out
 """
 
-OOM_PAUSE_COUNTER = "redis_oom_pauses"
+OOM_PAUSE_COUNTER = Counter.REDIS_OOM_PAUSES.value
 
 OWN_IDLE_MS = 1000
 """A consumer's own pending entry idle this long, while it holds none, is an orphan (reclaim)."""
@@ -146,7 +156,7 @@ class PausingRedis(redis.Redis):
 
 def connect(
     url: str, *, retries: int = 8, pause_when_full: bool = True, stop: threading.Event | None = None,
-    counters_key: str | None = None,
+    counters_key: str | None = None, socket_timeout: float | None = None,
 ) -> redis.Redis:
     """A client that retries with bounded exponential back-off when the server goes away and,
     with `pause_when_full` (services; not the API, which answers 503 instead), waits out Redis
@@ -158,10 +168,26 @@ def connect(
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=10,
         socket_keepalive=True,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
     )
     if isinstance(client, PausingRedis):
         client.stop, client.counters_key = stop, counters_key
     return client
+
+
+def open_bus(
+    url: str, namespace: str, consumer: str, *, pause_when_full: bool = True, retries: int = 8,
+    stop: threading.Event | None = None, socket_timeout: float | None = None,
+) -> StreamBus:
+    """The one way every process connects: a `StreamBus` for the run's namespace.
+
+    Services pause at maxmemory (`pause_when_full`); the API and the supervisor do not (they
+    answer 503 or keep supervising instead)."""
+    keys = Keys(namespace)
+    client = connect(url, retries=retries, pause_when_full=pause_when_full, stop=stop, counters_key=keys.counters,
+                     socket_timeout=socket_timeout)
+    return StreamBus(client, keys, consumer=consumer)
 
 
 def check_memory_policy(client: redis.Redis) -> None:
@@ -216,11 +242,25 @@ class LedgerSnapshot:
         }
 
 
+def pass_rate(kept: int, filtered: int) -> float | None:
+    """The gatekeeper's pass rate: share of gated groups that were kept; None before any."""
+    return kept / (kept + filtered) if kept + filtered else None
+
+
+_CONTROL = TypeAdapter(ControlRequest)
+METRICS_MAXLEN = 100_000
+"""Per-step metric records kept in Redis (a 32B run takes far fewer steps)."""
+
+
 class StreamBus:
-    """The pipeline's streams for one namespace, as seen by one consumer."""
+    """The pipeline's streams and run state for one namespace, as seen by one consumer.
+
+    The only way into Redis: stages, the learner and the shell use these methods; `redis` (the
+    raw client) is for the other contracts modules (heartbeats, the weight-sync protocol) only.
+    """
 
     def __init__(self, client: redis.Redis, keys: Keys, consumer: str) -> None:
-        self.r = client
+        self.redis = client
         self.keys = keys
         self.consumer = consumer
         self._hop = client.register_script(_HOP)
@@ -231,7 +271,7 @@ class StreamBus:
         """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
         for stage in self.keys.stages:
             try:
-                self.r.xgroup_create(stage.stream, stage.group, id="0", mkstream=True)
+                self.redis.xgroup_create(stage.stream, stage.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -254,7 +294,7 @@ class StreamBus:
     def read(self, stage: Stage, *, count: int, block_ms: int) -> list[Entry]:
         """New entries for this consumer (blocking up to block_ms when there are none)."""
         try:
-            reply: Any = self.r.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
+            reply: Any = self.redis.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -278,10 +318,10 @@ class StreamBus:
         Entries already delivered max_deliveries times are dead-lettered instead: a message that
         kills every worker that touches it must not circulate forever.
         """
-        own: Any = self.r.xpending_range(
+        own: Any = self.redis.xpending_range(
             stage.stream, stage.group, min="-", max="+", count=count, consumername=self.consumer, idle=OWN_IDLE_MS
         )
-        others: Any = self.r.xpending_range(
+        others: Any = self.redis.xpending_range(
             stage.stream, stage.group, min="-", max="+", count=count, idle=int(min_idle_s * 1000)
         )
         own_ids = {_entry_id(p) for p in own}
@@ -303,7 +343,7 @@ class StreamBus:
                 retry_ids.append(eid)
         if not retry_ids:
             return []
-        claimed: Any = self.r.xclaim(stage.stream, stage.group, self.consumer, min_idle_ms, retry_ids)
+        claimed: Any = self.redis.xclaim(stage.stream, stage.group, self.consumer, min_idle_ms, retry_ids)
         return [(eid.decode(), fields) for eid, fields in claimed if fields is not None]
 
     def hop(
@@ -355,11 +395,11 @@ class StreamBus:
             downstream=self.keys.dead,
             fields={k: v for k, v in record.items()},
             outcome=LEDGER_DEAD if gid else None,
-            counter="dead_letters" if gid else "poison_messages",
+            counter=Counter.DEAD_LETTERS if gid else Counter.POISON_MESSAGES,
         )
 
     def _dead_letter_by_id(self, stage: Stage, entry_id: str, reason: str) -> None:
-        got: Any = self.r.xrange(stage.stream, min=entry_id, max=entry_id, count=1)
+        got: Any = self.redis.xrange(stage.stream, min=entry_id, max=entry_id, count=1)
         fields = got[0][1] if got else {}
         self.dead_letter(stage, entry_id, fields, reason)
 
@@ -375,14 +415,190 @@ class StreamBus:
         )
 
     def depths(self) -> dict[str, int]:
-        with self.r.pipeline(transaction=False) as pipe:
+        with self.redis.pipeline(transaction=False) as pipe:
             for stage in self.keys.stages:
                 pipe.xlen(stage.stream)
             lengths = pipe.execute()
         return {stage.group: int(n) for stage, n in zip(self.keys.stages, lengths, strict=True)}
 
     def incr(self, counter: str, amount: int = 1) -> None:
-        self.r.hincrby(self.keys.counters, counter, amount)
+        """Add to a `Counter` (or `restarts_counter(service)`)."""
+        self.redis.hincrby(self.keys.counters, str(counter), amount)
+
+    def counters(self) -> dict[str, int]:
+        """Every counter; a value that is not an integer is skipped."""
+        out = {}
+        for k, v in self.redis.hgetall(self.keys.counters).items():
+            try:
+                out[k.decode()] = int(v)
+            except ValueError:
+                log.warning("counter %r holds %r, not an integer; skipped", k, v)
+        return out
+
+    def pass_rate(self, filtered: int | None = None) -> float | None:
+        """The run's gatekeeper pass rate so far (`filtered` from a ledger snapshot, if at hand)."""
+        if filtered is None:
+            filtered = self.ledger().filtered
+        kept = int(self.redis.hget(self.keys.counters, Counter.GATEKEEPER_KEPT) or 0)
+        return pass_rate(kept, filtered)
+
+    def dead_letter_count(self) -> int:
+        return int(self.redis.xlen(self.keys.dead))
+
+    # --- run state: policy version, learner state, run info --------------------------------------
+    def policy_version(self) -> int:
+        """The newest policy version the learner published (0 before the first)."""
+        return _int(self.redis.get(self.keys.policy_version), 0)
+
+    def set_policy_version(self, version: int) -> None:
+        self.redis.set(self.keys.policy_version, version)
+
+    def learner_state(self) -> dict[str, str]:
+        """`state`, `step`, `policy_version`, `at` as learner rank 0 last wrote them."""
+        return _strings(self.redis.hgetall(self.keys.learner_state))
+
+    def set_learner_state(self, state: str, *, step: int, policy_version: int) -> None:
+        mapping = {"state": state, "step": step, "policy_version": policy_version, "at": time.time()}
+        self.redis.hset(self.keys.learner_state, mapping=mapping)  # type: ignore[arg-type]
+
+    def run_info(self) -> dict[str, str]:
+        """The run-info hash (`RunField` names) as strings."""
+        return _strings(self.redis.hgetall(self.keys.run_info))
+
+    def run_field(self, field: RunField) -> str | None:
+        raw = self.redis.hget(self.keys.run_info, field)
+        return None if raw is None else raw.decode("utf-8", "replace")
+
+    def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
+        self.redis.hset(self.keys.run_info, mapping={str(k): v for k, v in fields.items()})
+
+    def clear_run_field(self, field: RunField) -> None:
+        self.redis.hdel(self.keys.run_info, field)
+
+    def eval_history(self) -> list[tuple[int, float]]:
+        """[(step, accuracy)] of every evaluation so far; malformed history reads as empty."""
+        try:
+            return [(int(s), float(a)) for s, a in json.loads(self.run_field(RunField.EVAL_HISTORY) or "[]")]
+        except (ValueError, TypeError):
+            log.warning("run info eval_history is malformed; treated as empty")
+            return []
+
+    def mark_trained_id(self, group_id: str) -> bool:
+        """Record a trained group id; False when it was trained before."""
+        return bool(self.redis.sadd(self.keys.trained_ids, group_id))
+
+    # --- operator requests --------------------------------------------------------------------
+    def post_control(self, request: ControlRequest) -> None:
+        request.at = time.time()
+        self.redis.hset(self.keys.control, request.kind, request.model_dump_json())
+
+    def control_requests(self) -> dict[str, ControlRequest]:
+        """Pending operator requests by kind. One that does not parse is removed and counted."""
+        out: dict[str, ControlRequest] = {}
+        for field, raw in self.redis.hgetall(self.keys.control).items():
+            kind = field.decode("utf-8", "replace")
+            try:
+                request = _CONTROL.validate_json(raw)
+                if request.kind != kind:
+                    raise ValueError(f"stored under {kind!r} but is a {request.kind!r} request")
+            except (ValidationError, ValueError) as exc:
+                log.error("control request %r is malformed (%s); dropped", kind, exc)
+                self.redis.hdel(self.keys.control, field)
+                self.incr(Counter.BAD_CONTROL_REQUESTS)
+                continue
+            out[kind] = request
+        return out
+
+    def clear_control(self, kind: str) -> None:
+        self.redis.hdel(self.keys.control, kind)
+
+    # --- metrics history ----------------------------------------------------------------------
+    def append_metrics(self, record: Mapping[str, Any]) -> None:
+        self.redis.xadd(self.keys.metrics, {"m": json.dumps(record)}, maxlen=METRICS_MAXLEN, approximate=True)
+
+    def recent_metrics(self, count: int | None = None) -> list[dict[str, Any]]:
+        """The last `count` per-step records (all when None), oldest first; bad records skipped."""
+        rows: Any = (self.redis.xrange(self.keys.metrics) if count is None
+                     else list(reversed(self.redis.xrevrange(self.keys.metrics, count=count))))
+        out = []
+        for _, fields in rows:
+            try:
+                record = json.loads(fields[b"m"])
+            except (KeyError, ValueError):
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+    def last_metrics(self) -> dict[str, Any]:
+        recent = self.recent_metrics(1)
+        return recent[-1] if recent else {}
+
+    # --- service instances: heartbeats and final stats ---------------------------------------
+    def live_instances(self, kind: str = "*") -> list[dict[str, Any]]:
+        """Status of every instance whose heartbeat has not expired, with `age_s` added.
+        A heartbeat that is not a JSON object with a numeric `at` is skipped."""
+        now = time.time()
+        out = []
+        for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(kind), count=200):
+            raw = self.redis.get(key)
+            try:
+                info = json.loads(raw) if raw is not None else None
+                if not isinstance(info, dict):
+                    continue
+                info["age_s"] = round(now - float(info.get("at", now)), 3)
+            except (ValueError, TypeError):
+                continue
+            out.append(info)
+        return sorted(out, key=lambda i: (str(i.get("kind", "")), str(i.get("id", ""))))
+
+    def drop_heartbeat(self, kind: str, instance_id: str) -> None:
+        """Declare an instance gone before its heartbeat expires (the supervisor saw it die)."""
+        self.redis.delete(self.keys.heartbeat(kind, instance_id))
+
+    def write_final_stats(self, kind: str, instance_id: str, stats: Mapping[str, Any]) -> None:
+        """What the run summary reports about an instance after it is gone."""
+        self.redis.hset(self.keys.final_stats(kind, instance_id), mapping={k: json.dumps(v) for k, v in stats.items()})
+
+    def final_stats(self, kind: str) -> dict[str, dict[str, Any]]:
+        """Final stats of every instance of `kind` that wrote them, by instance id."""
+        out = {}
+        for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(kind)):
+            try:
+                out[key.decode().rsplit(":", 1)[-1]] = {k.decode(): json.loads(v) for k, v in self.redis.hgetall(key).items()}
+            except ValueError:
+                continue
+        return out
+
+    # --- the server ---------------------------------------------------------------------------
+    def clear_namespace(self) -> None:
+        """Delete every key of this run's namespace (a fresh run)."""
+        for key in self.redis.scan_iter(match=f"{self.keys.ns}:*", count=1000):
+            self.redis.delete(key)
+
+    def check_memory_policy(self) -> None:
+        check_memory_policy(self.redis)
+
+    def memory_report(self) -> dict[str, Any]:
+        return memory_report(self.redis)
+
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def _strings(raw: Mapping[bytes, bytes]) -> dict[str, str]:
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
+
+
+def _int(raw: bytes | None, default: int) -> int:
+    try:
+        return int(raw) if raw is not None else default
+    except ValueError:
+        log.warning("expected an integer in Redis, found %r; using %d", raw, default)
+        return default
 
 
 def _entry_id(pending: Any) -> str:

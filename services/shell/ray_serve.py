@@ -1,4 +1,4 @@
-"""Ray Serve hosting for the rollout and reward stages: `serve run services.ray_serve:app`.
+"""Ray Serve hosting for the rollout and reward stages: `serve run services.shell.ray_serve:app`.
 
 Each Serve replica hosts one stage worker, the same `RolloutWorker` / `RewardWorker` that
 `dapo rollout` / `dapo reward` run, and the work still flows through the Redis streams: Serve
@@ -45,8 +45,8 @@ from ray.serve.config import AutoscalingContext
 from ray.serve.handle import DeploymentHandle
 
 from reward.service import REWARD_BATCH
-from services.config import ConfigError, load_config
-from services.worker import Heartbeat, run_stage_loop, service_context
+from services.contracts.config import ConfigError, load_config
+from services.contracts.runtime import Heartbeat, run_stage_loop, service_context
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +71,17 @@ class _StageHost:
     API and `dapo status` see a Serve replica exactly like a `dapo rollout` process."""
 
     def __init__(self, config: str, overrides: list[str] | None = None) -> None:
-        from services.cli import setup_logging
+        from services.shell.cli import setup_logging
 
         setup_logging(self.kind)
         self.cfg = load_config(config, list(overrides or []))
         # Signal handlers need the main thread, which Serve owns: the StopFlag is not installed.
         self.ctx = service_context(self.cfg, self.kind, install_signals=False)
-        self.id, self.stop, self.client, self.bus = self.ctx.inst, self.ctx.stop, self.ctx.client, self.ctx.bus
+        self.id, self.stop, self.bus = self.ctx.inst, self.ctx.stop, self.ctx.bus
         self.error: BaseException | None = None
         self._stopped = False
         self.setup()
-        self.hb = Heartbeat(self.client, self.bus.keys, self.kind, self.id, self.cfg.queue.heartbeat_ttl_s, self.worker_status)
+        self.hb = Heartbeat(self.bus, self.kind, self.id, self.cfg.queue.heartbeat_ttl_s, self.worker_status)
         self.hb.start()
         self.thread = threading.Thread(target=self._run, name=f"{self.kind}-worker", daemon=True)
         self.thread.start()
@@ -165,7 +165,7 @@ class RolloutHost(_StageHost):
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For `BacklogPolicy`: jobs waiting or being generated (acked entries are deleted, so
         XLEN is exactly that). Every replica reports the same stream."""
-        return {BACKLOG_METRIC: float(self.client.xlen(self.bus.keys.prompts.stream))}
+        return {BACKLOG_METRIC: float(self.bus.depths()[self.bus.keys.prompts.group])}
 
 
 class RewardHost(_StageHost):
@@ -259,14 +259,14 @@ class ServeArgs(BaseModel):
 
 
 def app(args: dict[str, Any]) -> Application:
-    """Application builder: `import_path: services.ray_serve:app` with `args` as in `ServeArgs`.
+    """Application builder: `import_path: services.shell.ray_serve:app` with `args` as in `ServeArgs`.
 
     The config is loaded here too, so a bad file or override fails the deploy, not each replica.
     """
     try:
         a = ServeArgs.model_validate(args)
     except ValidationError as exc:
-        raise ConfigError(f"services.ray_serve:app args: {exc}") from None
+        raise ConfigError(f"services.shell.ray_serve:app args: {exc}") from None
     cfg = load_config(a.config, a.overrides)
     if a.rollout_autoscaling is not None and a.rollout_replicas is not None:
         raise ConfigError("give rollout_replicas or rollout_autoscaling, not both")

@@ -14,8 +14,8 @@ from typing import Any
 
 from reward.verifiers import make_scorer
 from rollout.engine import Engine
-from services.config import DapoConfig
-from services.data import PromptRecord, load_prompts, render_prompt
+from services.contracts.config import DapoConfig
+from services.contracts.data import PromptRecord, load_prompts, render_prompt
 
 log = logging.getLogger(__name__)
 

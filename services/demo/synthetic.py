@@ -1,0 +1,162 @@
+"""The synthetic arithmetic task of the CPU demo, in the DAPO-Math-17K schema (`dapo data synth`).
+
+`synth_rows` makes word problems with integer answers, for runs that must learn within minutes
+on a CPU. Its `difficulty` knob (see `DIFFICULTY_LEVELS`) sets how hard the arithmetic is.
+Demo-only: the product reads any DAPO-Math-17K-style file through `services.contracts.data`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Literal
+
+SYNTH_DATA_SOURCE = "synth_arith"
+
+# The DAPO-Math-17K prompt template (DAPO.md s7). The data set's rows hold the instruction
+# as one line; DAPO.md wraps it only for display.
+DAPO_PROMPT_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+    "\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+DIFFICULTY_LEVELS: dict[int, str] = {
+    1: "a + b, two 2-digit numbers (10-99)",
+    2: "a + b - c, three 2-digit numbers; the result is never negative",
+    3: "a * k + b, 3-digit a and b (100-999) and a 1-digit multiplier k (2-9)",
+    4: "a * k + b - c, 3-digit a, b, c and a 1-digit k; the result is never negative",
+    5: "a * b + c, 2-digit a and b and a 3-digit c",
+}
+"""What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
+in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits."""
+
+_NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines", "Kofi", "Lena")
+_ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards")
+
+# One list of sentence templates per level. Placeholders: {name}, {item} and the numbers
+# a, b, c, k in the order of the level's expression.
+_TEMPLATES: dict[int, tuple[str, ...]] = {
+    1: (
+        "{name} has {a} {item} and buys {b} more. How many {item} does {name} have?",
+        "{name} picked {a} {item} in the morning and {b} {item} in the afternoon. "
+        "How many {item} did {name} pick in total?",
+        "A basket holds {a} {item}. {name} adds {b} more. How many {item} are in the basket now?",
+        "There are {a} {item} on one shelf and {b} {item} on another. "
+        "How many {item} are there altogether?",
+    ),
+    2: (
+        "{name} has {a} {item}, buys {b} more and then gives {c} to a friend. "
+        "How many {item} does {name} have now?",
+        "A shop had {a} {item}. It received {b} more and sold {c}. "
+        "How many {item} does the shop have left?",
+        "{name} collected {a} {item} on Monday and {b} on Tuesday, then lost {c}. "
+        "How many {item} does {name} have?",
+    ),
+    3: (
+        "{name} buys {k} boxes with {a} {item} in each and already had {b} {item}. "
+        "How many {item} does {name} have?",
+        "A farm packs {k} crates of {a} {item} and has {b} {item} left over. "
+        "How many {item} does the farm have in total?",
+    ),
+    4: (
+        "{name} buys {k} boxes with {a} {item} in each, already had {b} {item} "
+        "and gives away {c}. How many {item} does {name} have left?",
+        "A warehouse receives {k} shipments of {a} {item} each. It had {b} {item} before "
+        "and then sends out {c}. How many {item} are in the warehouse now?",
+    ),
+    5: (
+        "{name} lays out {item} in {a} rows of {b} and keeps {c} more in a bag. "
+        "How many {item} does {name} have?",
+        "A club orders {a} packs of {b} {item} and already owns {c} {item}. "
+        "How many {item} does the club have?",
+    ),
+}
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic arithmetic
+
+
+def synth_rows(
+    n: int,
+    *,
+    difficulty: int = 1,
+    seed: int = 0,
+    template: Literal["short", "dapo"] = "short",
+    start_index: int = 0,
+) -> list[dict[str, Any]]:
+    """Make `n` arithmetic word problems with integer answers, in the DAPO-Math-17K schema.
+
+    Args:
+        n: number of rows.
+        difficulty: a key of `DIFFICULTY_LEVELS` (1 = 2-digit addition).
+        seed: the rows are a function of (n, difficulty, seed, template, start_index).
+        template: "dapo" wraps each problem in the DAPO-Math-17K prompt (DAPO.md s7);
+            "short" is the bare problem plus "\\n", far fewer tokens for a tiny CPU model.
+        start_index: `extra_info.index` of the first row.
+
+    `extra_info` also holds `difficulty`, `expression` (e.g. "23 + 45") and `numbers` (the
+    operands in the expression's order), so the answer can be checked independently.
+    """
+    if difficulty not in DIFFICULTY_LEVELS:
+        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTY_LEVELS)}, got {difficulty}")
+    if template not in ("short", "dapo"):
+        raise ValueError(f"template must be 'short' or 'dapo', got {template!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(f"synth_arith:{seed}:{difficulty}")
+    rows = []
+    for i in range(n):
+        numbers, expression, answer = _draw_problem(rng, difficulty)
+        problem = _render_problem(rng, difficulty, numbers)
+        if template == "dapo":
+            content = DAPO_PROMPT_TEMPLATE.format(problem=problem)
+        else:
+            content = problem + "\n"
+        rows.append(
+            {
+                "data_source": SYNTH_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": content}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                "extra_info": {
+                    "index": start_index + i,
+                    "difficulty": difficulty,
+                    "expression": expression,
+                    "numbers": numbers,
+                },
+            }
+        )
+    return rows
+
+
+def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str, int]:
+    """(operands, expression, answer) for one problem of the given level."""
+    if difficulty == 1:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return [a, b], f"{a} + {b}", a + b
+    if difficulty == 2:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        c = rng.randint(10, min(99, a + b))
+        return [a, b, c], f"{a} + {b} - {c}", a + b - c
+    if difficulty == 3:
+        a, k, b = rng.randint(100, 999), rng.randint(2, 9), rng.randint(100, 999)
+        return [a, k, b], f"{a} * {k} + {b}", a * k + b
+    if difficulty == 4:
+        a, k, b = rng.randint(100, 999), rng.randint(2, 9), rng.randint(100, 999)
+        c = rng.randint(100, min(999, a * k + b))
+        return [a, k, b, c], f"{a} * {k} + {b} - {c}", a * k + b - c
+    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(100, 999)
+    return [a, b, c], f"{a} * {b} + {c}", a * b + c
+
+
+def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> str:
+    sentence = rng.choice(_TEMPLATES[difficulty])
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    # Placeholder names in the order `_draw_problem` lists the operands.
+    keys = {1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
+    return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))
+
+
