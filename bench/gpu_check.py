@@ -51,6 +51,7 @@ def check_sync(model_dir: Path) -> None:
     from services.contracts.runtime import free_port
     from services.contracts.weight_sync import (
         Announcement,
+        WeightStream,
         broadcast_bucket,
         make_group_on_store,
         plan_buckets,
@@ -71,7 +72,7 @@ def check_sync(model_dir: Path) -> None:
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     buckets = plan_buckets(named, 64)
-    ann = Announcement(version=1, generation=1, members=("engine",), store_host="127.0.0.1", store_port=store.port,
+    ann = Announcement(version=1, generation=1, replicas=("engine",), store_host="127.0.0.1", store_port=store.port,
                        backend=backend, timeout_s=120.0, buckets=buckets)
     tensors = dict(named)
     flats = [torch.cat([tensors[p.name].reshape(-1) for p in b]).to(device) for b in buckets]
@@ -84,7 +85,7 @@ def check_sync(model_dir: Path) -> None:
     thread = threading.Thread(target=root)
     start = time.monotonic()
     thread.start()
-    engine.receive_weights(ann, 1)
+    engine.update_weights(WeightStream(ann, rank=1))
     thread.join()
     sync_s = time.monotonic() - start
     expected = sum(float(t.double().sum()) for _, t in named)

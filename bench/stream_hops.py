@@ -19,7 +19,7 @@ from services.shell.redis_server import RedisServer
 
 
 def make_group(group_size: int, tokens: int) -> RolloutGroup:
-    job = PromptJob(group_id="g", prompt_index=0, prompt_ids=list(range(128)), ground_truth="1", issued_version=0, issued_at=0.0)
+    job = PromptJob(group_id="g", prompt_index=0, prompt_ids=list(range(128)), ground_truth="1", policy_version=0, issued_at=0.0)
     resp = [Response(token_ids=list(range(tokens)), logprobs=[-0.5] * tokens, finish_reason="stop") for _ in range(group_size)]
     return RolloutGroup(job=job, policy_version=0, replica_id="r", responses=resp)
 

@@ -28,6 +28,7 @@ from rollout.engine import Engine, make_engine
 from services.contracts.config import DapoConfig, build_config
 from services.contracts.weight_sync import (
     Announcement,
+    WeightStream,
     broadcast_bucket,
     make_group_on_store,
     plan_buckets,
@@ -73,7 +74,7 @@ def sync_once(engine: Engine, params: dict[str, torch.Tensor], version: int) -> 
     ann = Announcement(
         version=version,
         generation=version,
-        members=("replica-0",),
+        replicas=("replica-0",),
         store_host="127.0.0.1",
         store_port=store.port,
         backend="gloo",
@@ -89,7 +90,7 @@ def sync_once(engine: Engine, params: dict[str, torch.Tensor], version: int) -> 
     thread = threading.Thread(target=learner, daemon=True)
     start = time.monotonic()
     thread.start()
-    engine.receive_weights(ann, rank=1)
+    engine.update_weights(WeightStream(ann, rank=1))
     thread.join()
     return time.monotonic() - start
 

@@ -3,7 +3,7 @@
 Layout: each row is one response, `prompt (left-padded to P) + response (right-padded to R)`.
 The logits that score response token t sit at position P - 1 + t, so the trainer slices
 `logits[:, P-1 : P-1+R]` against `responses`. Advantages are computed here, after dynamic
-sampling (DAPO.md s6): the group's scalar rewards, placed on each response's last token, sum to
+sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token, sum to
 the response return, which is normalised within the group (s3) and shared by every token.
 """
 

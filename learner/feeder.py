@@ -1,6 +1,6 @@
 """The prompt feeder (learner rank 0): data cursor + admission control.
 
-Admission control (DAPO.md s9, AReaL style: bound the work ahead of the learner instead of
+Admission control (docs/algorithm.md s9, AReaL style: bound the work ahead of the learner instead of
 generating freely and dropping old samples). The groups that will reach the learner from work in
 flight are estimated as
 
@@ -98,7 +98,7 @@ class PromptFeeder:
             rec = self.records[index]
             job = PromptJob(
                 group_id=f"{self.run_name}-{self.cursor}", prompt_index=index, prompt_ids=self._prompt_ids(index),
-                ground_truth=rec.ground_truth, data_source=rec.data_source, issued_version=policy_version,
+                ground_truth=rec.ground_truth, data_source=rec.data_source, policy_version=policy_version,
                 issued_at=time.time(),
             )
             jobs.append(encode_job(job))

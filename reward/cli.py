@@ -1,4 +1,4 @@
-"""Command line: ``python -m reward score`` scores JSON lines from stdin (DAPO.md s1).
+"""Command line: ``python -m reward score`` scores JSON lines from stdin (docs/algorithm.md s1).
 
 Input: one JSON object per line with ``response`` (string) and ``ground_truth`` (string or
 integer). Output: one JSON object per non-blank input line, in input order, with ``score``,
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``python -m reward`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="python -m reward",
-        description="Rule-based rewards for DAPO (DAPO.md s1).",
+        description="Rule-based rewards for DAPO (docs/algorithm.md s1).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     score = commands.add_parser(

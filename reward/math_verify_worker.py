@@ -1,4 +1,4 @@
-"""The math-verify worker process: the only place untrusted text meets SymPy (DAPO.md s1).
+"""The math-verify worker process: the only place untrusted text meets SymPy (docs/algorithm.md s1).
 
 Runs inside a process spawned by ``reward.math_verify_pool.MathVerifyPool``. It caps its own
 address space, imports math-verify, says ``Ready`` and then answers one ``Job`` at a time with

@@ -1,4 +1,4 @@
-"""Minerva-style answer normalisation used by the "dapo" verifier (DAPO.md s1).
+"""Minerva-style answer normalisation used by the "dapo" verifier (docs/algorithm.md s1).
 
 The prediction and the ground truth go through the same ``normalize_answer``; the verifier then
 compares the two strings for exact equality. Each step is one small function below, applied in
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-#: Literal replacements applied in this order (DAPO.md s1: "drop ... `\\$` ... spaces").
+#: Literal replacements applied in this order (docs/algorithm.md s1: "drop ... `\\$` ... spaces").
 #: Articles go first so "a 5" is "5"; every space goes, so units and markup can be matched.
 SUBSTITUTIONS: Final[tuple[tuple[str, str], ...]] = (
     ("an ", ""),
@@ -34,7 +34,7 @@ SUBSTITUTIONS: Final[tuple[tuple[str, str], ...]] = (
     ("\\text{m}", "\\text{}"),
 )
 
-#: Unit and filler words deleted wherever they occur (DAPO.md s1: "drop units").
+#: Unit and filler words deleted wherever they occur (docs/algorithm.md s1: "drop units").
 #: Plain substring deletion, as in Minerva: "always" loses its "ways" too.
 UNIT_WORDS: Final[tuple[str, ...]] = (
     "square",
@@ -65,7 +65,7 @@ UNIT_WORDS: Final[tuple[str, ...]] = (
     "multiples",
 )
 
-#: TeX fragments deleted after the units (DAPO.md s1: "drop ... `^\\circ`"). The empty
+#: TeX fragments deleted after the units (docs/algorithm.md s1: "drop ... `^\\circ`"). The empty
 #: ``\\text{}`` entries catch what is left once a unit inside ``\\text{..}`` has gone.
 MARKUP_TO_DROP: Final[tuple[str, ...]] = (
     "\\text{s}",
@@ -97,7 +97,7 @@ _GROUPED_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def keep_after_last_equals(answer: str) -> str:
-    """Keep the text after the last ``=`` (DAPO.md s1: "keep text after the last `=`").
+    """Keep the text after the last ``=`` (docs/algorithm.md s1: "keep text after the last `=`").
 
     ``"x = 5"`` -> ``" 5"``; a string without ``=`` is unchanged.
     """
@@ -105,21 +105,21 @@ def keep_after_last_equals(answer: str) -> str:
 
 
 def apply_substitutions(answer: str) -> str:
-    """Apply ``SUBSTITUTIONS`` in order (DAPO.md s1: "drop ... `\\$` ... spaces")."""
+    """Apply ``SUBSTITUTIONS`` in order (docs/algorithm.md s1: "drop ... `\\$` ... spaces")."""
     for before, after in SUBSTITUTIONS:
         answer = answer.replace(before, after)
     return answer
 
 
 def drop_units_and_markup(answer: str) -> str:
-    """Delete ``UNIT_WORDS`` then ``MARKUP_TO_DROP`` (DAPO.md s1: "drop units ... `^\\circ`")."""
+    """Delete ``UNIT_WORDS`` then ``MARKUP_TO_DROP`` (docs/algorithm.md s1: "drop units ... `^\\circ`")."""
     for fragment in (*UNIT_WORDS, *MARKUP_TO_DROP):
         answer = answer.replace(fragment, "")
     return answer
 
 
 def unwrap_wrappers(answer: str) -> str:
-    """Strip wrappers (DAPO.md s1: "drop ... `\\text{..}` ... `\\boxed{}` wrappers").
+    """Strip wrappers (docs/algorithm.md s1: "drop ... `\\text{..}` ... `\\boxed{}` wrappers").
 
     In order: keep only the first inline ``$..$`` block (re-wrapped in ``$`` so that the final
     ``$`` removal is uniform); unwrap ``\\text{}``, ``\\textbf{}`` and ``\\overline{}``; unwrap
@@ -132,7 +132,7 @@ def unwrap_wrappers(answer: str) -> str:
 
 
 def fix_shorthand_tex(answer: str) -> str:
-    """Brace TeX shorthand (DAPO.md s1: "fix `\\fracab`->`\\frac{a}{b}`, `\\sqrta`->`\\sqrt{a}`").
+    """Brace TeX shorthand (docs/algorithm.md s1: "fix `\\fracab`->`\\frac{a}{b}`, `\\sqrta`->`\\sqrt{a}`").
 
     Only the single characters right after ``frac`` / ``sqrt`` are braced, as in Minerva:
     ``\\frac12`` -> ``\\frac{1}{2}``, ``\\sqrt2`` -> ``\\sqrt{2}``.
@@ -142,7 +142,7 @@ def fix_shorthand_tex(answer: str) -> str:
 
 
 def drop_dollars(answer: str) -> str:
-    """Remove every remaining ``$`` (DAPO.md s1: the math-mode delimiters carry no value)."""
+    """Remove every remaining ``$`` (docs/algorithm.md s1: the math-mode delimiters carry no value)."""
     return answer.replace("$", "")
 
 
@@ -153,7 +153,7 @@ def strip_trailing_period(answer: str) -> str:
 
 
 def drop_thousands_commas(answer: str) -> str:
-    """``"1,000"`` -> ``"1000"`` for a whole string that is one grouped number (DAPO.md s1).
+    """``"1,000"`` -> ``"1000"`` for a whole string that is one grouped number (docs/algorithm.md s1).
 
     Anything else (``"1,2"``, ``"(1,000, 2)"``) keeps its commas.
     """
@@ -163,7 +163,7 @@ def drop_thousands_commas(answer: str) -> str:
 
 
 def normalize_answer(answer: str, *, strip_period: bool = True) -> str:
-    """Normalise an extracted answer or a ground truth, Minerva style (DAPO.md s1).
+    """Normalise an extracted answer or a ground truth, Minerva style (docs/algorithm.md s1).
 
     Args:
         answer: the text captured after ``Answer:``, or the ground truth.

@@ -1,4 +1,4 @@
-"""Overlong reward shaping and overlong filtering (DAPO.md s2).
+"""Overlong reward shaping and overlong filtering (docs/algorithm.md s2).
 
 Soft overlong punishment: a response longer than ``expected = max_len - buffer_len`` tokens
 loses reward linearly, reaching ``-factor`` at ``max_len``:
@@ -10,16 +10,11 @@ score, the shaped reward lies in [-2, +1]. Lengths past ``max_len`` are not clip
 reference; a sampler capped at ``max_len`` never produces them.
 
 Overlong filtering (off by default in the reference run) instead gives truncated responses
-(finish reason ``"length"``) a zero loss mask.
+(finish reason ``"length"``) a zero loss mask; the learner applies it when it builds a batch
+(`learner/batch.py`, `reward.overlong.filter`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Final
-
-#: The finish reason of a response cut at the token limit (vLLM / OpenAI naming).
-TRUNCATED_FINISH_REASON: Final = "length"
 
 
 def _check_lengths(max_len: int, buffer_len: int) -> None:
@@ -33,7 +28,7 @@ def _check_lengths(max_len: int, buffer_len: int) -> None:
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:
-    """Soft overlong penalty of a response of ``length`` tokens (DAPO.md s2), always <= 0.
+    """Soft overlong penalty of a response of ``length`` tokens (docs/algorithm.md s2), always <= 0.
 
     Args:
         length: response length in tokens.
@@ -60,16 +55,7 @@ def shaped_reward(
     factor: float,
     enabled: bool = True,
 ) -> float:
-    """``score + overlong_penalty(...)`` (DAPO.md s2); just ``score`` when not ``enabled``."""
+    """``score + overlong_penalty(...)`` (docs/algorithm.md s2); just ``score`` when not ``enabled``."""
     if not enabled:
         return score
     return score + overlong_penalty(length, max_len, buffer_len, factor)
-
-
-def overlong_filter_mask(finish_reasons: Sequence[str]) -> list[bool]:
-    """Loss-mask keep flags for overlong filtering (DAPO.md s2): ``False`` for truncated ones.
-
-    ``finish_reasons[i] == "length"`` -> ``False`` (response i gets a zero loss mask);
-    anything else (``"stop"``, ``"abort"``, ...) -> ``True``.
-    """
-    return [reason != TRUNCATED_FINISH_REASON for reason in finish_reasons]

@@ -1,4 +1,4 @@
-"""The result every verifier returns, and the score values (DAPO.md s1)."""
+"""The result every verifier returns, and the score values (docs/algorithm.md s1)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class VerifyResult:
     """Outcome of verifying one response.
 
     Attributes:
-        score: +1.0 when correct, -1.0 otherwise (before overlong shaping, DAPO.md s2).
+        score: +1.0 when correct, -1.0 otherwise (before overlong shaping, docs/algorithm.md s2).
         acc: whether the prediction matched the ground truth.
         pred: the extracted (normalised, for "dapo") prediction, or a bracketed marker:
             ``[INVALID]`` (no answer found), ``[TIMEOUT]`` or ``[ERROR]`` (math-verify).

@@ -1,4 +1,4 @@
-"""Rule-based verifiers that run in-process: "dapo" (Minerva) and "strict-box" (DAPO.md s1).
+"""Rule-based verifiers that run in-process: "dapo" (Minerva) and "strict-box" (docs/algorithm.md s1).
 
 Import them from ``reward.verifiers`` (or ``reward``), which also holds the registry.
 
@@ -16,13 +16,13 @@ from reward.normalize import normalize_answer
 from reward.result import CORRECT_SCORE, INVALID, WRONG_SCORE, VerifyResult
 from reward.text import clean_text, tail
 
-#: The dapo verifier looks only at this many trailing characters of the response (DAPO.md s1).
+#: The dapo verifier looks only at this many trailing characters of the response (docs/algorithm.md s1).
 DAPO_TAIL_CHARS: Final = 300
 
-#: Strict-box mode looks only at this many trailing characters (DAPO.md s1).
+#: Strict-box mode looks only at this many trailing characters (docs/algorithm.md s1).
 STRICT_BOX_TAIL_CHARS: Final = 100
 
-#: The answer line the DAPO prompt asks for: "Answer: $Answer" (DAPO.md s1 and s7).
+#: The answer line the DAPO prompt asks for: "Answer: $Answer" (docs/algorithm.md s1 and s7).
 ANSWER_PATTERN: Final = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
 _BOXED_OPEN: Final = "\\boxed{"
@@ -35,7 +35,7 @@ def _result(acc: bool, pred: str) -> VerifyResult:
 def extract_answer_line(response: str) -> str | None:
     """Return the text after the LAST ``Answer:`` in the last 300 characters, or ``None``.
 
-    The match is case-insensitive and runs to the end of its line (DAPO.md s1). An answer
+    The match is case-insensitive and runs to the end of its line (docs/algorithm.md s1). An answer
     that starts more than 300 characters before the end is not seen, as in the reference.
     """
     matches = ANSWER_PATTERN.findall(tail(response, DAPO_TAIL_CHARS))
@@ -45,7 +45,7 @@ def extract_answer_line(response: str) -> str | None:
 def verify_dapo(
     response: str, ground_truth: str | int, *, strip_period: bool = True
 ) -> VerifyResult:
-    """Score ``response`` with the default DAPO verifier (DAPO.md s1).
+    """Score ``response`` with the default DAPO verifier (docs/algorithm.md s1).
 
     The last ``Answer: ...`` line of the last 300 characters and the ground truth are both
     normalised by ``reward.normalize.normalize_answer``; exact equality is correct (+1.0),
@@ -86,7 +86,7 @@ def last_boxed_content(text: str) -> str | None:
 
 
 def verify_strict_box(response: str, ground_truth: str | int) -> VerifyResult:
-    """Score ``response`` in strict-box mode (DAPO.md s1).
+    """Score ``response`` in strict-box mode (docs/algorithm.md s1).
 
     The content of the last brace-matched ``\\boxed{...}`` in the last 100 characters must
     equal ``str(ground_truth)`` as a raw string; only surrounding whitespace is stripped from

@@ -2,7 +2,7 @@
 
 For every response of a group: decode the response tokens (special tokens skipped), score them
 against the prompt's ground truth with the configured verifier (+1 / -1), add the overlong
-penalty (DAPO.md s2) and forward the scored group. The scalar reward is per response; the learner
+penalty (docs/algorithm.md s2) and forward the scored group. The scalar reward is per response; the learner
 places it on the response's last token. Verifier timeouts are counted, never hidden.
 """
 

@@ -1,4 +1,4 @@
-"""Verifiers of DAPO.md s1 and their registry: one name per verifier, one ``Scorer`` for all.
+"""Verifiers of docs/algorithm.md s1 and their registry: one name per verifier, one ``Scorer`` for all.
 
 * ``verify_dapo``: the default ("dapo"), Minerva normalisation; see ``reward.rules``.
 * ``verify_strict_box``: option "strict-box"; see ``reward.rules``.

@@ -1,1 +1,2 @@
-"""Generation: engines (vLLM, transformers), the rollout worker loop and the weight receiver."""
+"""Generation: engines behind one interface (vLLM, transformers) and the rollout replica loop;
+weights arrive through `services.contracts.weight_sync`."""

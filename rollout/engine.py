@@ -6,20 +6,15 @@ the light transformers engine are interchangeable (`rollout.engine`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Protocol
 
+import torch
+
+from rollout.sample import Sample
 from services.contracts.config import DapoConfig
-from services.contracts.weight_sync import Announcement
 
-
-@dataclass
-class Sample:
-    """One sampled response: tokens (EOS included when produced) and their behaviour log-probs."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+__all__ = ["Engine", "Sample", "make_engine"]
 
 
 class Engine(Protocol):
@@ -29,15 +24,18 @@ class Engine(Protocol):
         """For each prompt, n samples. Log-probs are of the temperature-scaled distribution."""
         ...
 
-    def receive_weights(self, ann: Announcement, rank: int) -> None:
-        """Join the broadcast described by `ann` as `rank`, receive every bucket, swap weights.
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Swap in every `(name, tensor)` of `weights` (all parameters of a new policy version).
 
+        `weights` is a `services.contracts.weight_sync.WeightStream` in the rollout loop:
+        iterating it receives the broadcast bucket by bucket, in whichever process iterates it.
         Called between generation batches only; resets any prefix cache.
         """
         ...
 
     def load_weights_from_dir(self, path: str) -> None:
-        """Catch up from a Hugging Face checkpoint directory (missed broadcasts, late join)."""
+        """Load every weight from a Hugging Face checkpoint directory (start, catch-up from the
+        checkpoint store, recovery after a failed broadcast)."""
         ...
 
     def close(self) -> None: ...

@@ -10,13 +10,13 @@ learner recomputes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout.engine import Sample
-from rollout.weight_receiver import WeightReceiver
-from services.contracts.weight_sync import DTYPES, Announcement
+from rollout.sample import Sample
+from services.contracts.weight_sync import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id)
-        self.receiver = WeightReceiver("cpu")
         self.generator = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
 
@@ -74,14 +73,14 @@ class HFEngine:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def receive_weights(self, ann: Announcement, rank: int) -> None:
-        """Receive every bucket first, then swap: a broadcast that fails half-way leaves the
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Receive every tensor first, then swap: a broadcast that fails half-way leaves the
         weights (and the policy version they belong to) untouched."""
         params = dict(self.model.named_parameters())
-        staged = dict(self.receiver.receive(ann, rank))
+        staged = dict(weights)
         missing = set(params) - set(staged)
         if missing:
-            raise ValueError(f"broadcast of version {ann.version} lacks {sorted(missing)[:3]}")
+            raise ValueError(f"the new weights lack {sorted(missing)[:3]}")
         for name, tensor in staged.items():
             params[name].copy_(tensor)
 

@@ -7,9 +7,11 @@ top-k/top-p mask (the default, `raw_logprobs`, ignores the temperature). With to
 paper's training setting) this equals what the transformers engine and the learner compute; with
 top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does not.
 
-Weights arrive over the side group of `services.contracts.weight_sync` inside vLLM's worker process(es):
-`rollout.vllm_worker_ext.WeightSyncExtension` is mixed into the worker class and called through
-`collective_rpc`. The prefix cache is reset after every swap, since cached KV blocks were
+Weights arrive over the side group of `services.contracts.weight_sync` inside vLLM's worker
+process(es): `update_weights` gets a `WeightStream` and sends its JSON form (vLLM's RPC encodes
+arguments with msgpack, which carries tensors and plain data but no arbitrary objects) through
+`collective_rpc` to `rollout.vllm_worker_ext.WeightSyncExtension`, mixed into the worker class,
+which iterates it there. Any other iterable of tensors is sent whole through the RPC. The prefix cache is reset after every swap, since cached KV blocks were
 computed with the old weights. A swap that fails part-way leaves some layers new and some old;
 the engine then refuses to generate (`WeightSyncError`) until `load_weights_from_dir` succeeds.
 
@@ -24,12 +26,14 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rollout.engine import Sample
+import torch
+
+from rollout.sample import Sample
 from services.contracts.config import DapoConfig
-from services.contracts.weight_sync import Announcement
+from services.contracts.weight_sync import WeightStream
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -167,18 +171,17 @@ class VLLMEngine:
             [_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
         ]
 
-    def receive_weights(self, ann: Announcement, rank: int) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Swap in new weights inside the worker(s); a `WeightStream` is received there."""
         start = time.monotonic()
-        tensors = self._swap_weights(
-            f"policy version {ann.version}", "dapo_receive_weights", ann.to_json(), rank
-        )
+        if isinstance(weights, WeightStream):
+            what = f"policy version {weights.version}"
+            tensors = self._swap_weights(what, "dapo_receive_weights", weights.to_json())
+        else:
+            what = "tensors"
+            tensors = self._swap_weights(what, "dapo_load_tensors", [_to_wire(n, t) for n, t in weights])
         self.last_sync_seconds = time.monotonic() - start
-        log.info(
-            "policy version %d: %d tensors swapped in %.3fs",
-            ann.version,
-            tensors,
-            self.last_sync_seconds,
-        )
+        log.info("%s: %d tensors swapped in %.3fs", what, tensors, self.last_sync_seconds)
 
     def load_weights_from_dir(self, path: str) -> None:
         self._swap_weights(f"checkpoint {path}", "dapo_load_from_dir", str(path))
@@ -232,6 +235,13 @@ class VLLMEngine:
                 )
         del llm, client
         gc.collect()
+
+
+def _to_wire(name: str, tensor: torch.Tensor) -> list[Any]:
+    """[name, dtype, shape, raw bytes]: vLLM's RPC decodes an untyped tensor argument as a list."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return [name, dtype, list(tensor.shape), flat.view(torch.uint8).numpy().tobytes()]
 
 
 def _to_sample(completion: Any) -> Sample:

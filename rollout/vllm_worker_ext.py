@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from rollout.weight_receiver import WeightReceiver
-from services.contracts.weight_sync import DTYPES, Announcement
+from services.contracts.weight_sync import DTYPES, WeightStream, dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +35,38 @@ class WeightSyncExtension:
     vllm_config: Any
     reload_weights: Any
 
-    def dapo_receive_weights(self, ann_json: dict[str, Any], rank: int) -> dict[str, Any]:
-        """Join the broadcast `ann_json` describes as `rank`; swap in every tensor received.
+    def dapo_receive_weights(self, stream_json: dict[str, Any]) -> dict[str, Any]:
+        """Iterate the `WeightStream` described by `stream_json` here; swap in every tensor.
 
         Returns {"tensors": number applied, "error": None or the failure, as text}. Failures
         are returned, not raised: vLLM's collective_rpc stops reading replies at the first
         failed worker, and with several workers the unread replies would then answer the
         next call.
         """
-        ann = Announcement.from_json(ann_json)
+        stream = WeightStream.from_json(stream_json).on(self.device)
+        return self._dapo_apply(self._dapo_stream(stream), f"policy version {stream.version}")
+
+    def dapo_load_tensors(self, named: list[list[Any]]) -> dict[str, Any]:
+        """Swap in `[name, dtype, shape, raw bytes]` tensors sent whole through the RPC
+        (`vllm_engine._to_wire`); returns {"tensors", "error"} as `dapo_receive_weights`."""
+        tensors = (
+            (str(name), torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype_of(dtype)).reshape(shape).to(self.device))
+            for name, dtype, shape, raw in named
+        )
+        return self._dapo_apply(tensors, "tensors")
+
+    def _dapo_apply(self, weights: Iterator[tuple[str, torch.Tensor]], what: str) -> dict[str, Any]:
         applied = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal applied
-            for name, tensor in self._dapo_stream(ann, rank):
+            for name, tensor in weights:
                 applied += 1
                 yield name, tensor
 
         error = self._dapo_reload(weights_iterator=counted())
         if error is None:
-            log.info("policy version %d: applied %d tensors", ann.version, applied)
+            log.info("%s: applied %d tensors", what, applied)
         return {"tensors": applied, "error": error}
 
     def dapo_load_from_dir(self, path: str) -> dict[str, Any]:
@@ -86,14 +97,7 @@ class WeightSyncExtension:
 
     # -----------------------------------------------------------------------------------------
 
-    def _dapo_receiver(self) -> WeightReceiver:
-        receiver: WeightReceiver | None = getattr(self, "_dapo_weight_receiver", None)
-        if receiver is None:
-            receiver = WeightReceiver(self.device)
-            self._dapo_weight_receiver = receiver
-        return receiver
-
-    def _dapo_stream(self, ann: Announcement, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _dapo_stream(self, stream: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in announcement order; with tensor parallelism, relayed by TP rank 0.
 
         The announcement gives each replica one rank in the side group, so only the replica's
@@ -106,11 +110,11 @@ class WeightSyncExtension:
 
         tp = get_tp_group()
         if tp.world_size == 1:
-            yield from self._dapo_receiver().receive(ann, rank)
+            yield from stream
             return
-        source = self._dapo_receiver().receive(ann, rank) if tp.rank_in_group == 0 else None
+        source = iter(stream) if tp.rank_in_group == 0 else None
         ok = torch.ones(1, dtype=torch.int32, device=self.device)
-        for bucket in ann.buckets:
+        for bucket in stream.buckets:
             tensors: list[torch.Tensor] = []
             if source is not None:
                 try:

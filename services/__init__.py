@@ -1,2 +1,2 @@
-"""Glue every process shares: config, Redis stream protocol and schemas, the gatekeeper, the
-control-plane API and the command line."""
+"""The shared contracts (`contracts/`), the gatekeeper stage (`gatekeeper.py`), the application
+shell (`shell/`: CLI, launcher, API, Ray Serve, embedded Redis) and the CPU demo (`demo/`)."""

@@ -1,4 +1,4 @@
-"""Dynamic sampling (DAPO.md section 6) as a stream stage: `dapo gatekeeper`.
+"""Dynamic sampling (docs/algorithm.md section 6) as a stream stage: `dapo gatekeeper`.
 
 Reads scored groups, keeps a group only if its metric (default `acc`, not the shaped reward)
 differs across the group's responses, and forwards kept groups to the train stream. A dropped
@@ -26,7 +26,7 @@ def keep_group(values: Sequence[float | bool | int]) -> bool:
     """True when a group carries learning signal: its metric is not identical across the group.
 
     values: the metric of each response of one group, shape [G].
-    A single-response group is always kept (DAPO.md s6). NaN never counts as variance: NaNs are
+    A single-response group is always kept (docs/algorithm.md s6). NaN never counts as variance: NaNs are
     ignored, and a group whose values are all NaN is dropped.
     """
     if len(values) == 1:

@@ -3,11 +3,11 @@
 No config objects, no I/O, no ``torch.distributed``: the trainer owns those and passes plain
 numbers (clip bounds, global token counts) in. Modules:
 
-- ``advantages``: group-relative advantages (DAPO.md section 3).
+- ``advantages``: group-relative advantages (docs/algorithm.md section 3).
 - ``aggregation``: ``loss_agg`` modes and the global-count rule for gradient accumulation and
   data parallelism (section 5).
 - ``losses``: clipped policy loss with dual clip and truncated importance weights (sections 4
-  and 9), KL estimators, ``combine_losses``.
+  and 9) and ``combine_losses`` (DAPO has no KL term).
 - ``entropy``: chunked, memory-light entropy and log-probs from logits.
 """
 
@@ -20,18 +20,11 @@ from learner.algos.aggregation import (
     count_tokens,
 )
 from learner.algos.entropy import entropy_from_logits, log_probs_from_logits
-from learner.algos.losses import (
-    DEFAULT_IS_CLIP,
-    KLKind,
-    combine_losses,
-    kl_penalty,
-    policy_loss,
-)
+from learner.algos.losses import DEFAULT_IS_CLIP, combine_losses, policy_loss
 
 __all__ = [
     "DEFAULT_IS_CLIP",
     "LOSS_AGG_MODES",
-    "KLKind",
     "LossAgg",
     "aggregate_loss",
     "combine_losses",
@@ -39,7 +32,6 @@ __all__ = [
     "count_tokens",
     "entropy_from_logits",
     "group_advantages",
-    "kl_penalty",
     "log_probs_from_logits",
     "policy_loss",
 ]

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DAPO.md section 3, GRPO style).
+"""Group-relative advantages (docs/algorithm.md section 3, GRPO style).
 
 For the responses of one prompt group with scalar rewards ``R_1..R_G``::
 

@@ -1,4 +1,4 @@
-"""Reduce a per-token loss matrix to a scalar (DAPO.md section 5, Token-Level PG Loss).
+"""Reduce a per-token loss matrix to a scalar (docs/algorithm.md section 5, Token-Level PG Loss).
 
 With ``L`` the per-token loss [B, T] and ``M`` the response mask [B, T]:
 
@@ -13,7 +13,7 @@ Fully masked rows never count in a denominator.
 
 Gradient accumulation and data parallelism
 ------------------------------------------
-The trap (DAPO.md section 5): averaging per-micro-batch token means weights a token of a
+The trap (docs/algorithm.md section 5): averaging per-micro-batch token means weights a token of a
 short micro-batch more than a token of a long one. Here every mode is made *additive*: pass
 the count of the WHOLE mini-batch (all micro-batches on all data-parallel ranks) as
 ``global_tokens`` (token-mean) or ``global_seqs`` (seq-mean-token-mean / -token-sum), and

@@ -1,17 +1,15 @@
-"""DAPO policy loss, KL penalty and the combination of loss terms.
+"""DAPO policy loss and the combination of loss terms.
 
-- ``policy_loss``: decoupled clip (Clip-Higher) + dual clip, DAPO.md section 4, with the
+- ``policy_loss``: decoupled clip (Clip-Higher) + dual clip, docs/algorithm.md section 4, with the
   optional truncated importance weight for asynchronous (off-policy) rollouts, section 9.
-- ``kl_penalty``: per-token KL estimators against a reference policy.
-- ``combine_losses``: ``pg + kl_coef * kl - entropy_coef * entropy``; DAPO uses both
-  coefficients 0 (no KL penalty, no entropy bonus).
+- ``combine_losses``: ``pg - entropy_coef * entropy``; DAPO uses no entropy bonus and, unlike
+  PPO-style RLHF, no KL penalty against a reference policy (so there is no KL term at all).
 
 A trainer computes::
 
     pg, metrics = policy_loss(logp, old_logp, adv, mask, loss_agg=..., global_tokens=...)
-    kl = aggregate_loss(kl_penalty(logp, ref_logp), mask, loss_agg, global_tokens=...)
     ent = aggregate_loss(entropy_from_logits(logits), mask, loss_agg, global_tokens=...)
-    loss = combine_losses(pg, kl, ent, kl_coef=..., entropy_coef=...)
+    loss = combine_losses(pg, ent, entropy_coef=...)
 
 using the same ``loss_agg`` and global counts for every term, so the combination stays
 additive across micro-batches and ranks (see ``aggregation``).
@@ -19,16 +17,12 @@ additive across micro-batches and ranks (see ``aggregation``).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
 from learner.algos.aggregation import LossAgg, aggregate_loss
 
-__all__ = ["DEFAULT_IS_CLIP", "KLKind", "combine_losses", "kl_penalty", "policy_loss"]
-
-KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+__all__ = ["DEFAULT_IS_CLIP", "combine_losses", "policy_loss"]
 
 # exp() of a log-ratio beyond +-20 overflows float16 and means the sample is garbage anyway.
 _LOG_RATIO_BOUND = 20.0
@@ -94,7 +88,7 @@ def policy_loss(
     behaviour_log_prob: Tensor | None = None,
     is_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """DAPO clipped policy-gradient loss (DAPO.md sections 4, 5 and 9).
+    """DAPO clipped policy-gradient loss (docs/algorithm.md sections 4, 5 and 9).
 
     Per token, with ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``::
 
@@ -127,9 +121,9 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: the aggregated scalar loss and python floats averaged over this
         call's valid tokens (a trainer averages them over micro-batches for logging):
-        ``clipfrac`` (L2 > L1), ``clipfrac_high`` (ratio > 1 + clip_high with A > 0),
-        ``clipfrac_low`` (ratio < 1 - clip_low with A < 0), ``clipfrac_lower`` (dual clip
-        active), ``approx_kl`` (mean of old_log_prob - log_prob), ``ratio_mean``, and
+        ``pg_clipfrac`` (L2 > L1), ``clipfrac_high`` (ratio > 1 + clip_high with A > 0),
+        ``clipfrac_low`` (ratio < 1 - clip_low with A < 0), ``pg_clipfrac_lower`` (dual clip
+        active), ``ppo_kl`` (mean of old_log_prob - log_prob), ``ratio_mean``, and
         ``is_weight_mean`` when behaviour log-probs are given.
 
     Raises:
@@ -175,15 +169,15 @@ def policy_loss(
     with torch.no_grad():
         mask = response_mask.to(torch.float32)  # (B, T)
         stats: dict[str, Tensor] = {
-            "clipfrac": loss2 > loss1,
+            "pg_clipfrac": loss2 > loss1,
             "clipfrac_high": (ratio > 1.0 + clip_high) & (adv > 0),
             "clipfrac_low": (ratio < 1.0 - clip_low) & (adv < 0),
-            "clipfrac_lower": (
+            "pg_clipfrac_lower": (
                 (adv < 0) & (loss_clip > -adv * clip_c)
                 if clip_c is not None
                 else torch.zeros_like(mask, dtype=torch.bool)
             ),
-            "approx_kl": old_log_prob - log_prob,
+            "ppo_kl": old_log_prob - log_prob,
             "ratio_mean": ratio,
         }
         if weight is not None:
@@ -192,52 +186,15 @@ def policy_loss(
     return loss, metrics
 
 
-def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: KLKind = "low_var_kl") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs; [B, T] -> [B, T].
+def combine_losses(pg: Tensor, entropy: Tensor | None = None, entropy_coef: float = 0.0) -> Tensor:
+    """Total loss ``pg - entropy_coef * entropy`` from aggregated scalars.
 
-    - ``k1``: ``log_prob - ref_log_prob`` (unbiased, high variance, can be negative);
-    - ``k2``: ``0.5 * (log_prob - ref_log_prob) ** 2``;
-    - ``k3`` / ``low_var_kl``: ``exp(ref - logp) - (ref - logp) - 1``, non-negative, clamped
-      to [-10, 10] because a single token with a huge ratio would dominate the batch.
-
-    DAPO's default ``kl_coef`` is 0; the coefficient is applied by ``combine_losses``.
+    DAPO uses no entropy bonus (coefficient 0) and no KL term at all (docs/algorithm.md s4).
+    A zero coefficient skips the term entirely, so a NaN in it cannot leak in; a non-zero
+    coefficient without its term is an error.
     """
-    if log_prob.shape != ref_log_prob.shape:
-        raise ValueError(
-            f"log_prob {tuple(log_prob.shape)} and ref_log_prob "
-            f"{tuple(ref_log_prob.shape)} differ in shape"
-        )
-    ref_log_prob = ref_log_prob.detach()
-    diff = log_prob - ref_log_prob  # (B, T)
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff.square()
-    if kind in ("k3", "low_var_kl"):
-        neg = (-diff).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)  # (B, T) log(ref / pi)
-        return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl kind {kind!r}; valid kinds: k1, k2, k3, low_var_kl")
-
-
-def combine_losses(
-    pg: Tensor,
-    kl: Tensor | None = None,
-    entropy: Tensor | None = None,
-    kl_coef: float = 0.0,
-    entropy_coef: float = 0.0,
-) -> Tensor:
-    """Total loss ``pg + kl_coef * kl - entropy_coef * entropy`` from aggregated scalars.
-
-    A term whose coefficient is 0 is skipped entirely (so a NaN in it cannot leak in), which
-    is the DAPO default for both. A non-zero coefficient without its term is an error.
-    """
-    total = pg
-    if kl_coef != 0.0:
-        if kl is None:
-            raise ValueError(f"kl_coef = {kl_coef} but no kl term was given")
-        total = total + kl_coef * kl
-    if entropy_coef != 0.0:
-        if entropy is None:
-            raise ValueError(f"entropy_coef = {entropy_coef} but no entropy term was given")
-        total = total - entropy_coef * entropy
-    return total
+    if entropy_coef == 0.0:
+        return pg
+    if entropy is None:
+        raise ValueError(f"entropy_coef = {entropy_coef} but no entropy term was given")
+    return pg - entropy_coef * entropy

@@ -267,6 +267,11 @@ class StreamBus:
         self._issue = client.register_script(_ISSUE)
         self._ledger = client.register_script(_LEDGER)
 
+    def as_consumer(self, consumer: str) -> StreamBus:
+        """The same streams and connection, read under another consumer name (the learner's
+        drain reads undelivered jobs without taking over its own pending entries)."""
+        return StreamBus(self.redis, self.keys, consumer)
+
     def ensure_groups(self) -> None:
         """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
         for stage in self.keys.stages:
@@ -378,12 +383,12 @@ class StreamBus:
         An entry that carries a group id was issued by the feeder and counts as `dead` in the
         ledger; one without (garbage injected into a stream) is counted as `poison` only.
         """
-        gid = fields.get(b"gid") or _gid_from_meta(fields)
+        group_id = fields.get(b"group_id") or _group_id_from_meta(fields)
         record = {
             "stage": stage.stream.encode(),
             "entry_id": entry_id.encode(),
             "reason": reason.encode("utf-8", "replace"),
-            "gid": gid or b"",
+            "group_id": group_id or b"",
             "at": str(time.time()).encode(),
             # Each field cut before encoding: a dead-lettered group may be megabytes of token ids.
             "payload": json.dumps({k.decode("latin-1"): v[:16384].decode("latin-1") for k, v in fields.items()})[:65536].encode(),
@@ -394,8 +399,8 @@ class StreamBus:
             entry_id,
             downstream=self.keys.dead,
             fields={k: v for k, v in record.items()},
-            outcome=LEDGER_DEAD if gid else None,
-            counter=Counter.DEAD_LETTERS if gid else Counter.POISON_MESSAGES,
+            outcome=LEDGER_DEAD if group_id else None,
+            counter=Counter.DEAD_LETTERS if group_id else Counter.POISON_MESSAGES,
         )
 
     def _dead_letter_by_id(self, stage: Stage, entry_id: str, reason: str) -> None:
@@ -428,7 +433,8 @@ class StreamBus:
     def counters(self) -> dict[str, int]:
         """Every counter; a value that is not an integer is skipped."""
         out = {}
-        for k, v in self.redis.hgetall(self.keys.counters).items():
+        raw: Any = self.redis.hgetall(self.keys.counters)
+        for k, v in raw.items():
             try:
                 out[k.decode()] = int(v)
             except ValueError:
@@ -448,14 +454,16 @@ class StreamBus:
     # --- run state: policy version, learner state, run info --------------------------------------
     def policy_version(self) -> int:
         """The newest policy version the learner published (0 before the first)."""
-        return _int(self.redis.get(self.keys.policy_version), 0)
+        raw: Any = self.redis.get(self.keys.policy_version)
+        return _int(raw, 0)
 
     def set_policy_version(self, version: int) -> None:
         self.redis.set(self.keys.policy_version, version)
 
     def learner_state(self) -> dict[str, str]:
         """`state`, `step`, `policy_version`, `at` as learner rank 0 last wrote them."""
-        return _strings(self.redis.hgetall(self.keys.learner_state))
+        raw: Any = self.redis.hgetall(self.keys.learner_state)
+        return _strings(raw)
 
     def set_learner_state(self, state: str, *, step: int, policy_version: int) -> None:
         mapping = {"state": state, "step": step, "policy_version": policy_version, "at": time.time()}
@@ -463,10 +471,11 @@ class StreamBus:
 
     def run_info(self) -> dict[str, str]:
         """The run-info hash (`RunField` names) as strings."""
-        return _strings(self.redis.hgetall(self.keys.run_info))
+        raw: Any = self.redis.hgetall(self.keys.run_info)
+        return _strings(raw)
 
     def run_field(self, field: RunField) -> str | None:
-        raw = self.redis.hget(self.keys.run_info, field)
+        raw: Any = self.redis.hget(self.keys.run_info, field)
         return None if raw is None else raw.decode("utf-8", "replace")
 
     def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
@@ -495,7 +504,8 @@ class StreamBus:
     def control_requests(self) -> dict[str, ControlRequest]:
         """Pending operator requests by kind. One that does not parse is removed and counted."""
         out: dict[str, ControlRequest] = {}
-        for field, raw in self.redis.hgetall(self.keys.control).items():
+        requests: Any = self.redis.hgetall(self.keys.control)
+        for field, raw in requests.items():
             kind = field.decode("utf-8", "replace")
             try:
                 request = _CONTROL.validate_json(raw)
@@ -518,8 +528,8 @@ class StreamBus:
 
     def recent_metrics(self, count: int | None = None) -> list[dict[str, Any]]:
         """The last `count` per-step records (all when None), oldest first; bad records skipped."""
-        rows: Any = (self.redis.xrange(self.keys.metrics) if count is None
-                     else list(reversed(self.redis.xrevrange(self.keys.metrics, count=count))))
+        newest_first: Any = None if count is None else self.redis.xrevrange(self.keys.metrics, count=count)
+        rows: Any = self.redis.xrange(self.keys.metrics) if newest_first is None else newest_first[::-1]
         out = []
         for _, fields in rows:
             try:
@@ -564,8 +574,9 @@ class StreamBus:
         """Final stats of every instance of `kind` that wrote them, by instance id."""
         out = {}
         for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(kind)):
+            stats: Any = self.redis.hgetall(key)
             try:
-                out[key.decode().rsplit(":", 1)[-1]] = {k.decode(): json.loads(v) for k, v in self.redis.hgetall(key).items()}
+                out[key.decode().rsplit(":", 1)[-1]] = {k.decode(): json.loads(v) for k, v in stats.items()}
             except ValueError:
                 continue
         return out
@@ -606,10 +617,10 @@ def _entry_id(pending: Any) -> str:
     return str(eid.decode() if isinstance(eid, bytes) else eid)
 
 
-def _gid_from_meta(fields: Fields) -> bytes | None:
+def _group_id_from_meta(fields: Fields) -> bytes | None:
     try:
         meta = json.loads(fields[b"meta"])
-        gid = meta.get("group_id") or meta.get("job", {}).get("group_id")
-        return str(gid).encode() if gid else None
+        group_id = meta.get("group_id") or meta.get("job", {}).get("group_id")
+        return str(group_id).encode() if group_id else None
     except (KeyError, ValueError, AttributeError, TypeError):
         return None

@@ -6,7 +6,7 @@ keys (`algorithm.clip_high=0.3`). Unknown keys are errors (`extra="forbid"`), an
 rules are checked at start-up so that a bad run fails before it spends compute.
 
 Each field is documented once, here, with the DAPO paper's value (arXiv 2503.14476, the
-reference 32B run; see DAPO.md section 7) where there is one.
+reference 32B run; see docs/algorithm.md section 7) where there is one.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class RolloutConfig(_Section):
 
 
 class OverlongConfig(_Section):
-    """Overlong reward shaping, DAPO.md section 2."""
+    """Overlong reward shaping, docs/algorithm.md section 2."""
 
     enabled: bool = True
     buffer_len: PositiveInt = 4096
@@ -174,8 +174,6 @@ class AlgorithmConfig(_Section):
     """Token-Level Policy Gradient Loss (paper: token-mean over the whole mini-batch)."""
     norm_by_std: bool = True
     """Divide group advantages by the unbiased std (GRPO/DAPO); false = Dr.GRPO."""
-    kl_coef: float = Field(0.0, ge=0)
-    """KL penalty to the reference model (paper: 0, DAPO removes it)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus (paper: 0)."""
     train_batch_groups: PositiveInt = 512
@@ -194,7 +192,7 @@ class AlgorithmConfig(_Section):
     """Admission control: at most (max_staleness + 1) train batches of work ahead of the learner.
     0 reproduces synchronous DAPO (rollout never runs ahead of the weights it was given)."""
     is_clip: float = Field(2.0, ge=1)
-    """Truncation of the behaviour importance weight pi_old / pi_behaviour (DAPO.md s9)."""
+    """Truncation of the behaviour importance weight pi_old / pi_behaviour (docs/algorithm.md s9)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Prompt data: loading DAPO-Math-17K style files and making synthetic arithmetic sets.
 
-Rows follow the DAPO-Math-17K schema (DAPO.md s7)::
+Rows follow the DAPO-Math-17K schema (docs/algorithm.md s7)::
 
     {"data_source": "math_dapo",
      "prompt": [{"role": "user", "content": "..."}],

@@ -180,11 +180,6 @@ class Keys:
     def final_stats_pattern(self, kind: str = "*") -> str:
         return self._k("final", kind, "*")
 
-    @property
-    def weight_group(self) -> str:
-        """Hash describing the current weight-broadcast group (generation, members, store)."""
-        return self._k("weights", "group")
-
     def weight_join(self, group_key: str) -> str:
         """Set of replica ids ready to join the broadcast group `group_key`."""
         return self._k("weights", "joined", group_key)

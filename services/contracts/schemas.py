@@ -16,7 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`."""
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -39,8 +40,9 @@ class PromptJob(_Msg):
     prompt_ids: list[int]
     ground_truth: str
     data_source: str = ""
-    issued_version: int
-    """Learner policy version when issued; a replica must hold at least this version."""
+    policy_version: int
+    """The learner's policy version when it issued the job; a replica generates with at least this
+    version, so no group starts older than the admission bound allows."""
     issued_at: float
 
 
@@ -131,7 +133,7 @@ def encode_job(job: PromptJob) -> dict[str, bytes]:
     return {
         "v": str(SCHEMA_VERSION).encode(),
         "kind": b"job",
-        "gid": job.group_id.encode(),
+        "group_id": job.group_id.encode(),
         "meta": json.dumps(meta, separators=(",", ":")).encode(),
         "prompt_ids": _pack_ints(job.prompt_ids),
     }
@@ -155,7 +157,7 @@ def encode_group(group: RolloutGroup) -> dict[str, bytes]:
     return {
         "v": str(SCHEMA_VERSION).encode(),
         "kind": b"group",
-        "gid": group.job.group_id.encode(),
+        "group_id": group.job.group_id.encode(),
         "meta": json.dumps(meta, separators=(",", ":")).encode(),
         "prompt_ids": _pack_ints(group.job.prompt_ids),
         "tokens": _pack_ints(tokens),

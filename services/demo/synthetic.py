@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 SYNTH_DATA_SOURCE = "synth_arith"
 
-# The DAPO-Math-17K prompt template (DAPO.md s7). The data set's rows hold the instruction
-# as one line; DAPO.md wraps it only for display.
+# The DAPO-Math-17K prompt template (docs/algorithm.md s7). The data set's rows hold the instruction
+# as one line; the paper wraps it only for display.
 DAPO_PROMPT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be "
     "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
@@ -93,7 +93,7 @@ def synth_rows(
         n: number of rows.
         difficulty: a key of `DIFFICULTY_LEVELS` (1 = 2-digit addition).
         seed: the rows are a function of (n, difficulty, seed, template, start_index).
-        template: "dapo" wraps each problem in the DAPO-Math-17K prompt (DAPO.md s7);
+        template: "dapo" wraps each problem in the DAPO-Math-17K prompt (docs/algorithm.md s7);
             "short" is the bare problem plus "\\n", far fewer tokens for a tiny CPU model.
         start_index: `extra_info.index` of the first row.
 

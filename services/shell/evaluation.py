@@ -1,7 +1,11 @@
-"""avg@k evaluation (DAPO.md s7: AIME 2024 avg@32 = mean accuracy over 32 samples per problem).
+"""avg@k evaluation (docs/algorithm.md s7: AIME 2024 avg@32 = mean accuracy over 32 samples per
+problem): `dapo eval` on a model directory, and the evaluator the shell injects into the learner.
 
-`dapo eval` evaluates a model directory with the configured engine; the learner calls
-`evaluate` on its own evaluation engine at start, every `eval.every_steps`, and at the end.
+The learner (a stage) never imports an inference engine or a verifier (other stages); it is
+handed an `Evaluator` built here from the rollout stage's engine and the reward stage's scorer.
+Departure from ARCHITECTURE.md, until evaluation travels the prompt stream to the rollout
+replicas: rank 0 evaluates in its own process with the transformers engine, which suits the
+tiny CPU preset, not a 32B model.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
+
+from torch import Tensor
 
 from reward.verifiers import make_scorer
 from rollout.engine import Engine
@@ -61,6 +68,37 @@ def evaluate(
         "eval/samples_per_problem": float(k),
         "eval/seconds": time.monotonic() - start,
     }
+
+
+class EngineEvaluator:
+    """The learner's evaluator: the transformers engine on CPU, loaded once from `model.path`,
+    handed the policy's weights before each evaluation."""
+
+    def __init__(self, cfg: DapoConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from rollout.hf_engine import HFEngine
+
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.records, self.prompts = eval_prompts(cfg, self.tokenizer)
+        self.engine = HFEngine(cfg.model.path, seed=cfg.learner.seed) if self.records else None
+
+    def evaluate(self, weights: Iterable[tuple[str, Tensor]], step: int) -> dict[str, float]:
+        if self.engine is None:
+            return {}
+        self.engine.update_weights(weights)
+        result = evaluate(self.engine, self.tokenizer, self.records, self.prompts, self.cfg)
+        log.info("eval at step %d: avg@%d = %.3f", step, self.cfg.eval.samples_per_problem, result["eval/acc"])
+        return result
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def make_evaluator(cfg: DapoConfig) -> EngineEvaluator:
+    return EngineEvaluator(cfg)
 
 
 def main(cfg: DapoConfig, model_dir: str | None = None) -> int:

@@ -121,7 +121,7 @@ class Progress:
         led = self.bus.ledger()
         return (
             f"step {state.get('step', 0)}/{self.total} [{state.get('state', 'starting')}] "
-            f"reward {m.get('rollout/reward_mean', float('nan')):.3f} acc {m.get('rollout/acc_mean', float('nan')):.3f} "
+            f"reward {m.get('critic/rewards/mean', float('nan')):.3f} acc {m.get('rollout/acc_mean', float('nan')):.3f} "
             f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
             f"| issued {led.issued} trained {led.trained} filtered {led.filtered} stale {led.stale} in-flight {led.in_flight}"
         )
@@ -194,8 +194,8 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),
         "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics) / max(wall_s, 1e-9),
-        "mean_sync_seconds": sum(m.get("timing/sync_s", 0.0) for m in metrics) / max(len(metrics), 1),
-        "reward_curve": [[m["step"], m.get("rollout/reward_mean"), m.get("rollout/acc_mean")] for m in metrics],
+        "mean_sync_seconds": sum(m.get("timing_s/sync_weights", 0.0) for m in metrics) / max(len(metrics), 1),
+        "reward_curve": [[m["step"], m.get("critic/rewards/mean"), m.get("rollout/acc_mean")] for m in metrics],
     }
 
 

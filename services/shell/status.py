@@ -107,7 +107,7 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("redis_maxmemory_bytes", "gauge", "Redis maxmemory (0 = no limit).", mem["maxmemory_bytes"])
     metric("redis_at_maxmemory", "gauge", "1 while Redis refuses writes (services are paused).", float(mem["at_maxmemory"]))
     metric("dead_letters", "gauge", "Entries in the dead-letter stream.", status["dead_letters"])
-    metric("gate_pass_rate", "gauge", "Fraction of groups kept by dynamic sampling.", status["gatekeeper_pass_rate"])
+    metric("gatekeeper_pass_rate", "gauge", "Fraction of groups kept by dynamic sampling.", status["gatekeeper_pass_rate"])
     metric("throughput_prompts_per_second", "gauge", "Trained prompt groups per second.", status["throughput"]["prompts_per_s"])
     metric("throughput_tokens_per_second", "gauge", "Trained response tokens per second.", status["throughput"]["tokens_per_s"])
     for name, value in status["counters"].items():
@@ -140,7 +140,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("eval", ", ".join(f"step {s}: {a:.3f}" for s, a in status["eval_history"][-5:]) or "-"),
     ]
     last = status["last_metrics"]
-    for key in ("rollout/reward_mean", "rollout/acc_mean", "actor/entropy", "actor/clipfrac_high", "rollout/version_lag_mean"):
+    for key in ("critic/rewards/mean", "rollout/acc_mean", "actor/entropy", "actor/clipfrac_high", "rollout/version_lag_mean"):
         if key in last:
             rows.append((key, f"{last[key]:.4f}"))
     width = max(len(k) for k, _ in rows)

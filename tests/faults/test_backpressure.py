@@ -93,7 +93,7 @@ def test_slow_rollout_keeps_the_learner_waiting_not_failing(tmp_path: Path) -> N
     # Between its first and last step the learner computed for sum(train_s) seconds; the rest it
     # waited: for kept groups, and in the weight sync for replicas to finish their slow batch.
     span = metrics[-1]["time"] - metrics[0]["time"]
-    computing = sum(m["timing/train_s"] for m in metrics[1:]) / span
+    computing = sum(m["timing_s/update_actor"] for m in metrics[1:]) / span
     print(f"slow rollout: the learner computed {computing:.2f} of the time between its first and last "
           f"step (waited the rest); rollout idle {summary['rollout_idle_fraction']:.2f}; "
           f"{summary['wall_seconds']:.0f}s for 8 steps")

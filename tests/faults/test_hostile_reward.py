@@ -59,7 +59,7 @@ def hostile_texts(tokenizer: object) -> dict[str, list[int]]:
 
 def group_of(name: str, hostile: list[int], good: list[int], index: int) -> RolloutGroup:
     job = PromptJob(group_id=f"hostile-{index}", prompt_index=index, prompt_ids=[1, 2, 3], ground_truth="42",
-                    issued_version=0, issued_at=time.time())
+                    policy_version=0, issued_at=time.time())
     responses = [Response(token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop") for ids in (hostile, hostile, hostile, good)]
     return RolloutGroup(job=job, policy_version=0, replica_id=f"injector:{name}", responses=responses)
 

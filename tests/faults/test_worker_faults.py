@@ -58,12 +58,12 @@ def test_poison_messages_are_dead_lettered_and_the_run_goes_on(tmp_path: Path) -
         r.xadd(keys.prompts.stream, {"junk": b"\xff\x00\xfe"})
         # 2. A group from a producer speaking another schema version (counted as issued by it).
         wrong = encode_group(make_group())
-        wrong.update(v=b"99", gid=b"poison-version")
+        wrong.update(v=b"99", group_id=b"poison-version")
         # 3. A group that lost a response on the way.
         short = encode_group(make_group())
         meta = json.loads(short["meta"])
         meta["responses"].pop()
-        short.update(meta=json.dumps(meta).encode(), gid=b"poison-short")
+        short.update(meta=json.dumps(meta).encode(), group_id=b"poison-short")
         for stream, fields in ((keys.rollouts.stream, wrong), (keys.scored.stream, short)):
             with r.pipeline(transaction=True) as pipe:
                 pipe.xadd(stream, fields)

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DAPO.md section 3) against hand values and torch.std."""
+"""Group-relative advantages (docs/algorithm.md section 3) against hand values and torch.std."""
 
 from __future__ import annotations
 

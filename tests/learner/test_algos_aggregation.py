@@ -1,4 +1,4 @@
-"""Loss aggregation modes (DAPO.md section 5): naive references and split invariance.
+"""Loss aggregation modes (docs/algorithm.md section 5): naive references and split invariance.
 
 The invariance tests are the guard on the known trap: token-mean must be normalised by the
 token count of the whole mini-batch, not of each micro-batch or rank.

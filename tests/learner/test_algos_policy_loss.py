@@ -1,4 +1,4 @@
-"""DAPO policy loss (DAPO.md sections 4 and 9), KL estimators and combine_losses."""
+"""DAPO policy loss (docs/algorithm.md sections 4 and 9) and combine_losses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from learner.algos import (
     LOSS_AGG_MODES,
     LossAgg,
     combine_losses,
-    kl_penalty,
     policy_loss,
 )
 
@@ -35,7 +34,7 @@ def test_positive_advantage_above_clip_high_has_zero_gradient() -> None:
     loss, grad, metrics = _one_token(ratio=1.5, adv=2.0)
     assert loss.item() == pytest.approx(-2.0 * 1.28)
     assert grad.item() == 0.0
-    assert metrics["clipfrac"] == 1.0
+    assert metrics["pg_clipfrac"] == 1.0
     assert metrics["clipfrac_high"] == 1.0
     assert metrics["clipfrac_low"] == 0.0
 
@@ -45,7 +44,7 @@ def test_clip_high_is_decoupled_from_clip_low() -> None:
     loss, grad, metrics = _one_token(ratio=1.25, adv=1.0)
     assert loss.item() == pytest.approx(-1.25)
     assert grad.item() == pytest.approx(-1.25)  # d(-A * exp(logp - old)) / d logp
-    assert metrics["clipfrac"] == 0.0
+    assert metrics["pg_clipfrac"] == 0.0
 
 
 def test_negative_advantage_below_clip_low_has_zero_gradient() -> None:
@@ -60,26 +59,26 @@ def test_negative_advantage_large_ratio_unclipped_without_dual_clip() -> None:
     loss, grad, metrics = _one_token(ratio=30.0, adv=-1.0)
     assert loss.item() == pytest.approx(30.0)
     assert grad.item() == pytest.approx(30.0)
-    assert metrics["clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_dual_clip_caps_negative_advantage_loss() -> None:
     loss, grad, metrics = _one_token(ratio=30.0, adv=-0.5, clip_c=10.0)
     assert loss.item() == pytest.approx(0.5 * 10.0)
     assert grad.item() == 0.0
-    assert metrics["clipfrac_lower"] == 1.0
+    assert metrics["pg_clipfrac_lower"] == 1.0
     # Below the cap the dual clip changes nothing.
     loss, grad, metrics = _one_token(ratio=3.0, adv=-0.5, clip_c=10.0)
     assert loss.item() == pytest.approx(1.5)
     assert grad.item() == pytest.approx(1.5)
-    assert metrics["clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_dual_clip_ignores_positive_advantage() -> None:
     # For A > 0, min(Lclip, -A * c) would give -3; the max(L1, L2) = L1 = -0.01 must stay.
     loss, _, metrics = _one_token(ratio=0.01, adv=1.0, clip_c=3.0)
     assert loss.item() == pytest.approx(-0.01)
-    assert metrics["clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_clip_c_must_exceed_one() -> None:
@@ -97,11 +96,11 @@ def test_metrics_on_hand_built_batch() -> None:
     loss, m = policy_loss(log_prob, old, adv, mask, clip_c=10.0)
     # token losses: -1.28 (clipped high), 0.8 (clipped low), 10 (dual clip), -1.0
     assert loss.item() == pytest.approx((-1.28 + 0.8 + 10.0 - 1.0) / 4)
-    assert m["clipfrac"] == pytest.approx(2 / 4)  # tokens 0 and 1
+    assert m["pg_clipfrac"] == pytest.approx(2 / 4)  # tokens 0 and 1
     assert m["clipfrac_high"] == pytest.approx(1 / 4)
     assert m["clipfrac_low"] == pytest.approx(1 / 4)
-    assert m["clipfrac_lower"] == pytest.approx(1 / 4)
-    assert m["approx_kl"] == pytest.approx(-sum(math.log(r) for r in (1.5, 0.5, 30.0, 1.0)) / 4)
+    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    assert m["ppo_kl"] == pytest.approx(-sum(math.log(r) for r in (1.5, 0.5, 30.0, 1.0)) / 4)
     assert m["ratio_mean"] == pytest.approx((1.5 + 0.5 + 30.0 + 1.0) / 4)
     assert "is_weight_mean" not in m
     assert all(isinstance(v, float) for v in m.values())
@@ -221,41 +220,14 @@ def test_shape_errors() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# KL penalty and combination.
-
-
-def test_kl_estimators() -> None:
-    log_prob = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
-    ref = torch.tensor([[-1.5, -1.0, -0.5]], dtype=torch.float64)
-    d = log_prob - ref
-    torch.testing.assert_close(kl_penalty(log_prob, ref, "k1"), d)
-    torch.testing.assert_close(kl_penalty(log_prob, ref, "k2"), 0.5 * d**2)
-    k3 = torch.exp(-d) + d - 1
-    torch.testing.assert_close(kl_penalty(log_prob, ref, "k3"), k3)
-    torch.testing.assert_close(kl_penalty(log_prob, ref), k3)  # default low_var_kl
-    assert (kl_penalty(log_prob, ref) >= 0).all()
-
-
-def test_low_var_kl_is_clamped() -> None:
-    log_prob = torch.tensor([[-30.0]])
-    ref = torch.tensor([[0.0]])
-    assert kl_penalty(log_prob, ref, "low_var_kl").item() == 10.0
-
-
-def test_kl_unknown_kind() -> None:
-    with pytest.raises(ValueError, match="low_var_kl"):
-        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")  # type: ignore[arg-type]
+# Combination of loss terms (DAPO: no KL term, no entropy bonus by default).
 
 
 def test_combine_losses() -> None:
-    pg, kl, ent = torch.tensor(1.0), torch.tensor(0.5), torch.tensor(2.0)
+    pg, ent = torch.tensor(1.0), torch.tensor(2.0)
     assert combine_losses(pg).item() == 1.0
-    assert combine_losses(pg, kl, ent).item() == 1.0  # DAPO defaults: both coefficients 0
-    assert combine_losses(pg, kl, ent, kl_coef=0.1, entropy_coef=0.01).item() == pytest.approx(
-        1.0 + 0.05 - 0.02
-    )
-    assert combine_losses(pg, torch.tensor(float("nan"))).item() == 1.0
-    with pytest.raises(ValueError, match="kl_coef"):
-        combine_losses(pg, kl_coef=0.1)
+    assert combine_losses(pg, ent).item() == 1.0  # DAPO default: coefficient 0
+    assert combine_losses(pg, ent, entropy_coef=0.01).item() == pytest.approx(1.0 - 0.02)
+    assert combine_losses(pg, torch.tensor(float("nan"))).item() == 1.0  # a skipped term cannot leak NaN
     with pytest.raises(ValueError, match="entropy_coef"):
         combine_losses(pg, entropy_coef=0.1)

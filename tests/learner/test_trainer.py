@@ -1,5 +1,5 @@
 """The FSDP2 trainer on one gloo rank: parameters change in the right direction, and the update
-does not depend on how rows are cut into micro-batches (DAPO.md s5)."""
+does not depend on how rows are cut into micro-batches (docs/algorithm.md s5)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def make_groups(n_groups: int, group_size: int, seed: int = 0, version: int = 0)
     groups = []
     for g in range(n_groups):
         job = PromptJob(group_id=f"g{g}", prompt_index=g, prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
-                        ground_truth="1", issued_version=version, issued_at=0.0)
+                        ground_truth="1", policy_version=version, issued_at=0.0)
         responses = []
         for _ in range(group_size):
             n = rng.randint(1, 7)
@@ -61,7 +61,7 @@ def test_train_step_changes_parameters_and_raises_good_responses(tiny_model_dir:
     before = params(trainer)
     with torch.no_grad():
         logp0, _ = trainer._forward(batch, entropy=False)
-    metrics = trainer.train_step(batch, learner_version=0)
+    metrics = trainer.train_step(batch, policy_version=0)
     after = params(trainer)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert metrics["actor/updates"] == 2.0 and metrics["actor/grad_norm"] > 0
@@ -79,7 +79,7 @@ def test_update_is_invariant_to_micro_batch_size(tiny_model_dir: Path) -> None:
         torch.manual_seed(0)
         trainer = Trainer(config(tiny_model_dir, f"learner.micro_batch_size={mbs}"), rank=0, world_size=1, backend="gloo")
         trainer.rng = random.Random(0)
-        trainer.train_step(batch, learner_version=0)
+        trainer.train_step(batch, policy_version=0)
         results.append(params(trainer))
     for other in results[1:]:
         for name, tensor in results[0].items():

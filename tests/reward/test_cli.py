@@ -1,4 +1,4 @@
-"""``python -m reward score``: JSON lines in, JSON lines out, in order (DAPO.md s1)."""
+"""``python -m reward score``: JSON lines in, JSON lines out, in order (docs/algorithm.md s1)."""
 
 from __future__ import annotations
 

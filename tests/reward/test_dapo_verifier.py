@@ -1,4 +1,4 @@
-"""The default "dapo" verifier (DAPO.md s1): answer extraction and Minerva normalisation."""
+"""The default "dapo" verifier (docs/algorithm.md s1): answer extraction and Minerva normalisation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Overlong reward shaping and filtering (DAPO.md s2)."""
+"""Overlong reward shaping and filtering (docs/algorithm.md s2)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from functools import partial
 
 import pytest
 
-from reward import overlong_filter_mask, overlong_penalty, shaped_reward
+from reward import overlong_penalty, shaped_reward
 
 # Paper defaults: L_max 20480, L_cache 4096, factor 1.0 -> expected 16384.
 MAX_LEN, BUFFER_LEN, FACTOR = 20480, 4096, 1.0
@@ -61,13 +61,3 @@ def test_shaped_reward_range_and_switch() -> None:
     assert shaped(1.0, 18432) == pytest.approx(0.5)
     assert shaped(-1.0, 20480) == pytest.approx(-2.0)
     assert shaped(-1.0, 20480, enabled=False) == -1.0
-
-
-def test_filter_mask_drops_only_truncated() -> None:
-    assert overlong_filter_mask(["stop", "length", "abort", "length"]) == [
-        True,
-        False,
-        True,
-        False,
-    ]
-    assert overlong_filter_mask([]) == []

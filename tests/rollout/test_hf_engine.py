@@ -36,3 +36,15 @@ def test_behaviour_logprobs_match_a_forward_pass(tiny_model_dir: Path, temperatu
                 logits = nucleus_mask(logits, top_p)
             expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_update_weights_swaps_all_or_nothing(tiny_model_dir: Path) -> None:
+    engine = HFEngine(str(tiny_model_dir), seed=0)
+    new = {n: p.detach() + 1 for n, p in engine.model.named_parameters()}
+    first = next(iter(new))
+    with pytest.raises(ValueError, match="lack"):  # one missing: nothing is swapped
+        engine.update_weights((n, t) for n, t in new.items() if n != first)
+    assert not torch.equal(dict(engine.model.named_parameters())[first], new[first])
+    engine.update_weights(iter(new.items()))
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, new[name])

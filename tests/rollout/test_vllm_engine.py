@@ -25,6 +25,7 @@ from rollout.vllm_engine import VLLMEngine, WeightSyncError  # vllm loads with t
 from services.contracts.config import DapoConfig, build_config
 from services.contracts.weight_sync import (
     Announcement,
+    WeightStream,
     broadcast_bucket,
     make_group_on_store,
     plan_buckets,
@@ -138,7 +139,7 @@ def _broadcast_as_learner(
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
-        version=version, generation=version, members=("replica-0",), store_host="127.0.0.1",
+        version=version, generation=version, replicas=("replica-0",), store_host="127.0.0.1",
         store_port=store.port, backend="gloo", timeout_s=timeout_s,
         buckets=plan_buckets(list(params.items()), bucket_mb=1),  # several buckets
     )  # fmt: skip
@@ -158,7 +159,7 @@ def _broadcast_as_learner(
     thread = threading.Thread(target=learner, daemon=True)
     thread.start()
     try:
-        engine.receive_weights(ann, rank=1)
+        engine.update_weights(WeightStream(ann, rank=1))
     finally:
         thread.join(timeout=timeout_s)
     assert not thread.is_alive() and not errors, errors
@@ -286,6 +287,17 @@ def test_load_weights_from_dir(engine: VLLMEngine, model_dir: Path, tmp_path: Pa
 
     engine.load_weights_from_dir(str(model_dir))
     assert engine.param_checksum() == pytest.approx([original], rel=1e-9)
+
+
+def test_update_weights_from_plain_tensors(engine: VLLMEngine, model_dir: Path) -> None:
+    """Any iterable of (name, tensor), not only a WeightStream, is sent whole to the worker."""
+    hf = _hf(model_dir)
+    new = _perturbed(hf, seed=15)
+    try:
+        engine.update_weights(iter(new.items()))
+        assert engine.param_checksum() == pytest.approx([_state_sum(new)], rel=1e-9)
+    finally:
+        engine.load_weights_from_dir(str(model_dir))
 
 
 def test_tied_embeddings_swap(tmp_path: Path) -> None:

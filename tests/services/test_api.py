@@ -53,21 +53,21 @@ def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamB
     client, bus, _ = setup
     issue(bus, 3)
     bus.redis.set(bus.keys.policy_version, 7)
-    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 1, "time": time.time() - 2, "rollout/reward_mean": -0.5, "rollout/tokens": 100, "rollout/groups": 4})})
-    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 2, "time": time.time(), "rollout/reward_mean": 0.25, "rollout/tokens": 300, "rollout/groups": 4})})
+    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 1, "time": time.time() - 2, "critic/rewards/mean": -0.5, "rollout/tokens": 100, "rollout/groups": 4})})
+    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 2, "time": time.time(), "critic/rewards/mean": 0.25, "rollout/tokens": 300, "rollout/groups": 4})})
     Heartbeat(bus, "rollout", "r-1", ttl_s=5, status=lambda: {"policy_version": 7}).beat()
     status = client.get("/status").json()
     assert status["policy_version"] == 7
     assert status["ledger"] == {"issued": 3, "trained": 0, "filtered": 0, "stale": 0, "dead": 0, "in_flight": 3, "balanced": True}
     assert status["stream_depths"]["rollout"] == 3
-    assert status["last_metrics"]["rollout/reward_mean"] == 0.25
+    assert status["last_metrics"]["critic/rewards/mean"] == 0.25
     assert status["throughput"]["tokens_per_s"] == pytest.approx(150, rel=0.05)
     [inst] = status["instances"]
     assert (inst["kind"], inst["policy_version"]) == ("rollout", 7) and inst["heartbeat_age_s"] < 5
     text = client.get("/metrics").text
     assert "dapo_ledger_issued_total 3.0" in text
     assert 'dapo_stream_depth{stage="rollout"} 3.0' in text
-    assert "dapo_rollout_reward_mean 0.25" in text
+    assert "dapo_critic_rewards_mean 0.25" in text
     assert len(client.get("/metrics/history").json()) == 2
 
 

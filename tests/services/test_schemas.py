@@ -19,7 +19,7 @@ from services.contracts.schemas import (
 
 
 def make_group(n: int = 4, length: int = 50) -> RolloutGroup:
-    job = PromptJob(group_id="run-7", prompt_index=7, prompt_ids=[1, 2, 3], ground_truth="42", issued_version=3, issued_at=1.0)
+    job = PromptJob(group_id="run-7", prompt_index=7, prompt_ids=[1, 2, 3], ground_truth="42", policy_version=3, issued_at=1.0)
     responses = [
         Response(token_ids=list(range(i, i + length)), logprobs=[-0.5 * (j % 3) for j in range(length)], finish_reason="stop", text=f"Answer: {i}")
         for i in range(n)

@@ -61,7 +61,7 @@ def test_reclaim_from_dead_consumer_then_dead_letter(bus: StreamBus, redis_url: 
     snap = bus.ledger()
     assert (snap.dead, snap.in_flight, snap.balanced) == (1, 0, True)
     [(_, record)] = bus.redis.xrange(bus.keys.dead)
-    assert b"delivered 3 times" in record[b"reason"] and record[b"gid"] == b"g0"
+    assert b"delivered 3 times" in record[b"reason"] and record[b"group_id"] == b"g0"
 
 
 def test_poison_message_is_dead_lettered_not_counted_as_issued(bus: StreamBus) -> None:
@@ -110,4 +110,4 @@ def test_a_delivery_whose_reply_was_lost_is_redone_by_its_own_consumer_at_once(b
     assert bus.reclaim(bus.keys.prompts, min_idle_s=300, max_deliveries=3) == []  # too fresh yet
     time.sleep(1.1)
     [(_, fields)] = bus.reclaim(bus.keys.prompts, min_idle_s=300, max_deliveries=3)
-    assert fields[b"gid"] == b"g0"
+    assert fields[b"group_id"] == b"g0"

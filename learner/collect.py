@@ -1,0 +1,176 @@
+"""Where training batches come from: rank 0's source over the train stream, and the null
+source the other ranks hold (they receive their batches from rank 0).
+
+The stream source feeds prompts (admission control, `learner/feeder.py`) while it waits, reads
+the groups the gatekeeper kept, drops groups older than `max_staleness` policy versions (counted
+`stale` in the ledger), and hands out a batch once `train_batch_groups` fresh ones are in hand.
+At start it takes over groups a previous learner had read but not trained. It accounts trained
+groups (a group id trained twice is counted and reported) and drains the pipeline at the end of
+a completed run, so every issued job is accounted for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from learner.commands import Picked
+from learner.feeder import PromptFeeder
+from services.contracts.bus import Entry, StreamBus
+from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
+from services.contracts.runtime import StopFlag
+from services.contracts.schemas import SchemaError, decode_group
+
+log = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    @property
+    def cursor(self) -> int: ...
+
+    def resume(self, checkpoint_cursor: int) -> None: ...
+
+    def collect(self, policy_version: int) -> list[Picked] | None: ...
+
+    def account(self, picked: Sequence[Picked]) -> None: ...
+
+    def checkpoint_meta(self) -> dict[str, Any]: ...
+
+    def reset_after_data_loss(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+
+class NullSource:
+    """Ranks other than 0: no data of their own (batches arrive inside `Train` commands)."""
+
+    cursor = 0
+
+    def resume(self, checkpoint_cursor: int) -> None:
+        pass
+
+    def collect(self, policy_version: int) -> list[Picked] | None:
+        return None
+
+    def account(self, picked: Sequence[Picked]) -> None:
+        pass
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {}
+
+    def reset_after_data_loss(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+
+class StreamSource:
+    """Rank 0: prompts out through the feeder, kept groups in from the train stream."""
+
+    def __init__(
+        self, bus: StreamBus, feeder: PromptFeeder, *, batch_groups: int, max_staleness: int, max_deliveries: int,
+        stop: StopFlag, catch_up: Callable[[], None], budget_s: float = 5.0, drain_timeout_s: float = 120.0,
+    ) -> None:
+        self.bus, self.feeder, self.stop, self.catch_up = bus, feeder, stop, catch_up
+        self.batch_groups, self.max_staleness, self.max_deliveries = batch_groups, max_staleness, max_deliveries
+        self.budget_s, self.drain_timeout_s = budget_s, drain_timeout_s
+        self.pending: list[Picked] = []
+        # Only one learner runs at a time, so any group pending in the train stream belongs to
+        # a previous incarnation that died before training it: take those over first.
+        self.orphans: list[Entry] = self._take_over_pending()
+
+    @property
+    def cursor(self) -> int:
+        return self.feeder.cursor
+
+    def resume(self, checkpoint_cursor: int) -> None:
+        """Continue issuing after whatever was issued last: the checkpoint's cursor, or the one
+        Redis recorded later."""
+        self.feeder.cursor = max(checkpoint_cursor, int(self.bus.run_field(RunField.DATA_CURSOR) or 0))
+
+    # --- collecting -------------------------------------------------------------------------------
+    def collect(self, policy_version: int) -> list[Picked] | None:
+        """Gather fresh kept groups for up to `budget_s`: the full batch once it is in hand, else
+        None (the loop keeps the other ranks alive meanwhile). Partial batches are kept."""
+        start = time.monotonic()
+        while len(self.pending) < self.batch_groups and time.monotonic() - start < self.budget_s and not self.stop.stopping:
+            self.feeder.admit(policy_version)
+            self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
+            self._receive(policy_version)
+            self.catch_up()
+        if len(self.pending) < self.batch_groups:
+            return None
+        batch, self.pending = self.pending[: self.batch_groups], self.pending[self.batch_groups :]
+        fresh = [p for p in batch if not self._stale(p, policy_version)]
+        if len(fresh) < len(batch):  # groups left over from before the last step may have aged
+            self._drop([p.entry_id for p in batch if self._stale(p, policy_version)])
+            self.pending = fresh + self.pending
+            return None
+        return batch
+
+    def _receive(self, policy_version: int) -> None:
+        stage = self.bus.keys.train
+        entries = self.orphans or self.bus.read(stage, count=self.batch_groups - len(self.pending), block_ms=200)
+        self.orphans = []
+        for entry_id, fields in entries:
+            try:
+                picked = Picked(entry_id, decode_group(fields))
+            except SchemaError as exc:
+                self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
+                continue
+            if self._stale(picked, policy_version):
+                self._drop([entry_id])
+            else:
+                self.pending.append(picked)
+
+    def _stale(self, picked: Picked, policy_version: int) -> bool:
+        return policy_version - picked.group.policy_version > self.max_staleness
+
+    def _drop(self, entry_ids: Sequence[str]) -> None:
+        for entry_id in entry_ids:
+            self.bus.hop(self.bus.keys.train, entry_id, outcome=LEDGER_STALE)
+
+    def _take_over_pending(self) -> list[Entry]:
+        taken = self.bus.reclaim(self.bus.keys.train, min_idle_s=0.0, max_deliveries=self.max_deliveries, count=100_000)
+        if taken:
+            log.info("took over %d groups a previous learner had not trained", len(taken))
+        return taken
+
+    # --- accounting ----------------------------------------------------------------------------
+    def account(self, picked: Sequence[Picked]) -> None:
+        """Count trained groups in the ledger; a group id seen before is counted as a duplicate."""
+        for p in picked:
+            self.bus.hop(self.bus.keys.train, p.entry_id, outcome=LEDGER_TRAINED)
+            if not self.bus.mark_trained_id(p.group.job.group_id):
+                self.bus.incr(Counter.TRAINED_TWICE)
+                log.error("group %s was trained twice", p.group.job.group_id)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"data_cursor": self.feeder.cursor, "ledger": self.bus.ledger().as_dict()}
+
+    def reset_after_data_loss(self) -> None:
+        """Redis lost the streams: what was in hand is gone from the ledger too; re-record the cursor."""
+        self.pending, self.orphans = [], []
+        self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
+
+    # --- the end of a completed run ------------------------------------------------------------
+    def drain(self) -> None:
+        """Stop issuing and account for every job still in flight (counted `stale`)."""
+        keys, deadline = self.bus.keys, time.monotonic() + self.drain_timeout_s
+        self._drop([p.entry_id for p in self.pending] + [eid for eid, _ in [*self.orphans, *self._take_over_pending()]])
+        self.pending, self.orphans = [], []
+        drainer = self.bus.as_consumer(f"{self.bus.consumer}-drain")
+        for entry_id, _ in drainer.read(keys.prompts, count=1_000_000, block_ms=1):  # undelivered jobs
+            drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
+        while time.monotonic() < deadline:
+            self._drop([eid for eid, _ in self.bus.read(keys.train, count=1000, block_ms=100)])
+            if self.bus.ledger().in_flight == 0:
+                break
+            self.catch_up()  # a replica waiting for weights must not hold jobs forever
+        ledger = self.bus.ledger()
+        if ledger.in_flight:
+            log.warning("drain timed out with %d jobs in flight; stream depths %s", ledger.in_flight, self.bus.depths())
+        log.info("drained: %s", ledger.as_dict())

@@ -1,0 +1,288 @@
+"""The learner: one loop of named stages, the same on every rank.
+
+    decide (rank 0) -> share -> collect -> build batch -> train -> publish -> account -> report
+
+At each step boundary rank 0 decides the next command and shares it with every rank over the
+learner's own process group; each rank then carries it out:
+
+- `Train(picked)`: build the batch, take one DAPO step (all ranks), gather the new weights and
+  publish them as policy version + 1, account the groups as trained, evaluate when due, report;
+  then checkpoint when due.
+- `Wait`: data still arriving, or Redis unreachable (the client already retried with back-off),
+  so a Redis restart costs time, not the run. `Pause`: an operator paused training.
+- `SaveCheckpoint(keep)`, `Restore(step)`: operator requests (and the periodic checkpoint).
+- `Stop`: `total_steps` done, or SIGTERM.
+
+Everything rank 0 does beyond training goes through injected collaborators (batch source, weight
+publisher, evaluator, exporter, run control, reporter); the other ranks get null ones, so the
+loop has no rank branches. The loop alone holds `Progress` (step and policy version) and passes
+it to collaborators.
+
+On start the learner resumes from the newest committed checkpoint if there is one, numbering
+policy versions above anything already published (versions never go backwards). A completed run
+gets a final evaluation, drains the pipeline (every issued job accounted for, in_flight 0),
+exports `<output_dir>/final_model` and records its summary. On SIGTERM the learner finishes the
+current step, commits a checkpoint and exits 0 without draining: the work in flight stays queued
+for the learner that resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import redis
+
+from learner.batch import build_batch
+from learner.checkpoint import CheckpointStore
+from learner.collect import BatchSource
+from learner.commands import (
+    Command,
+    Pause,
+    Progress,
+    Restore,
+    SaveCheckpoint,
+    Stop,
+    Train,
+    Wait,
+    resumed_policy_version,
+)
+from learner.control import Control
+from learner.evaluation import Evaluator
+from learner.export import Exporter
+from learner.publish import Publisher
+from learner.report import Reporter
+from services.contracts.config import DapoConfig
+from services.contracts.faults import stretch
+from services.contracts.keys import Counter, RunField
+from services.contracts.schemas import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Share(Protocol):
+    """Rank 0's value, returned on every rank (identity on rank 0)."""
+
+    def __call__(self, value: T) -> T: ...
+
+
+class StopSignal(Protocol):
+    @property
+    def stopping(self) -> bool: ...
+
+    def wait(self, seconds: float) -> bool: ...
+
+
+class LearnerLoop:
+    def __init__(
+        self, cfg: DapoConfig, *, trainer: Any, checkpoints: CheckpointStore, source: BatchSource, publisher: Publisher,
+        evaluator: Evaluator, exporter: Exporter, control: Control, reporter: Reporter, share: Share, stop: StopSignal,
+    ) -> None:
+        self.cfg, self.trainer, self.checkpoints = cfg, trainer, checkpoints
+        self.source, self.publisher, self.evaluator, self.exporter = source, publisher, evaluator, exporter
+        self.control, self.reporter, self.share, self.stop = control, reporter, share, stop
+        self.layout = trainer.param_shapes()
+        self.progress = Progress()
+        self.state = "starting"
+        self.started = time.monotonic()
+        self.waited_s = 0.0
+
+    def status(self) -> dict[str, Any]:
+        """For the heartbeat (another thread): `progress` is replaced whole, never mutated."""
+        progress = self.progress
+        return {"state": self.state, "step": progress.step, "policy_version": progress.policy_version}
+
+    def run(self) -> int:
+        try:
+            self.start()
+            while not isinstance(command := self.share(self.decide()), Stop):
+                self.execute(command)
+            self.finish()
+        finally:
+            self.evaluator.close()
+            self.control.close()
+        return 0
+
+    # --- start ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Resume (newest checkpoint, else what Redis recorded), publish the starting weights,
+        and evaluate the base model once per run."""
+        self.control.start(self.status)
+        latest = self.checkpoints.latest_step()
+        if latest is None:
+            self._continue_from(Progress(0, self.control.published_policy_version()), data_cursor=0)
+        else:
+            self._restore(latest)
+        self._publish()  # stage the starting weights (and sync replicas on a resume)
+        if not self.reporter.has_evals:
+            base = self._evaluate()
+            self.control.record({RunField.BASE_EVAL_ACC: base.get("eval/acc", -1.0)})
+
+    def _continue_from(self, progress: Progress, *, data_cursor: int) -> None:
+        self.progress = self.share(progress)
+        self.source.resume(data_cursor)
+        self.control.set_policy_version(self.progress)
+
+    def _restore(self, step: int) -> bool:
+        self._set_state("restoring")
+        meta = self.checkpoints.load(step)
+        if meta is None:  # the API checks too; a race with retention lands here
+            log.error("checkpoint step %d is gone; ignoring the restore request", step)
+            return False
+        published = max(self.control.published_policy_version(), self.progress.policy_version)
+        policy_version = resumed_policy_version(int(meta["policy_version"]), published)
+        self._continue_from(Progress(int(meta["step"]), policy_version), data_cursor=int(meta["data_cursor"]))
+        log.info("restored checkpoint step %d as policy version %d", step, policy_version)
+        return True
+
+    # --- decide (rank 0; the other ranks' decision is replaced by rank 0's) -------------------------
+    def decide(self) -> Command:
+        try:
+            if self.control.lost_run_state(self.progress):
+                self.source.reset_after_data_loss()
+                self.reporter.rewrite_eval_history()
+            return self._next_command()
+        except redis.ConnectionError as exc:
+            log.warning("redis unavailable (%s); waiting", exc)
+            self.stop.wait(1.0)
+            return Wait()
+
+    def _next_command(self) -> Command:
+        if self.stop.stopping or self.progress.step >= self.cfg.learner.total_steps:
+            return Stop()
+        return self.control.take_request() or self._collect()
+
+    def _collect(self) -> Train | Wait:
+        self._set_state("waiting for data")
+        t0 = time.monotonic()
+        picked = self.source.collect(self.progress.policy_version)
+        self.waited_s += time.monotonic() - t0
+        return Wait() if picked is None else Train(tuple(picked))
+
+    # --- execute (every rank) ------------------------------------------------------------------
+    def execute(self, command: Command) -> None:
+        match command:
+            case Train():
+                self._train(command)
+                self._checkpoint_if_due()
+            case SaveCheckpoint(keep=keep):
+                self._checkpoint(keep=keep)
+            case Restore(step=step):
+                self._operator_restore(step)
+            case Pause():
+                self._set_state("paused")
+                self.stop.wait(1.0)
+            case Wait() | Stop():
+                pass
+
+    def _train(self, command: Train) -> None:
+        """build batch -> train -> publish -> account -> (evaluate when due) -> report."""
+        t0 = time.monotonic()
+        trained_on = self.progress.policy_version
+        self.progress = self.progress.next_step()
+        self._set_state("training")
+        metrics = self._update_actor(command.groups, trained_on, t0)
+        update_s = time.monotonic() - t0
+        metrics |= self.reporter.rollout_metrics(command.groups, trained_on)
+        self.progress = self.progress.next_policy()
+        self._publish()
+        self.source.account(command.picked)
+        metrics |= self._evaluate_if_due()
+        metrics |= self._timing(update_s, time.monotonic() - t0)
+        self.reporter.report(self.progress, metrics)
+
+    def _update_actor(self, groups: list[RolloutGroup], policy_version: int, t0: float) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        batch = build_batch(groups, pad_id=0, norm_by_std=alg.norm_by_std, overlong_filter=self.cfg.reward.overlong.filter)
+        metrics: dict[str, float] = self.trainer.train_step(batch, policy_version=policy_version)
+        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/contracts/faults.py)
+        return metrics
+
+    def _timing(self, update_s: float, step_s: float) -> dict[str, float]:
+        wall = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "timing_s/update_actor": update_s, "timing_s/sync_weights": self.publisher.last_sync_s,
+            "timing_s/step": step_s, "perf/learner_idle_fraction": self.waited_s / wall,
+        }
+
+    def _publish(self) -> None:
+        """Gather the full weights (every rank); rank 0 stages and sends them to the replicas
+        as the current policy version."""
+        self._set_state("broadcasting")
+        self.publisher.stage(self.progress.policy_version, self.trainer.named_full_params(), self.layout)
+        self.control.set_policy_version(self.progress)
+        self.publisher.publish()
+
+    def _evaluate_if_due(self) -> dict[str, float]:
+        every, step = self.cfg.eval.every_steps, self.progress.step
+        if every and step % every == 0 and step != self.cfg.learner.total_steps:  # the last: in finish
+            return self._evaluate()
+        return {}
+
+    def _evaluate(self) -> dict[str, float]:
+        self._set_state("evaluating")
+        result = self.evaluator.evaluate(self.publisher.staged(), self.progress.step)
+        if result:
+            self.reporter.record_eval(self.progress.step, result)
+        return result
+
+    def _checkpoint_if_due(self) -> None:
+        every = self.cfg.checkpoint.every_steps
+        if every and self.progress.step % every == 0:
+            self._checkpoint(keep=False)
+
+    def _checkpoint(self, *, keep: bool) -> None:
+        self._set_state("checkpointing")
+        meta = {
+            "policy_version": self.progress.policy_version, **self.source.checkpoint_meta(),
+            **self.reporter.checkpoint_meta(), "config": self.cfg.model_dump(mode="json"),
+        }
+        self.checkpoints.save(self.progress.step, meta, keep=keep, hf_export=self._export)
+
+    def _export(self, out: Path) -> None:
+        self.exporter.export(self.publisher.staged(), out)
+
+    def _operator_restore(self, step: int) -> None:
+        if self._restore(step):
+            self.control.count(Counter.RESTORES)
+            self._publish()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.control.announce(state, self.progress)
+
+    # --- finish --------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Checkpoint the end of the run. A completed run then evaluates, drains the pipeline
+        and exports the final model; a stopped one (SIGTERM) only records where it stopped, so
+        the process exits within its grace period and its work in flight stays queued."""
+        step, every = self.progress.step, self.cfg.checkpoint.every_steps
+        if step and (every == 0 or step % every):
+            self._checkpoint(keep=False)
+        completed = step >= self.cfg.learner.total_steps and not self.stop.stopping
+        summary = self._summary(completed)
+        if completed:
+            summary |= self._complete()
+        self.control.record(summary)
+        self._set_state("finished" if completed else "stopped")
+        self.reporter.close()
+
+    def _summary(self, completed: bool) -> dict[RunField, str | int | float]:
+        wall = max(time.monotonic() - self.started, 1e-9)
+        return {
+            RunField.STEPS: self.progress.step, RunField.POLICY_VERSION: self.progress.policy_version,
+            RunField.FINISHED: int(completed), RunField.LEARNER_IDLE_FRACTION: self.waited_s / wall,
+            RunField.LEARNER_WALL_S: wall, RunField.MEAN_VERSION_LAG: self.reporter.mean_version_lag,
+        }
+
+    def _complete(self) -> dict[RunField, str | int | float]:
+        final_acc = self._evaluate().get("eval/acc", -1.0)
+        self._set_state("draining")
+        self.source.drain()
+        out = Path(self.cfg.output_dir) / "final_model"
+        self._export(out)
+        return {RunField.FINAL_EVAL_ACC: final_acc, RunField.FINAL_MODEL: str(out)}

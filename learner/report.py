@@ -1,0 +1,153 @@
+"""What the learner reports each step: the metrics record in Redis (read by the API and `dapo
+run`), the trackers (TensorBoard, W&B), one log line, and the evaluation history.
+
+Metric names follow verl's where one exists (`critic/rewards/mean`, `response_length/mean`,
+`timing_s/update_actor`, ...). Other ranks hold `NullReporter`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from learner.commands import Progress
+from learner.tracking import Trackers
+from services.contracts.bus import StreamBus
+from services.contracts.keys import RunField
+from services.contracts.schemas import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    @property
+    def has_evals(self) -> bool: ...
+
+    @property
+    def mean_version_lag(self) -> float: ...
+
+    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]: ...
+
+    def record_eval(self, step: int, result: dict[str, float]) -> None: ...
+
+    def rewrite_eval_history(self) -> None: ...
+
+    def report(self, progress: Progress, metrics: dict[str, float]) -> None: ...
+
+    def checkpoint_meta(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class NullReporter:
+    """Ranks other than 0 report nothing (rank 0's metrics are already averaged over ranks)."""
+
+    has_evals = True  # nothing to evaluate here: the base evaluation is rank 0's
+    mean_version_lag = 0.0
+
+    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+        return {}
+
+    def record_eval(self, step: int, result: dict[str, float]) -> None:
+        pass
+
+    def rewrite_eval_history(self) -> None:
+        pass
+
+    def report(self, progress: Progress, metrics: dict[str, float]) -> None:
+        pass
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+    """Batch statistics of the groups trained on at policy version `trained_on`."""
+    rewards = [r for g in groups for r in (g.rewards or [])]
+    scores = [s for g in groups for s in (g.scores or [])]
+    accs = [float(a) for g in groups for a in (g.acc or [])]
+    lengths = [len(r.token_ids) for g in groups for r in g.responses]
+    lags = [float(trained_on - g.policy_version) for g in groups]
+    truncated = sum(r.finish_reason == "length" for g in groups for r in g.responses)
+    return {
+        "critic/rewards/mean": _mean(rewards),
+        "critic/score/mean": _mean(scores),
+        "rollout/acc_mean": _mean(accs),
+        "response_length/mean": _mean(lengths),
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/clip_ratio": truncated / max(len(lengths), 1),
+        "rollout/version_lag_mean": _mean(lags),
+        "rollout/tokens": float(sum(lengths)),
+        "rollout/groups": float(len(groups)),
+    }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class RunReporter:
+    """Rank 0: metrics stream, trackers, log line, evaluation history."""
+
+    def __init__(self, bus: StreamBus, trackers: Trackers) -> None:
+        self.bus, self.trackers = bus, trackers
+        self.evals: list[tuple[int, float]] = bus.eval_history()
+        self.lags: list[float] = []
+
+    @property
+    def has_evals(self) -> bool:
+        return bool(self.evals)
+
+    @property
+    def mean_version_lag(self) -> float:
+        return _mean(self.lags)
+
+    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+        """The batch's statistics plus the pipeline's: gatekeeper, ledger, stream depths."""
+        metrics = group_metrics(groups, trained_on)
+        self.lags.extend(float(trained_on - g.policy_version) for g in groups)
+        ledger = self.bus.ledger()
+        rate = self.bus.pass_rate(ledger.filtered)
+        return {
+            **metrics,
+            **{f"depth/{stage}": float(n) for stage, n in self.bus.depths().items()},
+            "gate/pass_rate": 0.0 if rate is None else rate,
+            "gate/filtered_total": float(ledger.filtered),
+            "ledger/issued": float(ledger.issued),
+            "ledger/in_flight": float(ledger.in_flight),
+        }
+
+    def record_eval(self, step: int, result: dict[str, float]) -> None:
+        self.evals.append((step, result["eval/acc"]))
+        self.trackers.log(step, result)
+        self.rewrite_eval_history()
+        log.debug("eval at step %d: acc %.3f", step, result["eval/acc"])
+
+    def rewrite_eval_history(self) -> None:
+        self.bus.update_run_info({RunField.EVAL_HISTORY: json.dumps(self.evals)})
+
+    def report(self, progress: Progress, metrics: dict[str, float]) -> None:
+        record = {"step": progress.step, "policy_version": progress.policy_version, "time": time.time(), **metrics}
+        self.bus.append_metrics(record)
+        self.trackers.log(progress.step, metrics)
+        log.info(
+            "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f %s",
+            progress.step, progress.policy_version, metrics.get("critic/rewards/mean", 0),
+            metrics.get("rollout/acc_mean", 0), metrics.get("gate/pass_rate", 0), metrics.get("rollout/version_lag_mean", 0),
+            metrics.get("actor/clipfrac_high", 0), metrics.get("actor/clipfrac_low", 0), metrics.get("actor/ppo_kl", 0),
+            f"eval {metrics['eval/acc']:.3f}" if "eval/acc" in metrics else "",
+        )
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        last = self.bus.last_metrics()
+        kept = ("eval/", "critic/rewards", "critic/score", "rollout/acc")
+        return {"eval_history": self.evals, "metrics": {k: v for k, v in last.items() if k.startswith(kept)}}
+
+    def close(self) -> None:
+        self.trackers.close()

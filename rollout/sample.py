@@ -1,0 +1,15 @@
+"""What an engine returns per sampled response (in a module of its own so that the engines and
+their interface, `rollout.engine`, import it without importing each other)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Sample:
+    """One sampled response: tokens (EOS included when produced) and their behaviour log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"

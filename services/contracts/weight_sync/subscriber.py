@@ -1,0 +1,217 @@
+"""Receiving weights on a rollout replica: the replica's half of weight sync.
+
+`WeightSubscriber` owns everything a replica does about its weights, so the rollout loop only
+calls `sync()` between batches and `wait_for(version)` before generating for a job:
+
+- reads the weights stream (announcements by learner rank 0, `publisher.WeightPublisher`) and
+  acts on the newest one naming this replica;
+- takes part in the two-phase join (README.md, "What a run survives"): registers in the join
+  set, then waits for the learner's `go` before touching torch.distributed, so a sync the
+  learner aborted costs nothing but the wait;
+- hands the engine a `WeightStream` (the engine receives and applies it);
+- after a failed broadcast, falls back to the newest committed checkpoint (an engine that may
+  hold half old, half new weights must not generate);
+- catches up from the checkpoint store after losing contact (a local read instead of a
+  broadcast), and reports the policy version held (through the heartbeat, `on_change`).
+
+What this does NOT guarantee: that the replica holds the newest version; only that the version
+it reports is the one its engine holds. A replica that is not named by any announcement (e.g.
+quarantined) waits for the learner's catch-up sync or the store catch-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from services.contracts.bus import StreamBus
+from services.contracts.checkpoint_store import latest_checkpoint
+from services.contracts.config import DapoConfig
+from services.contracts.keys import Counter
+from services.contracts.runtime import StopFlag
+from services.contracts.weight_sync.transport import Announcement, WeightStream
+
+log = logging.getLogger(__name__)
+
+STORE_CHECK_S = 5.0
+"""How often `sync` considers a catch-up from the checkpoint store."""
+
+
+class WeightSink(Protocol):
+    """What the subscriber needs of an engine (`rollout.engine.Engine` satisfies it).
+
+    An engine may set `weights_consistent_after_failure = True` when a failed `update_weights`
+    leaves its previous weights intact (receive everything, then swap)."""
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def load_weights_from_dir(self, path: str) -> None: ...
+
+
+class WeightSubscriber:
+    """One replica's weights: its cursor over announcements, its join, its policy version."""
+
+    def __init__(
+        self, bus: StreamBus, engine: WeightSink, replica_id: str, *, checkpoint_dir: str | Path, base_model_path: str,
+        lost_contact_s: float, max_staleness: int, stop: StopFlag, on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.bus, self.engine, self.replica_id, self.stop = bus, engine, replica_id, stop
+        self.checkpoint_dir, self.base_model_path = checkpoint_dir, base_model_path
+        self.lost_contact_s, self.max_staleness = lost_contact_s, max_staleness
+        self.on_change = on_change
+        self.policy_version = 0
+        self.sync_s = 0.0
+        """Seconds spent joining and receiving (the replica's idle-fraction bookkeeping)."""
+        self.cursor = "$"
+        self.group_key = ""  # the group this replica last received over (no join needed again)
+        # Wall-clock time of the newest weights held: when their broadcast was announced, or when
+        # they were loaded from the store. A late-completing old broadcast does not look recent.
+        self.weights_from = time.time()
+        self._store_checked = 0.0
+
+    @classmethod
+    def from_config(
+        cls, cfg: DapoConfig, bus: StreamBus, engine: WeightSink, replica_id: str, stop: StopFlag,
+        on_change: Callable[[], None] | None = None,
+    ) -> WeightSubscriber:
+        return cls(
+            bus, engine, replica_id, checkpoint_dir=cfg.checkpoint_dir, base_model_path=cfg.model.path,
+            lost_contact_s=cfg.learner.collective_timeout_s, max_staleness=cfg.algorithm.max_staleness,
+            stop=stop, on_change=on_change,
+        )
+
+    # --- the loop's interface ------------------------------------------------------------------
+    def start(self) -> None:
+        """At start: load the newest committed checkpoint when there is one (a late joiner begins
+        from recent weights), and skip announcements made before this replica existed."""
+        if latest_checkpoint(self.checkpoint_dir) is not None:
+            self.load_published()
+        self.poll()
+
+    def sync(self) -> None:
+        """Between batches: catch up from the store when out of contact, then apply the newest
+        pending announcement naming this replica."""
+        if time.monotonic() - self._store_checked > STORE_CHECK_S:
+            self._store_checked = time.monotonic()
+            self.catch_up()  # before taking a broadcast: the store is the cheap part
+        self.poll()
+
+    def wait_for(self, version: int) -> bool:
+        """Block (receiving broadcasts) until the weights held are at least `version`; False
+        when asked to stop first."""
+        while self.policy_version < version and not self.stop.stopping:
+            self.poll(block_ms=500)
+        return self.policy_version >= version
+
+    # --- announcements ---------------------------------------------------------------------------
+    def poll(self, block_ms: int | None = None) -> None:
+        """Apply the newest pending announcement that names this replica (older ones are moot)."""
+        r, stream = self.bus.redis, self.bus.keys.weights
+        reply: Any = r.xread({stream: self.cursor}, count=64, block=block_ms)
+        if self.cursor == "$":
+            # First call: start after the newest announcement; the learner's catch-up sync includes
+            # this replica once its heartbeat is seen.
+            last: Any = r.xrevrange(stream, count=1)
+            self.cursor = last[0][0].decode() if last else "0"
+        newest: tuple[Announcement, float] | None = None
+        for _, entries in reply or []:
+            for eid, fields in entries:
+                self.cursor = eid.decode()
+                ann = Announcement.from_json(json.loads(fields[b"ann"]))
+                announced_at = int(self.cursor.split("-")[0]) / 1000
+                # Only while its rendezvous can still be open: joining an abandoned one would
+                # just time out.
+                if self.replica_id in ann.replicas and time.time() - announced_at < ann.timeout_s / 2:
+                    newest = ann, announced_at
+        if newest is not None:
+            self._apply(*newest)
+
+    def _await_go(self, ann: Announcement) -> bool:
+        """Phase one of a sync: register in the join set, then wait for the learner's go/abort
+        (at most ann.timeout_s; an unanswered join counts as abort)."""
+        keys, r = self.bus.keys, self.bus.redis
+        r.sadd(keys.weight_join(ann.group_key), self.replica_id)
+        r.expire(keys.weight_join(ann.group_key), int(ann.timeout_s * 4) + 60)
+        deadline = time.monotonic() + ann.timeout_s
+        while time.monotonic() < deadline and not self.stop.stopping:
+            decision = r.get(keys.weight_decision(ann.group_key))
+            if decision is not None:
+                return decision == b"go"
+            time.sleep(0.02)
+        return False
+
+    def _apply(self, ann: Announcement, announced_at: float) -> None:
+        start = time.monotonic()
+        if self.group_key != ann.group_key and not self._await_go(ann):  # a new group: join first
+            self.sync_s += time.monotonic() - start
+            log.info("weight sync %s aborted; waiting for the next", ann.group_key)
+            return
+        try:
+            self.engine.update_weights(WeightStream(ann, ann.rank_of(self.replica_id)))
+        except Exception:
+            log.exception("weight broadcast %d (%s) failed", ann.version, ann.group_key)
+            self.group_key = ""
+            if not getattr(self.engine, "weights_consistent_after_failure", False):
+                self.load_published()  # half old, half new: never generate with such weights
+            return
+        finally:
+            self.sync_s += time.monotonic() - start
+        self.group_key = ann.group_key
+        self.weights_from = announced_at
+        self._hold(ann.version, "broadcast")
+
+    def _hold(self, version: int, source: str) -> None:
+        if version < self.policy_version:  # a broadcast never does this: the learner numbers upwards
+            self.bus.incr(Counter.REPLICA_VERSION_REGRESSIONS)
+            log.warning("%s brought version %d while holding %d", source, version, self.policy_version)
+        self.policy_version = version
+        if self.on_change is not None:
+            self.on_change()
+
+    # --- the checkpoint store --------------------------------------------------------------------
+    def load_published(self) -> None:
+        """Load the newest committed checkpoint (or the base model): after a failed broadcast,
+        and at start. The learner's catch-up sync brings the replica the rest of the way."""
+        latest = latest_checkpoint(self.checkpoint_dir)
+        if latest is not None and (latest.path / "hf").is_dir():
+            self.engine.load_weights_from_dir(str(latest.path / "hf"))
+            version = int(latest.meta.get("policy_version", 0))
+        else:
+            self.engine.load_weights_from_dir(self.base_model_path)
+            version = 0
+        self.weights_from = time.time()
+        log.info("loaded published weights: policy version %d", version)
+        self._hold(version, "the checkpoint store")
+
+    def catch_up(self) -> bool:
+        """Catch up from the checkpoint store after losing contact; True when it loaded.
+
+        A replica that had no weights for longer than a broadcast may take (it was hung,
+        partitioned, or its syncs failed) and is more than max_staleness behind the learner loads
+        the newest committed checkpoint when that is newer than what it holds: a local read
+        instead of a broadcast. The learner's catch-up sync then brings it the rest of the way.
+        A replica in a working group never does this."""
+        if time.time() - self.weights_from < self.lost_contact_s:
+            return False
+        published = self.bus.policy_version()
+        if published - self.policy_version <= self.max_staleness:
+            return False
+        latest = latest_checkpoint(self.checkpoint_dir)
+        if latest is None or not (latest.path / "hf").is_dir() or int(latest.meta.get("policy_version", 0)) <= self.policy_version:
+            return False
+        log.warning("holding version %d while the learner is at %d: loading checkpoint step %d",
+                    self.policy_version, published, latest.step)
+        try:
+            self.load_published()
+        except (OSError, RuntimeError, ValueError):  # retention removed it meanwhile, a bad file...
+            log.exception("could not load checkpoint step %d; waiting for the learner's sync", latest.step)
+            self.weights_from = time.time()  # don't retry at once
+            return False
+        self.bus.incr(Counter.REPLICA_STORE_CATCH_UPS)
+        return True

@@ -1,0 +1,229 @@
+"""The side process group that carries weights from learner rank 0 to rollout replicas.
+
+Why a side group: the replicas are not part of the learner's training group (they come and go,
+and a hung one must not stall training), so weights travel over a group of their own. A
+TCPStore served by learner rank 0, a prefix per *generation* (one membership), and a
+ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) over it. A membership change bumps the
+generation and everyone builds a fresh group under the new prefix; a broken group is never
+reused. Every operation has a timeout.
+
+Parameters travel in buckets: consecutive tensors of one dtype flattened into one buffer of
+about `learner.weight_bucket_mb`, so a sync is a few large broadcasts instead of one per tensor.
+
+`WeightStream` is what an engine receives: a small picklable description of one sync (the
+announcement and this replica's rank). Iterating it joins (or reuses) the receive group of the
+process that iterates it and yields `(name, tensor)` bucket by bucket, so the same object works
+in the rollout process (transformers engine) and inside vLLM's worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """torch dtype from its short name ("bfloat16"), as ParamSpec stores it."""
+    return DTYPES.get(name) or getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+Bucket = tuple[ParamSpec, ...]
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One weight sync: who takes part, where to rendezvous, and what the buckets hold."""
+
+    version: int
+    """The policy version being sent."""
+    generation: int
+    replicas: tuple[str, ...]
+    """Replica ids; replica i has rank i + 1 (the learner is rank 0)."""
+    store_host: str
+    store_port: int
+    backend: str
+    timeout_s: float
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.replicas) + 1
+
+    @property
+    def group_key(self) -> str:
+        """Identity of the process group: a restarted learner serves a new store and counts
+        generations from 1 again, so the generation number alone is not unique."""
+        return f"{self.store_host}:{self.store_port}/gen{self.generation}"
+
+    def rank_of(self, replica_id: str) -> int:
+        return self.replicas.index(replica_id) + 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Announcement:
+        buckets = tuple(
+            tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in bucket) for bucket in data["buckets"]
+        )
+        return cls(
+            version=int(data["version"]), generation=int(data["generation"]), replicas=tuple(data["replicas"]),
+            store_host=data["store_host"], store_port=int(data["store_port"]), backend=data["backend"],
+            timeout_s=float(data["timeout_s"]), buckets=buckets,
+        )
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: int) -> tuple[Bucket, ...]:
+    """Group parameters (in order) into buckets of one dtype and at most ~bucket_mb each
+    (a tensor larger than the limit gets a bucket of its own)."""
+    limit = bucket_mb * 2**20
+    buckets: list[list[ParamSpec]] = []
+    size = 0
+    for name, t in named:
+        dtype = str(t.dtype).removeprefix("torch.")
+        nbytes = t.numel() * t.element_size()
+        if not buckets or buckets[-1][0].dtype != dtype or (size + nbytes > limit and buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(ParamSpec(name, tuple(t.shape), dtype))
+        size += nbytes
+    return tuple(tuple(b) for b in buckets)
+
+
+def bucket_numel(bucket: Bucket) -> int:
+    return sum(p.numel for p in bucket)
+
+
+def empty_bucket(bucket: Bucket, device: str | torch.device = "cpu") -> torch.Tensor:
+    return torch.empty(bucket_numel(bucket), dtype=dtype_of(bucket[0].dtype), device=device)
+
+
+def unflatten(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """Views of `flat`, one per parameter of `bucket` (no copy)."""
+    out, offset = [], 0
+    for p in bucket:
+        out.append((p.name, flat[offset : offset + p.numel].view(p.shape)))
+        offset += p.numel
+    return out
+
+
+def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:
+    """Rendezvous with the other members of `ann.generation` (blocks up to ann.timeout_s)."""
+    timeout = timedelta(seconds=ann.timeout_s)
+    store = dist.TCPStore(ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False)
+    return make_group_on_store(store, ann, rank)
+
+
+def make_group_on_store(store: dist.Store, ann: Announcement, rank: int) -> dist.ProcessGroup:
+    timeout = timedelta(seconds=ann.timeout_s)
+    prefixed = dist.PrefixStore(f"dapo-weights-{ann.group_key}", store)
+    if ann.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, ann.world_size, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, ann.world_size, timeout)
+
+
+def broadcast_bucket(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast `flat` from rank 0 (send on rank 0, receive in place elsewhere).
+
+    Raises TimeoutError after `timeout_s`; the group must then be dropped (a timed-out
+    collective leaves it in an unknown state)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    work = group.broadcast([flat], opts)
+    if not work.wait(timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"weight broadcast did not complete in {timeout_s}s")
+
+
+class _Receiver:
+    """This process's receive group; rebuilt when the announced generation changes, dropped on
+    any error so the next sync builds a fresh one."""
+
+    def __init__(self) -> None:
+        self.group_key = ""
+        self.group: dist.ProcessGroup | None = None
+
+    def receive(self, ann: Announcement, rank: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        start = time.monotonic()
+        try:
+            if self.group is None or self.group_key != ann.group_key:
+                self.group, self.group_key = None, ""
+                self.group = make_group(ann, rank)
+                self.group_key = ann.group_key
+            for bucket in ann.buckets:
+                flat = empty_bucket(bucket, device)
+                broadcast_bucket(self.group, flat, ann.timeout_s)
+                yield from unflatten(flat, bucket)
+        except BaseException:
+            self.group, self.group_key = None, ""
+            raise
+        log.info("received policy version %d in %.3fs", ann.version, time.monotonic() - start)
+
+
+_RECEIVER = _Receiver()
+"""One per process: a process is at most one rank of one weight-sync group at a time."""
+
+
+@dataclass(frozen=True)
+class WeightStream:
+    """One sync as an iterable of `(name, tensor)`; what `Engine.update_weights` receives.
+
+    Picklable and JSON-able (`to_json`), so it can be handed to another process (vLLM's worker)
+    and iterated there. Iterate it once, completely: a partial iteration leaves the learner's
+    broadcast waiting for this rank until its timeout. Tensors are views of a received bucket
+    on `device`; they stay valid after the iteration moves on (each bucket is a fresh buffer).
+    Does NOT guarantee all-or-nothing: an error part-way raises after some tensors were yielded;
+    an engine that applies tensors as they come must treat its weights as inconsistent then.
+    """
+
+    ann: Announcement
+    rank: int
+    device: str = "cpu"
+
+    @property
+    def version(self) -> int:
+        return self.ann.version
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return self.ann.buckets
+
+    def on(self, device: str | torch.device) -> WeightStream:
+        """The same stream received into `device` (e.g. the vLLM worker's GPU)."""
+        return WeightStream(self.ann, self.rank, str(device))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return _RECEIVER.receive(self.ann, self.rank, torch.device(self.device))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ann": self.ann.to_json(), "rank": self.rank, "device": self.device}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WeightStream:
+        return cls(Announcement.from_json(data["ann"]), int(data["rank"]), str(data.get("device", "cpu")))

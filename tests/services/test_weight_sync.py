@@ -1,0 +1,175 @@
+"""Weight sync in one process against a real Redis: bucket planning, staging as the gathered
+parameters stream in and `staged()` giving them back, the two-phase join (a silent replica is
+set aside and the group re-formed without it), a reused group, the fallback after a failed
+broadcast, and the catch-up from the checkpoint store."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.contracts.bus import StreamBus, connect
+from services.contracts.keys import Counter, Keys
+from services.contracts.runtime import StopFlag
+from services.contracts.weight_sync import (
+    Announcement,
+    WeightPublisher,
+    WeightStream,
+    WeightSubscriber,
+    plan_buckets,
+)
+
+
+def params() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(300, 300, generator=gen)),  # 0.34 MiB
+        ("b", torch.randn(300, 300, generator=gen)),
+        ("c", torch.randn(10, generator=gen).to(torch.bfloat16)),
+        ("d", torch.randn(700, 700, generator=gen)),  # 1.9 MiB: over the limit, alone
+        ("e", torch.randn(5, generator=gen)),
+    ]
+
+
+class FakeEngine:
+    def __init__(self, fail: bool = False) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.loaded: list[str] = []
+        self.fail = fail
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            if self.fail:
+                raise RuntimeError("died mid-broadcast")
+            self.weights[name] = tensor.clone()
+
+    def load_weights_from_dir(self, path: str) -> None:
+        self.loaded.append(path)
+
+
+@pytest.fixture()
+def bus(redis_url: str) -> StreamBus:
+    return StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+
+
+def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
+    info = {"id": rid, "kind": "rollout", "at": time.time(), "policy_version": version}
+    bus.redis.set(bus.keys.heartbeat("rollout", rid), json.dumps(info), ex=60)
+
+
+def publisher(bus: StreamBus) -> WeightPublisher:
+    return WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1)
+
+
+def subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r0") -> WeightSubscriber:
+    return WeightSubscriber(
+        bus, engine, rid, checkpoint_dir=str(tmp_path / "ckpt"), base_model_path="base",
+        lost_contact_s=0.0, max_staleness=1, stop=StopFlag(),
+    )
+
+
+def test_plan_buckets_splits_by_dtype_and_size() -> None:
+    buckets = plan_buckets(params(), bucket_mb=1)
+    assert [[p.name for p in b] for b in buckets] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert buckets[1][0].dtype == "bfloat16" and buckets[2][0].shape == (700, 700)
+
+
+def test_announcement_and_stream_round_trip_json() -> None:
+    ann = Announcement(1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1))
+    assert Announcement.from_json(json.loads(json.dumps(ann.to_json()))) == ann
+    assert ann.rank_of("r1") == 2
+    stream = WeightStream(ann, 2).on("cpu")
+    assert WeightStream.from_json(json.loads(json.dumps(stream.to_json()))) == stream
+
+
+def test_stage_consumes_lazily_and_staged_round_trips(bus: StreamBus) -> None:
+    named = params()
+    pub = publisher(bus)
+    seen: list[str] = []
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in reversed(named):  # any order works; layout order holds the least
+            seen.append(name)
+            yield name, t
+
+    assert pub.version == -1 and list(pub.staged()) == []
+    pub.stage(3, gathered(), named)
+    assert pub.version == 3 and len(seen) == len(named)
+    back = dict(pub.staged())
+    assert list(back) == [n for n, _ in named]
+    for name, t in named:
+        assert torch.equal(back[name], t)
+    with pytest.raises(ValueError, match="lack"):
+        pub.stage(4, iter(named[:2]), named)
+    assert pub.version == -1  # a failed stage leaves nothing half-staged
+
+
+def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_path: Path) -> None:
+    named = params()
+    pub = publisher(bus)
+    pub.join_timeout_s = 1.0
+    engine = FakeEngine()
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9  # no store catch-up here
+    sub.start()
+    beat(bus, "r0")
+    beat(bus, "silent")  # heartbeat alive, loop stuck: never joins
+    done = threading.Event()
+
+    def replica() -> None:
+        sub.wait_for(2)
+        done.set()
+
+    thread = threading.Thread(target=replica, daemon=True)
+    thread.start()
+    pub.stage(1, iter(named), named)
+    assert pub.publish()
+    assert pub.replicas == ("r0",) and "silent" in pub.quarantined
+    assert bus.counters().get(Counter.WEIGHT_SYNC_DROPPED_REPLICAS) == 1
+    generation = pub.generation
+    pub.stage(2, iter([(n, t + 1) for n, t in named]), named)
+    assert pub.publish()  # the same replicas: no new join, the group is reused
+    assert pub.generation == generation
+    assert done.wait(30) and sub.policy_version == 2
+    for name, t in named:
+        assert torch.equal(engine.weights[name], t + 1)
+
+
+def test_failed_receive_falls_back_to_published_weights(bus: StreamBus, tmp_path: Path) -> None:
+    named = params()
+    pub = publisher(bus)
+    pub.timeout_s = 2.0
+    engine = FakeEngine(fail=True)
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9
+    sub.start()
+    beat(bus, "r0")
+    thread = threading.Thread(target=lambda: sub.poll(block_ms=5000), daemon=True)
+    thread.start()
+    pub.stage(1, iter(named), named)
+    assert not pub.publish()
+    thread.join(30)
+    assert engine.loaded == ["base"] and sub.policy_version == 0  # no checkpoint: the base model
+    assert bus.counters().get(Counter.WEIGHT_SYNC_FAILURES) == 1
+
+
+def test_catch_up_from_store_after_losing_contact(bus: StreamBus, tmp_path: Path) -> None:
+    engine = FakeEngine()
+    sub = subscriber(bus, engine, tmp_path)
+    step = tmp_path / "ckpt" / "step_7"
+    (step / "hf").mkdir(parents=True)
+    (step / "trainer.json").write_text(json.dumps({"policy_version": 5}))
+    (step / "COMMITTED").touch()
+    bus.set_policy_version(1)
+    assert not sub.catch_up()  # within max_staleness: wait for the learner
+    bus.set_policy_version(6)
+    assert sub.catch_up()
+    assert engine.loaded == [str(step / "hf")] and sub.policy_version == 5
+    assert bus.counters().get(Counter.REPLICA_STORE_CATCH_UPS) == 1
+    assert not sub.catch_up()  # just loaded: in contact again
