@@ -20,18 +20,23 @@ current policy get no correction, so `max_staleness=0` is exactly synchronous DA
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner.algos import (
     aggregate_loss,
@@ -54,18 +59,95 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def mixed_precision(setting: str, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction, or fp32 throughout (`learner.mixed_precision`)."""
+    bf16 = setting == "bf16" or (setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def build_sharded_model(
+    path: str, device: torch.device, *, rank: int, world_size: int, mp: MixedPrecisionPolicy, checkpointing: bool
+) -> torch.nn.Module:
+    """The policy, FSDP2-sharded over the ranks, without any rank ever holding the whole model.
+
+    Built on the meta device (no memory), sharded (`fully_shard` per decoder layer, then the
+    root), materialised as empty shards on `device`, then each rank reads only its own rows of
+    each tensor from the Hugging Face safetensors files. fp32 master weights.
+    """
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(device.type, (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    load_local_shards(model, Path(path), rank=rank, world_size=world_size)
+    _recreate_buffers(model, device)
+    return model
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (one file, or an index of shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+@torch.no_grad()
+def load_local_shards(model: torch.nn.Module, path: Path, *, rank: int, world_size: int) -> None:
+    """Copy each parameter's local rows (FSDP2 shards dim 0 like `torch.chunk`) from the files."""
+    files = _weight_files(path)
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, "pt")) for f in set(files.values())}
+        for name, param in model.named_parameters():
+            if name not in files:
+                raise ValueError(f"{path}: the checkpoint has no tensor {name!r}")
+            local = param.to_local() if isinstance(param, DTensor) else param
+            rows = local.shape[0] if local.dim() else 0
+            if rows == 0:
+                continue
+            stored = handles[files[name]].get_slice(name)
+            start = rank * math.ceil(stored.get_shape()[0] / world_size) if isinstance(param, DTensor) else 0
+            local.copy_(stored[start : start + rows])
+
+
+def _recreate_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Buffers (rotary inverse frequencies) are derived, not stored: a module built on the meta
+    device has none, so each module owning buffers is rebuilt from its config and its buffers
+    copied over."""
+    for module in model.modules():
+        own = dict(module.named_buffers(recurse=False))
+        if not own:
+            continue
+        if not hasattr(module, "config"):
+            raise TypeError(f"cannot rebuild the buffers of {type(module).__name__} (no config)")
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            own[name].copy_(buffer)
+
+
 class Trainer:
     def __init__(self, cfg: DapoConfig, *, rank: int, world_size: int, backend: str, model_dir: str | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.device = device_for(backend)
-        model = AutoModelForCausalLM.from_pretrained(model_dir or cfg.model.path, dtype=torch.float32)
-        model.config.use_cache = False
-        model.to(self.device)
-        mesh = init_device_mesh(self.device.type, (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
+        le = cfg.learner
+        self.model = build_sharded_model(
+            model_dir or cfg.model.path, self.device, rank=rank, world_size=world_size,
+            mp=mixed_precision(le.mixed_precision, self.device), checkpointing=le.activation_checkpointing,
+        )
+        model = self.model
         le = cfg.learner
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=le.lr, betas=le.betas, weight_decay=le.weight_decay)
         warmup = le.warmup_steps

@@ -227,6 +227,13 @@ class LearnerConfig(_Section):
     """Weights are broadcast to rollout replicas in buckets of about this size."""
     torch_threads: PositiveInt | None = None
     """CPU threads per learner rank (None = torch's default)."""
+    mixed_precision: Literal["auto", "bf16", "none"] = "auto"
+    """FSDP2 mixed precision: `bf16` computes with bf16 parameters and reduces gradients in fp32
+    (fp32 master weights and optimizer state stay sharded); `none` is fp32 throughout. auto =
+    bf16 on CUDA devices that support it, none on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    less memory for long responses, about one more forward pass of compute."""
     seed: int = 0
 
 

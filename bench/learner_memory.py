@@ -1,0 +1,128 @@
+"""Learner memory per rank for 1, 2 and 4 gloo ranks: the sharded part must shrink with the ranks.
+
+Builds a Qwen2-shaped model of about 134M parameters from a config (random weights saved as
+safetensors), then for each world size starts that many learner ranks under
+torch.distributed.run. Each rank records its resident memory before the model exists (torch,
+transformers, the process group: the fixed part) and its peak after building the sharded model
+from the files and taking one DAPO step (parameters, gradients and AdamW state: the sharded
+part). Nothing is asserted; figures only.
+
+    .venv/bin/python bench/learner_memory.py [--world-sizes 1,2,4] [--out bench/results]
+
+Last line: `shard_ratio=<sharded peak per rank at W=2 / at W=1>` (ideal 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+         "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def build_model(out: Path) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**MODEL))
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def worker(model_dir: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO))
+    from bench.multirank_check import make_groups
+    from learner.batch import build_batch
+    from learner.trainer import Trainer
+    from services.contracts.config import load_config
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"model.path={model_dir}", "learner.micro_batch_size=2", "algorithm.train_batch_groups=4", "algorithm.mini_batch_groups=4",
+    ])
+    batch = build_batch(make_groups(), pad_id=0)
+    fixed = current_rss_mib()
+    trainer = Trainer(cfg, rank=rank, world_size=world, backend="gloo")
+    built = current_rss_mib()
+    trainer.train_step(batch, policy_version=1)
+    stepped = current_rss_mib()
+    figures = {"rank": rank, "world": world, "fixed_mib": fixed, "after_build_mib": built, "after_step_mib": stepped,
+               "peak_mib": peak_rss_mib()}
+    Path(out_dir, f"w{world}-r{rank}.json").write_text(json.dumps(figures))
+    dist.destroy_process_group()
+
+
+def run_world(model_dir: Path, world: int, out_dir: Path) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(Path(__file__).resolve()), "--worker", str(model_dir), str(out_dir)]
+    # glibc keeps freed heap memory, so the peak RSS would count FSDP's transient all-gather and
+    # reduce-scatter buffers long after they are freed; serving every allocation of 64 KiB or more
+    # with its own mmap returns it on free, so the peak RSS is the peak of live memory.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(Path(out_dir, f"w{world}-r{r}.json").read_text()) for r in range(world)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="1,2,4")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="where the results file goes")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = build_model(Path(tmp) / "model")
+        rows = {w: run_world(Path(tmp) / "model", w, Path(tmp)) for w in worlds}
+    print(f"model: Qwen2-shaped, {n_params / 1e6:.1f}M parameters (fp32 weights + grads + AdamW = "
+          f"{16 * n_params / 2**20:.0f} MiB unsharded)")
+    print(f"{'ranks':>5} {'rank':>4} {'fixed MiB':>10} {'peak MiB':>9} {'sharded peak MiB':>17}")
+    sharded = {}
+    for w in worlds:
+        for r in rows[w]:
+            print(f"{w:>5} {r['rank']:>4} {r['fixed_mib']:>10.0f} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['fixed_mib']:>17.0f}")
+        sharded[w] = max(r["peak_mib"] - r["fixed_mib"] for r in rows[w])
+    ratio = sharded[2] / sharded[1] if 1 in sharded and 2 in sharded else float("nan")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "params": n_params, "per_rank": rows, "sharded_peak_mib": sharded, "shard_ratio": ratio}
+    out = Path(args.out) / f"{result['date']}-learner_memory.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"results: {out}")
+    print(f"shard_ratio={ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
