@@ -47,7 +47,7 @@ def _config(args: argparse.Namespace) -> DapoConfig:
 def _cmd_run(args: argparse.Namespace) -> int:
     from services.shell.launcher import run_local
 
-    return run_local(_config(args), resume=args.resume, quiet=args.quiet)
+    return run_local(_config(args), resume=args.resume, quiet=args.quiet, gpus=args.gpus, dry_run=args.dry_run)
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output-dir", help="where checkpoints, logs and summary.json go (overrides output_dir)")
     run.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
     run.add_argument("--quiet", action="store_true", help="no live progress line")
+    run.add_argument("--dry-run", action="store_true", help="print which GPUs each process gets, start nothing")
+    run.add_argument("--gpus", type=int, help="plan for this many GPUs instead of counting this machine's")
 
     _service_parser(sub, "rollout", "one rollout replica: prompt jobs -> G responses with behaviour log-probs", _cmd_rollout)
     _service_parser(sub, "reward", "one reward worker: score groups (verifier + overlong shaping)", _cmd_reward)

@@ -28,6 +28,7 @@ from services.contracts.bus import StreamBus, open_bus
 from services.contracts.config import DapoConfig, dump_config
 from services.contracts.keys import RunField, restarts_counter
 from services.contracts.runtime import instance_id
+from services.shell.placement import count_gpus, plan
 from services.shell.plots import write_curves_svg
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,13 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     log_file: TextIO | None = field(default=None, repr=False)
+    devices: str | None = None
+    """CUDA_VISIBLE_DEVICES for this service (None: inherit; "" hides every GPU)."""
 
     def start(self, env: dict[str, str]) -> None:
         self.log_file = self.log_path.open("a")
+        if self.devices is not None:
+            env = {**env, "CUDA_VISIBLE_DEVICES": self.devices}
         self.proc = subprocess.Popen(self.argv, env=env, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
@@ -199,9 +204,17 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
     }
 
 
-def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> int:
+def run_local(
+    cfg: DapoConfig, *, resume: bool = False, quiet: bool = False, gpus: int | None = None, dry_run: bool = False
+) -> int:
+    """Run everything on this machine; `gpus` overrides the GPU count (plans for other machines),
+    `dry_run` prints the placement and exits before starting anything."""
     from services.shell.redis_server import RedisServer
 
+    placement = plan(cfg, count_gpus() if gpus is None else gpus)  # refuses a config that does not fit
+    if dry_run:
+        sys.stdout.write(placement.describe() + "\n")
+        return 0
     started = time.monotonic()
     out = Path(cfg.output_dir)
     logs = out / "logs"
@@ -229,6 +242,9 @@ def run_local(cfg: DapoConfig, *, resume: bool = False, quiet: bool = False) -> 
 
     api_port = cfg.api.port or free_port()
     services = _services(cfg, config_path, logs, api_port)
+    if placement.gpus:
+        for svc in services:
+            svc.devices = placement.visible_devices(svc.name)
     interrupted = False
     stop_requested = {"flag": False}
 
