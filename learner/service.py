@@ -97,7 +97,7 @@ def rank0_collaborators(
     publisher = WeightPublisher(
         bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0,
         backend=backend if le.weights_backend == "auto" else le.weights_backend,
-        timeout_s=le.collective_timeout_s, bucket_mb=le.broadcast_bucket_mb,
+        timeout_s=le.collective_timeout_s, bucket_mb=le.broadcast_bucket_mb, dtype=cfg.model.dtype,
     )
     source = StreamSource(
         bus, feeder, batch_groups=alg.train_batch_groups, max_staleness=alg.max_staleness,

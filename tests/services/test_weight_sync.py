@@ -173,3 +173,11 @@ def test_catch_up_from_store_after_losing_contact(bus: StreamBus, tmp_path: Path
     assert engine.loaded == [str(step / "hf")] and sub.policy_version == 5
     assert bus.counters().get(Counter.REPLICA_STORE_CATCH_UPS) == 1
     assert not sub.catch_up()  # just loaded: in contact again
+
+
+def test_buckets_can_be_planned_in_the_serving_dtype() -> None:
+    """fp32 master weights are staged and sent in the replicas' dtype (half the bytes in bf16)."""
+    layout = [("a", torch.zeros(4, 4)), ("b", torch.zeros(8))]
+    [bucket] = plan_buckets(layout, bucket_mb=1, dtype="bfloat16")
+    assert [p.dtype for p in bucket] == ["bfloat16", "bfloat16"]
+    assert [p.dtype for p in plan_buckets(layout, bucket_mb=1)[0]] == ["float32", "float32"]

@@ -54,12 +54,15 @@ class WeightPublisher:
     `version` is the staged policy version: -1 before the first `stage`, and while one is in
     progress or after one failed (the previous host buckets are released first, so that rank 0
     never holds two versions). `last_sync_s` is the duration of the last successful broadcast.
+    `dtype` (e.g. "bfloat16", the replicas' `model.dtype`) is what is staged and sent: the host
+    copy and the broadcast are in the serving dtype, not the fp32 master weights'.
     """
 
     def __init__(
-        self, bus: StreamBus, *, host: str, port: int = 0, backend: str, timeout_s: float, bucket_mb: int
+        self, bus: StreamBus, *, host: str, port: int = 0, backend: str, timeout_s: float, bucket_mb: int,
+        dtype: str | None = None,
     ) -> None:
-        self.bus, self.host, self.backend = bus, host, backend
+        self.bus, self.host, self.backend, self.dtype = bus, host, backend, dtype
         self.timeout_s, self.bucket_mb = timeout_s, bucket_mb
         self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self.port = self.store.port
@@ -86,7 +89,7 @@ class WeightPublisher:
         order). Every name of `layout` must appear in `named`.
         """
         if not self.buckets:
-            self.buckets = plan_buckets(layout, self.bucket_mb)
+            self.buckets = plan_buckets(layout, self.bucket_mb, dtype=self.dtype)
         self.flat, self.version = [], -1  # release the old version before gathering the new one
         where = {p.name: (i, p) for i, bucket in enumerate(self.buckets) for p in bucket}
         offsets = [_offsets(bucket) for bucket in self.buckets]

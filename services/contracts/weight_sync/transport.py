@@ -98,19 +98,20 @@ class Announcement:
         )
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: int) -> tuple[Bucket, ...]:
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: int, *, dtype: str | None = None) -> tuple[Bucket, ...]:
     """Group parameters (in order) into buckets of one dtype and at most ~bucket_mb each
-    (a tensor larger than the limit gets a bucket of its own)."""
+    (a tensor larger than the limit gets a bucket of its own). `dtype` sends every parameter in
+    that dtype instead of its own (the serving dtype of the replicas)."""
     limit = bucket_mb * 2**20
     buckets: list[list[ParamSpec]] = []
     size = 0
     for name, t in named:
-        dtype = str(t.dtype).removeprefix("torch.")
-        nbytes = t.numel() * t.element_size()
-        if not buckets or buckets[-1][0].dtype != dtype or (size + nbytes > limit and buckets[-1]):
+        dtype_name = dtype or str(t.dtype).removeprefix("torch.")
+        nbytes = t.numel() * DTYPES[dtype_name].itemsize
+        if not buckets or buckets[-1][0].dtype != dtype_name or (size + nbytes > limit and buckets[-1]):
             buckets.append([])
             size = 0
-        buckets[-1].append(ParamSpec(name, tuple(t.shape), dtype))
+        buckets[-1].append(ParamSpec(name, tuple(t.shape), dtype_name))
         size += nbytes
     return tuple(tuple(b) for b in buckets)
 
