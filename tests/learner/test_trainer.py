@@ -100,3 +100,18 @@ def test_build_batch_layout_and_advantages() -> None:
     for gi in range(2):
         rows = batch.group_index == gi
         assert abs(float(batch.advantages[rows].sum())) < 1e-5  # group-normalised
+
+
+def test_activation_checkpointing_recomputes_without_changing_the_update(tiny_model_dir: Path) -> None:
+    batch = build_batch(make_groups(4, 4, seed=2), pad_id=0)
+    results = []
+    for checkpointing in (False, True):
+        trainer = Trainer(config(tiny_model_dir, f"learner.activation_checkpointing={checkpointing}"), rank=0, world_size=1, backend="gloo")
+        assert trainer.model.is_gradient_checkpointing == checkpointing
+        metrics = trainer.train_step(batch, policy_version=0)
+        results.append((metrics, params(trainer)))
+    (m0, p0), (m1, p1) = results
+    assert m1["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], rel=1e-5)
+    assert m1["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-4)
+    for name, tensor in p0.items():
+        torch.testing.assert_close(p1[name], tensor, rtol=1e-4, atol=1e-6)
