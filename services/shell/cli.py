@@ -47,7 +47,8 @@ def _config(args: argparse.Namespace) -> DapoConfig:
 def _cmd_run(args: argparse.Namespace) -> int:
     from services.shell.launcher import run_local
 
-    return run_local(_config(args), resume=args.resume, quiet=args.quiet, gpus=args.gpus, dry_run=args.dry_run)
+    return run_local(_config(args), resume=args.resume, quiet=args.quiet, gpus=args.gpus, dry_run=args.dry_run,
+                     model_config=args.model_config, gpu_memory_gib=args.gpu_memory_gib)
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no live progress line")
     run.add_argument("--dry-run", action="store_true", help="print which GPUs each process gets, start nothing")
     run.add_argument("--gpus", type=int, help="plan for this many GPUs instead of counting this machine's")
+    run.add_argument("--gpu-memory-gib", type=float, help="memory per GPU for the --dry-run budget (default: this machine's, else 80)")
+    run.add_argument("--model-config", help="a model's config.json for the --dry-run budget (default: model.path/config.json)")
 
     _service_parser(sub, "rollout", "one rollout replica: prompt jobs -> G responses with behaviour log-probs", _cmd_rollout)
     _service_parser(sub, "reward", "one reward worker: score groups (verifier + overlong shaping)", _cmd_reward)

@@ -28,7 +28,8 @@ from services.contracts.bus import StreamBus, open_bus
 from services.contracts.config import DapoConfig, dump_config
 from services.contracts.keys import RunField, restarts_counter
 from services.contracts.runtime import instance_id
-from services.shell.placement import count_gpus, plan
+from services.shell.capacity import ModelShape, budget
+from services.shell.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.shell.plots import write_curves_svg
 
 log = logging.getLogger(__name__)
@@ -205,15 +206,16 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
 
 
 def run_local(
-    cfg: DapoConfig, *, resume: bool = False, quiet: bool = False, gpus: int | None = None, dry_run: bool = False
+    cfg: DapoConfig, *, resume: bool = False, quiet: bool = False, gpus: int | None = None, dry_run: bool = False,
+    model_config: str | None = None, gpu_memory_gib: float | None = None,
 ) -> int:
-    """Run everything on this machine; `gpus` overrides the GPU count (plans for other machines),
-    `dry_run` prints the placement and exits before starting anything."""
+    """Run everything on this machine. `gpus` overrides the GPU count (plans for other machines);
+    `dry_run` prints the placement and the per-GPU memory budget and starts nothing."""
     from services.shell.redis_server import RedisServer
 
     placement = plan(cfg, count_gpus() if gpus is None else gpus)  # refuses a config that does not fit
     if dry_run:
-        sys.stdout.write(placement.describe() + "\n")
+        sys.stdout.write(placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n")
         return 0
     started = time.monotonic()
     out = Path(cfg.output_dir)
@@ -296,6 +298,14 @@ def run_local(
         f"summary: {out / 'summary.json'}, curves: {out / 'curves.svg'}\n"
     )
     return 0 if learner_rc == 0 and finished and not interrupted else 1
+
+
+def _budget_text(cfg: DapoConfig, model_config: str | None, gpu_memory_gib: float | None) -> str:
+    shape_file = Path(model_config) if model_config else Path(cfg.model.path) / "config.json"
+    if not shape_file.exists():
+        return f"no model config at {shape_file}: pass --model-config FILE for the memory budget"
+    gib = gpu_memory_gib or gpu_memory_of_this_machine() or 80.0
+    return budget(cfg, ModelShape.from_file(shape_file), gib).describe(gib)
 
 
 def _run_finished(bus: StreamBus, attempts: int = 3) -> bool:

@@ -88,6 +88,15 @@ def _shared(cfg: DapoConfig) -> Placement:
     return Placement(1, (0,), ((0,),), shared=True)
 
 
+def gpu_memory_of_this_machine() -> float | None:
+    """GiB of GPU 0, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return float(torch.cuda.get_device_properties(0).total_memory) / 2**30
+
+
 def count_gpus() -> int:
     """GPUs this machine has (0 without CUDA)."""
     import torch
