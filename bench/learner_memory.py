@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.multirank_check import launch_ranks, make_groups  # noqa: E402  (a script beside this one)
+
 MODEL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
          "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 256, "tie_word_embeddings": False}
 
@@ -54,8 +57,6 @@ def worker(model_dir: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(REPO))
-    from bench.multirank_check import make_groups
     from learner.batch import build_batch
     from learner.trainer import Trainer
     from services.contracts.config import load_config
@@ -79,15 +80,11 @@ def worker(model_dir: str, out_dir: str) -> None:
 
 
 def run_world(model_dir: Path, world: int, out_dir: Path) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(Path(__file__).resolve()), "--worker", str(model_dir), str(out_dir)]
     # glibc keeps freed heap memory, so the peak RSS would count FSDP's transient all-gather and
     # reduce-scatter buffers long after they are freed; serving every allocation of 64 KiB or more
     # with its own mmap returns it on free, so the peak RSS is the peak of live memory.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    launch_ranks(str(Path(__file__).resolve()), world, str(model_dir), str(out_dir),
+                 env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout_s=1200)
     return [json.loads(Path(out_dir, f"w{world}-r{r}.json").read_text()) for r in range(world)]
 
 

@@ -108,13 +108,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def run_world(model_dir: Path, world: int, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(Path(__file__).resolve()), "--worker", str(model_dir), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+def launch_ranks(script: str, world: int, *args: str, env: dict[str, str] | None = None, timeout_s: int = 600) -> None:
+    """Run `script --worker ARGS` as `world` gloo ranks under torch.distributed.run (one thread
+    each); raise with the output's tail when any rank fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script, "--worker", *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def run_world(model_dir: Path, world: int, out: Path) -> dict[str, Any]:
+    launch_ranks(str(Path(__file__).resolve()), world, str(model_dir), str(out))
     loaded: dict[str, Any] = torch.load(out, weights_only=True)
     return loaded
 

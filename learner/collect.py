@@ -97,17 +97,18 @@ class StreamSource:
         None (the loop keeps the other ranks alive meanwhile). Partial batches are kept."""
         start = time.monotonic()
         while len(self.pending) < self.batch_groups and time.monotonic() - start < self.budget_s and not self.stop.stopping:
-            self.feeder.admit(policy_version)
-            self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
+            if self.feeder.admit(policy_version):  # the cursor moved: record it for a restart
+                self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
             self._receive(policy_version)
             self.catch_up()
         if len(self.pending) < self.batch_groups:
             return None
         batch, self.pending = self.pending[: self.batch_groups], self.pending[self.batch_groups :]
-        fresh = [p for p in batch if not self._stale(p, policy_version)]
-        if len(fresh) < len(batch):  # groups left over from before the last step may have aged
-            self._drop([p.entry_id for p in batch if self._stale(p, policy_version)])
-            self.pending = fresh + self.pending
+        aged = [p for p in batch if self._stale(p, policy_version)]
+        if aged:  # groups left over from before the last step may have aged
+            self._drop([p.entry_id for p in aged])
+            aged_ids = {p.entry_id for p in aged}
+            self.pending = [p for p in batch if p.entry_id not in aged_ids] + self.pending
             return None
         return batch
 

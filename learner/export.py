@@ -15,7 +15,7 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -39,6 +39,7 @@ class HFExporter:
 
     def __init__(self, model_path: str, *, max_shard_size: str = "5GB") -> None:
         self.model_path, self.max_shard_size = model_path, max_shard_size
+        self._metadata: list[Any] | None = None  # config, tokenizer, generation config: read once
 
     def export(self, weights: Iterable[tuple[str, Tensor]], out: Path) -> None:
         out = Path(out)
@@ -51,12 +52,14 @@ class HFExporter:
         log.info("exported a Hugging Face model to %s", out)
 
     def _save_config_and_tokenizer(self, out: Path) -> None:
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        if self._metadata is None:
+            from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        AutoConfig.from_pretrained(self.model_path).save_pretrained(out)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
-        with contextlib.suppress(OSError):  # the base model may have none
-            GenerationConfig.from_pretrained(self.model_path).save_pretrained(out)
+            self._metadata = [AutoConfig.from_pretrained(self.model_path), AutoTokenizer.from_pretrained(self.model_path)]
+            with contextlib.suppress(OSError):  # the base model may have none
+                self._metadata.append(GenerationConfig.from_pretrained(self.model_path))
+        for item in self._metadata:
+            item.save_pretrained(out)
 
 
 def save_weights(state: dict[str, Tensor], out: Path, *, max_shard_size: str = "5GB") -> None:

@@ -111,7 +111,7 @@ class RunReporter:
     def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
         """The batch's statistics plus the pipeline's: gatekeeper, ledger, stream depths."""
         metrics = group_metrics(groups, trained_on)
-        self.lags.extend(float(trained_on - g.policy_version) for g in groups)
+        self.lags.append(metrics["rollout/version_lag_mean"])  # every step trains the same number of groups
         ledger = self.bus.ledger()
         rate = self.bus.pass_rate(ledger.filtered)
         return {
