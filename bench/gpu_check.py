@@ -8,10 +8,14 @@
    weights equal the broadcast ones (parameter checksum) and that its log-probs match
    transformers with the new weights. Prints the sync time.
 3. A short real DAPO run on the GPU: `dapo run` with the vLLM engine (bf16), the FSDP2 learner on
-   NCCL, and the weight group on gloo (one GPU) or NCCL (two or more); prints tokens/s, sync
-   time, the ledger and the accuracy change.
+   NCCL with bf16 mixed precision and the fused log-prob head, and the weight group on gloo (one
+   GPU: learner and replica share it) or NCCL (two or more: disjoint GPUs, as `--dry-run` prints
+   first); evaluation rounds run on the vLLM replica. Prints tokens/s, sync time, the ledger, the
+   evaluation history and the accuracy change.
+4. With two or more GPUs: one DAPO step on 1 and 2 NCCL ranks must agree
+   (`bench/multirank_check.py --backend nccl`).
 
-    bash bench/gpu_check.sh            # the whole check; about 5 minutes on one H100/H200
+    bash bench/gpu_check.sh            # the whole check; under 8 minutes on one H100/H200
 """
 
 from __future__ import annotations
@@ -98,18 +102,31 @@ def check_sync(model_dir: Path) -> None:
 
 def short_run(model_dir: Path) -> None:
     weights = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    cmd = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(OUT / "run"),
+    base = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(OUT / "run")]
+    cmd = [*base,
            f"model.path={model_dir}", "model.build_tiny=null", "model.dtype=bfloat16", "rollout.engine=vllm", "rollout.replicas=1",
            "rollout.gpu_memory_utilization=0.3", "rollout.torch_threads=null", "learner.backend=nccl",
            f"learner.weights_backend={weights}", "learner.torch_threads=null", "learner.total_steps=40", "eval.every_steps=20",
            "algorithm.train_batch_groups=64", "algorithm.mini_batch_groups=16", "checkpoint.every_steps=20"]
+    subprocess.run([*cmd[: len(base)], "--dry-run", *cmd[len(base):]], cwd=REPO, check=True, timeout=60)  # the placement
     start = time.monotonic()
-    subprocess.run(cmd, cwd=REPO, check=True, timeout=420)
+    subprocess.run(cmd, cwd=REPO, check=True, timeout=360)
     summary = json.loads((OUT / "run" / "summary.json").read_text())
     print(f"short run: {summary['steps']} steps in {time.monotonic() - start:.0f}s; eval {summary['base_eval_acc']:.3f} -> "
           f"{summary['final_eval_acc']:.3f}; ledger {summary['ledger']}; replicas {summary['replica_final_versions']}")
+    print(f"evaluation rounds (on the vLLM replica): {summary['eval_history']}")
     print(f"trained response tokens/s: {summary['train_tokens_per_s']:.0f}; mean weight sync {summary['mean_sync_seconds']:.3f}s")
-    assert summary["ledger"]["balanced"] and set(summary["replica_final_versions"].values()) == {summary["policy_version"]}
+    ledger = summary["ledger"]
+    assert ledger["balanced"] and set(summary["replica_final_versions"].values()) == {summary["policy_version"]}
+    assert ledger["evaluated"] == ledger["eval_issued"] > 0 and len(summary["eval_history"]) == 3
+
+
+def multirank_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        print("multirank on NCCL: skipped (one GPU)")
+        return
+    subprocess.run([sys.executable, "bench/multirank_check.py", "--backend", "nccl", "--world-sizes", "1,2"], cwd=REPO,
+                   check=True, timeout=240)
 
 
 def main() -> None:
@@ -119,6 +136,7 @@ def main() -> None:
     model_dir = build_model()
     check_sync(model_dir)
     short_run(model_dir)
+    multirank_nccl()
     print("gpu check passed")
 
 

@@ -5,7 +5,10 @@ safetensors), then for each world size starts that many learner ranks under
 torch.distributed.run. Each rank records its resident memory before the model exists (torch,
 transformers, the process group: the fixed part) and its peak after building the sharded model
 from the files and taking one DAPO step (parameters, gradients and AdamW state: the sharded
-part). Nothing is asserted; figures only.
+part). Then every rank gathers the full weights for a publication and rank 0 stages them in its
+host buckets as the learner does after each step; rank 0's extra peak during that (its peak
+reset first) must stay within the host copy (in the model's dtype) plus two buckets. Nothing is
+asserted; figures only.
 
     .venv/bin/python bench/learner_memory.py [--world-sizes 1,2,4] [--out bench/results]
 
@@ -53,6 +56,39 @@ def build_model(out: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def peak_since_reset_mib() -> float:
+    """VmHWM: the peak resident memory since the last `reset_peak()` (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def publication_extra_mib(trainer: Any, cfg: Any, rank: int) -> dict[str, float]:
+    """Rank 0's extra peak memory while one publication's weights are gathered and staged."""
+    from services.contracts.weight_sync import WeightPublisher
+
+    publisher = None
+    if rank == 0:  # staging needs no Redis; publish() (not called here) does
+        publisher = WeightPublisher(None, host="127.0.0.1", backend="gloo", timeout_s=60,  # type: ignore[arg-type]
+                                    bucket_mb=cfg.learner.broadcast_bucket_mb, dtype=cfg.model.dtype)
+    before = current_rss_mib()
+    reset_peak()
+    named = trainer.named_full_params()
+    if publisher is None:
+        for _ in named:  # the other ranks take part in every gather
+            pass
+        return {}
+    publisher.stage(1, named, trainer.param_shapes())
+    extra = peak_since_reset_mib() - before
+    host = sum(flat.numel() * flat.element_size() for flat in publisher.flat) / 2**20
+    return {"publish_extra_mib": extra, "host_copy_mib": host, "bucket_mib": float(cfg.learner.broadcast_bucket_mb)}
+
+
 def worker(model_dir: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -74,7 +110,7 @@ def worker(model_dir: str, out_dir: str) -> None:
     trainer.train_step(batch, policy_version=1)
     stepped = current_rss_mib()
     figures = {"rank": rank, "world": world, "fixed_mib": fixed, "after_build_mib": built, "after_step_mib": stepped,
-               "peak_mib": peak_rss_mib()}
+               "peak_mib": peak_rss_mib(), **publication_extra_mib(trainer, cfg, rank)}
     Path(out_dir, f"w{world}-r{rank}.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
 
@@ -109,6 +145,12 @@ def main() -> int:
         for r in rows[w]:
             print(f"{w:>5} {r['rank']:>4} {r['fixed_mib']:>10.0f} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['fixed_mib']:>17.0f}")
         sharded[w] = max(r["peak_mib"] - r["fixed_mib"] for r in rows[w])
+    for w in worlds:
+        r0 = rows[w][0]
+        bound = r0["host_copy_mib"] + 2 * r0["bucket_mib"]
+        print(f"publication, {w} rank(s): rank 0 extra peak {r0['publish_extra_mib']:.0f} MiB; bound = host copy "
+              f"{r0['host_copy_mib']:.0f} + 2 x {r0['bucket_mib']:.0f} MiB buckets = {bound:.0f} MiB "
+              f"({'within' if r0['publish_extra_mib'] <= bound else 'OVER'})")
     ratio = sharded[2] / sharded[1] if 1 in sharded and 2 in sharded else float("nan")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",

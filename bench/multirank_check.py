@@ -69,7 +69,10 @@ def worker(model_dir: str, out: str) -> None:
     from learner.trainer import Trainer
     from services.contracts.config import load_config
 
-    dist.init_process_group("gloo")
+    backend = os.environ.get("DAPO_BENCH_BACKEND", "gloo")  # nccl: one GPU per rank (bench/gpu_check.py)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     batch = build_batch(make_groups(), pad_id=0)
@@ -80,10 +83,10 @@ def worker(model_dir: str, out: str) -> None:
             "learner.grad_clip=5.0", f"algorithm.loss_agg={mode}", f"algorithm.train_batch_groups={N_GROUPS}",
             "algorithm.mini_batch_groups=2", "algorithm.entropy_coef=0.01",
         ])
-        trainer = Trainer(cfg, rank=rank, world_size=world, backend="gloo")
+        trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
         grads = record_clipped_gradients(trainer)
         metrics = trainer.train_step(batch, policy_version=1)
-        params = {n: t.clone() for n, t in trainer.named_full_params()}
+        params = {n: t.cpu().clone() for n, t in trainer.named_full_params()}
         results[mode] = {"metrics": metrics, "grads": grads, "params": params}
     if rank == 0:
         torch.save(results, out)
@@ -97,7 +100,7 @@ def record_clipped_gradients(trainer: Any) -> list[torch.Tensor]:
     step = trainer.optimizer.step
 
     def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append(torch.cat([_full(p.grad).reshape(-1) for p in trainer.model.parameters()]))
+        grads.append(torch.cat([_full(p.grad).reshape(-1) for p in trainer.model.parameters()]).cpu())
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
@@ -146,12 +149,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--json", help="also write the comparison here")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
         return 0
     worlds = [int(w) for w in args.world_sizes.split(",")]
+    os.environ["DAPO_BENCH_BACKEND"] = args.backend  # read by the ranks
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(model_dir)

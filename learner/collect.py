@@ -21,7 +21,7 @@ from learner.feeder import PromptFeeder
 from services.contracts.bus import Entry, StreamBus
 from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
 from services.contracts.runtime import StopFlag
-from services.contracts.schemas import SchemaError, decode_group
+from services.contracts.schemas import SchemaError, decode_group, decode_job
 
 log = logging.getLogger(__name__)
 
@@ -159,19 +159,30 @@ class StreamSource:
 
     # --- the end of a completed run ------------------------------------------------------------
     def drain(self) -> None:
-        """Stop issuing and account for every job still in flight (counted `stale`)."""
+        """Stop issuing and account for every training job still in flight (counted `stale`).
+        Evaluation jobs are left to run: the evaluation lane waits for them."""
         keys, deadline = self.bus.keys, time.monotonic() + self.drain_timeout_s
         self._drop([p.entry_id for p in self.pending] + [eid for eid, _ in [*self.orphans, *self._take_over_pending()]])
         self.pending, self.orphans = [], []
         drainer = self.bus.as_consumer(f"{self.bus.consumer}-drain")
-        for entry_id, _ in drainer.read(keys.prompts, count=1_000_000, block_ms=1):  # undelivered jobs
-            drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
+        for entry_id, fields in drainer.read(keys.prompts, count=1_000_000, block_ms=None):  # undelivered jobs
+            if _is_eval_job(fields):
+                drainer.hand_back(keys.prompts, entry_id, fields)
+            else:
+                drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
         while time.monotonic() < deadline:
             self._drop([eid for eid, _ in self.bus.read(keys.train, count=1000, block_ms=100)])
-            if self.bus.ledger().in_flight == 0:
+            if self.bus.ledger().train_in_flight == 0:
                 break
             self.catch_up()  # a replica waiting for weights must not hold jobs forever
         ledger = self.bus.ledger()
-        if ledger.in_flight:
-            log.warning("drain timed out with %d jobs in flight; stream depths %s", ledger.in_flight, self.bus.depths())
+        if ledger.train_in_flight:
+            log.warning("drain timed out with %d jobs in flight; stream depths %s", ledger.train_in_flight, self.bus.depths())
         log.info("drained: %s", ledger.as_dict())
+
+
+def _is_eval_job(fields: dict[bytes, bytes]) -> bool:
+    try:
+        return decode_job(fields).eval is not None
+    except SchemaError:
+        return False  # dropped as stale with the rest

@@ -7,7 +7,8 @@ flight are estimated as
     expected_kept = depth(train) + (in_flight - depth(train)) x pass_rate
 
 and new prompts are issued only while expected_kept < (max_staleness + 1) x train_batch_groups,
-so at most max_staleness + 1 batches of trainable groups are ever ahead of the learner. A hard
+so at most max_staleness + 1 batches of trainable groups are ever ahead of the learner
+(`in_flight` counts the training lane only: evaluation jobs never hold training back). A hard
 cap of (max_staleness + 1) x train_batch_groups x oversampling jobs in flight bounds the streams
 when the pass rate is very low. Every group the gatekeeper filters lowers the estimate, and the
 next `admit` replaces it, which is how a high filter rate turns into more sampling rather than a
@@ -23,7 +24,7 @@ import time
 from typing import Any
 
 from services.contracts.bus import StreamBus
-from services.contracts.data import PromptRecord, render_prompt
+from services.contracts.data import PromptRecord, encode_prompt
 from services.contracts.schemas import PromptJob, encode_job
 
 
@@ -78,9 +79,7 @@ class PromptFeeder:
 
     def _prompt_ids(self, index: int) -> list[int]:
         if index not in self._token_cache:
-            text = render_prompt(self.tokenizer, self.records[index].messages)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            self._token_cache[index] = ids[-self.max_prompt_len :]  # left-truncate (paper)
+            self._token_cache[index] = encode_prompt(self.tokenizer, self.records[index].messages, self.max_prompt_len)
         return self._token_cache[index]
 
     def admit(self, policy_version: int) -> int:
@@ -88,7 +87,7 @@ class PromptFeeder:
         ledger = self.bus.ledger()
         rate = self.bus.pass_rate(ledger.filtered)
         n = self.wanted(
-            in_flight=ledger.in_flight, train_depth=self.bus.depths()["learner"], pass_rate=1.0 if rate is None else rate
+            in_flight=ledger.train_in_flight, train_depth=self.bus.depths()["learner"], pass_rate=1.0 if rate is None else rate
         )
         if n <= 0:
             return 0

@@ -6,22 +6,24 @@ At each step boundary rank 0 decides the next command and shares it with every r
 learner's own process group; each rank then carries it out:
 
 - `Train(picked)`: build the batch, take one DAPO step (all ranks), gather the new weights and
-  publish them as policy version + 1, account the groups as trained, evaluate when due, report;
-  then checkpoint when due.
+  publish them as policy version + 1, account the groups as trained, queue an evaluation round
+  when due (replicas generate it; `learner/evaluation.py`), report, and report the evaluation
+  rounds that completed meanwhile; then checkpoint when due.
 - `Wait`: data still arriving, or Redis unreachable (the client already retried with back-off),
   so a Redis restart costs time, not the run. `Pause`: an operator paused training.
 - `SaveCheckpoint(keep)`, `Restore(step)`: operator requests (and the periodic checkpoint).
 - `Stop`: `total_steps` done, or SIGTERM.
 
 Everything rank 0 does beyond training goes through injected collaborators (batch source, weight
-publisher, evaluator, exporter, run control, reporter); the other ranks get null ones, so the
+publisher, evaluation lane, exporter, run control, reporter); the other ranks get null ones, so the
 loop has no rank branches. The loop alone holds `Progress` (step and policy version) and passes
 it to collaborators.
 
 On start the learner resumes from the newest committed checkpoint if there is one, numbering
 policy versions above anything already published (versions never go backwards). A completed run
-gets a final evaluation, drains the pipeline (every issued job accounted for, in_flight 0),
-exports `<output_dir>/final_model` and records its summary. On SIGTERM the learner finishes the
+drains the training lane, evaluates the final weights (waiting for that round and any other
+outstanding one: every issued job accounted for, in_flight 0), exports `<output_dir>/final_model`
+and records its summary. On SIGTERM the learner finishes the
 current step, commits a checkpoint and exits 0 without draining: the work in flight stays queued
 for the learner that resumes.
 """
@@ -50,7 +52,7 @@ from learner.commands import (
     resumed_policy_version,
 )
 from learner.control import Control
-from learner.evaluation import Evaluator
+from learner.evaluation import Evaluations, RoundReport
 from learner.export import Exporter
 from learner.publish import Publisher
 from learner.report import Reporter
@@ -80,10 +82,10 @@ class StopSignal(Protocol):
 class LearnerLoop:
     def __init__(
         self, cfg: DapoConfig, *, trainer: Any, checkpoints: CheckpointStore, source: BatchSource, publisher: Publisher,
-        evaluator: Evaluator, exporter: Exporter, control: Control, reporter: Reporter, share: Share, stop: StopSignal,
+        evaluations: Evaluations, exporter: Exporter, control: Control, reporter: Reporter, share: Share, stop: StopSignal,
     ) -> None:
         self.cfg, self.trainer, self.checkpoints = cfg, trainer, checkpoints
-        self.source, self.publisher, self.evaluator, self.exporter = source, publisher, evaluator, exporter
+        self.source, self.publisher, self.evaluations, self.exporter = source, publisher, evaluations, exporter
         self.control, self.reporter, self.share, self.stop = control, reporter, share, stop
         self.layout = trainer.param_shapes()
         self.progress = Progress()
@@ -103,14 +105,13 @@ class LearnerLoop:
                 self.execute(command)
             self.finish()
         finally:
-            self.evaluator.close()
             self.control.close()
         return 0
 
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Resume (newest checkpoint, else what Redis recorded), publish the starting weights,
-        and evaluate the base model once per run."""
+        and queue the evaluation of the base model once per run."""
         self.control.start(self.status)
         latest = self.checkpoints.latest_step()
         if latest is None:
@@ -118,9 +119,8 @@ class LearnerLoop:
         else:
             self._restore(latest)
         self._publish()  # stage the starting weights (and sync replicas on a resume)
-        if not self.reporter.has_evals:
-            base = self._evaluate()
-            self.control.record({RunField.BASE_EVAL_ACC: base.get("eval/acc", -1.0)})
+        if not self.reporter.has_evals and not self.evaluations.in_flight:
+            self.evaluations.issue(self.progress)
 
     def _continue_from(self, progress: Progress, *, data_cursor: int) -> None:
         self.progress = self.share(progress)
@@ -191,9 +191,10 @@ class LearnerLoop:
         self.progress = self.progress.next_policy()
         self._publish()
         self.source.account(command.picked)
-        metrics |= self._evaluate_if_due()
+        self._evaluate_if_due()
         metrics |= self._timing(update_s, time.monotonic() - t0)
         self.reporter.report(self.progress, metrics)
+        self._record_evaluations(self.evaluations.poll())
 
     def _update_actor(self, groups: list[RolloutGroup], policy_version: int, t0: float) -> dict[str, float]:
         alg = self.cfg.algorithm
@@ -217,18 +218,18 @@ class LearnerLoop:
         self.control.set_policy_version(self.progress)
         self.publisher.publish()
 
-    def _evaluate_if_due(self) -> dict[str, float]:
+    def _evaluate_if_due(self) -> None:
         every, step = self.cfg.eval.every_steps, self.progress.step
         if every and step % every == 0 and step != self.cfg.learner.total_steps:  # the last: in finish
-            return self._evaluate()
-        return {}
+            self.evaluations.issue(self.progress)
 
-    def _evaluate(self) -> dict[str, float]:
-        self._set_state("evaluating")
-        result = self.evaluator.evaluate(self.publisher.staged(), self.progress.step)
-        if result:
-            self.reporter.record_eval(self.progress.step, result)
-        return result
+    def _record_evaluations(self, reports: list[RoundReport]) -> dict[int, dict[str, float]]:
+        """Record completed rounds (the run's first one is its base accuracy)."""
+        for step, result in reports:
+            if not self.reporter.has_evals:
+                self.control.record({RunField.BASE_EVAL_ACC: result["eval/acc"]})
+            self.reporter.record_eval(step, result)
+        return dict(reports)
 
     def _checkpoint_if_due(self) -> None:
         every = self.cfg.checkpoint.every_steps
@@ -280,9 +281,12 @@ class LearnerLoop:
         }
 
     def _complete(self) -> dict[RunField, str | int | float]:
-        final_acc = self._evaluate().get("eval/acc", -1.0)
         self._set_state("draining")
         self.source.drain()
+        self._set_state("evaluating")
+        self.evaluations.issue(self.progress)
+        final = self._record_evaluations(self.evaluations.wait(self.cfg.eval.final_wait_s)).get(self.progress.step, {})
+        final_acc = final.get("eval/acc", -1.0)
         out = Path(self.cfg.output_dir) / "final_model"
         self._export(out)
         return {RunField.FINAL_EVAL_ACC: final_acc, RunField.FINAL_MODEL: str(out)}

@@ -121,13 +121,13 @@ class RunReporter:
             "gate/filtered_total": float(ledger.filtered),
             "ledger/issued": float(ledger.issued),
             "ledger/in_flight": float(ledger.in_flight),
+            "ledger/eval_in_flight": float(ledger.eval_in_flight),
         }
 
     def record_eval(self, step: int, result: dict[str, float]) -> None:
         self.evals.append((step, result["eval/acc"]))
         self.trackers.log(step, result)
         self.rewrite_eval_history()
-        log.debug("eval at step %d: acc %.3f", step, result["eval/acc"])
 
     def rewrite_eval_history(self) -> None:
         self.bus.update_run_info({RunField.EVAL_HISTORY: json.dumps(self.evals)})
@@ -137,11 +137,10 @@ class RunReporter:
         self.bus.append_metrics(record)
         self.trackers.log(progress.step, metrics)
         log.info(
-            "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f %s",
+            "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f",
             progress.step, progress.policy_version, metrics.get("critic/rewards/mean", 0),
             metrics.get("rollout/acc_mean", 0), metrics.get("gate/pass_rate", 0), metrics.get("rollout/version_lag_mean", 0),
             metrics.get("actor/clipfrac_high", 0), metrics.get("actor/clipfrac_low", 0), metrics.get("actor/ppo_kl", 0),
-            f"eval {metrics['eval/acc']:.3f}" if "eval/acc" in metrics else "",
         )
 
     def checkpoint_meta(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 This module assembles the process: the training process group, the trainer, and the loop's
 collaborators (`learner/loop.py`). Rank 0 gets the real ones (Redis, the weight publisher, the
-evaluator the shell's factory builds, trackers); the other ranks get null ones and follow rank
+evaluation lane, trackers); the other ranks get null ones and follow rank
 0's commands.
 
 Departures from the paper: asynchronous (bounded staleness with importance-weight correction,
@@ -12,7 +12,6 @@ docs/algorithm.md s9; `max_staleness: 0` is the synchronous algorithm).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from learner.checkpoint import Checkpoints
 from learner.collect import NullSource, StreamSource
 from learner.control import NullControl, RunControl
-from learner.evaluation import Evaluator, NullEvaluator
+from learner.evaluation import NullEvaluations, eval_lane
 from learner.export import HFExporter, NullExporter
 from learner.feeder import PromptFeeder
 from learner.loop import LearnerLoop, Share
@@ -71,9 +70,7 @@ def make_share(rank: int) -> Share:
     return share
 
 
-def rank0_collaborators(
-    cfg: DapoConfig, backend: str, stop: StopFlag, make_evaluator: Callable[[DapoConfig], Evaluator]
-) -> dict[str, Any]:
+def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[str, Any]:
     """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
     from transformers import AutoTokenizer
 
@@ -88,8 +85,9 @@ def rank0_collaborators(
     bus.check_memory_policy()
     bus.ensure_groups()
     alg, le = cfg.algorithm, cfg.learner
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     feeder = PromptFeeder(
-        bus, load_prompts(cfg.data.train_path), AutoTokenizer.from_pretrained(cfg.model.path), run_name=cfg.run_name,
+        bus, load_prompts(cfg.data.train_path), tokenizer, run_name=cfg.run_name,
         limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
         kept_ahead=(alg.max_staleness + 1) * alg.train_batch_groups,
         max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
@@ -103,9 +101,11 @@ def rank0_collaborators(
         bus, feeder, batch_groups=alg.train_batch_groups, max_staleness=alg.max_staleness,
         max_deliveries=cfg.queue.max_deliveries, stop=stop, catch_up=publisher.catch_up,
     )
+    reporter = RunReporter(bus, Trackers(cfg))
+    evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up)
     return {
-        "source": source, "publisher": publisher, "evaluator": make_evaluator(cfg),
-        "exporter": HFExporter(cfg.model.path), "reporter": RunReporter(bus, Trackers(cfg)),
+        "source": source, "publisher": publisher, "evaluations": evaluations,
+        "exporter": HFExporter(cfg.model.path), "reporter": reporter,
         "control": RunControl(bus, run_name=cfg.run_name, instance=inst, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s),
     }
 
@@ -113,12 +113,12 @@ def rank0_collaborators(
 def null_collaborators() -> dict[str, Any]:
     """Every other rank: it trains and gathers weights; rank 0 does the rest."""
     return {
-        "source": NullSource(), "publisher": NullPublisher(), "evaluator": NullEvaluator(),
+        "source": NullSource(), "publisher": NullPublisher(), "evaluations": NullEvaluations(),
         "exporter": NullExporter(), "reporter": NullReporter(), "control": NullControl(),
     }
 
 
-def main(cfg: DapoConfig, make_evaluator: Callable[[DapoConfig], Evaluator]) -> int:
+def main(cfg: DapoConfig) -> int:
     stop = StopFlag().install()
     rank, world, backend = init_distributed(cfg)
     torch.manual_seed(cfg.learner.seed + rank)
@@ -130,7 +130,7 @@ def main(cfg: DapoConfig, make_evaluator: Callable[[DapoConfig], Evaluator]) -> 
             cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
             save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
         )
-        parts = rank0_collaborators(cfg, backend, stop, make_evaluator) if rank == 0 else null_collaborators()
+        parts = rank0_collaborators(cfg, backend, stop) if rank == 0 else null_collaborators()
         loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
         return loop.run()
     finally:

@@ -3,9 +3,9 @@
 Loop: between generation batches, sync weights (`services.contracts.weight_sync.WeightSubscriber`:
 broadcasts, catch-up from the checkpoint store); take up to `rollout.prompts_per_batch` prompt
 jobs; make sure the weights held are at least as new as each job's `policy_version` (waiting for
-the learner's catch-up broadcast if not); generate
-`group_size` responses per job with behaviour log-probs; forward each group to the rollouts
-stream with one atomic hop. The heartbeat reports the policy version held and the idle fraction.
+the learner's catch-up broadcast if not); generate `group_size` responses per job with behaviour
+log-probs (an evaluation job: `eval.samples` responses with the eval sampling settings); forward
+each group to the rollouts stream with one atomic hop. The heartbeat reports the policy version held and the idle fraction.
 On SIGTERM the current batch finishes (a batch is short), unstarted jobs are handed back, and the
 process exits.
 """
@@ -85,11 +85,17 @@ class RolloutWorker:
             for entry_id, fields in entries:
                 self.bus.hand_back(stage, entry_id, fields)
             return
-        ro = self.cfg.rollout
-        start = time.monotonic()
+        # Training and evaluation jobs sample differently (group_size vs eval.samples, the eval
+        # temperature and top_p): one engine call per kind, each batched.
+        for batch in _by_sampling(jobs):
+            self._generate(batch)
+
+    def _generate(self, jobs: list[tuple[str, PromptJob]]) -> None:
+        ro, ev, tag = self.cfg.rollout, self.cfg.eval, jobs[0][1].eval
+        n, temperature, top_p = (ro.group_size, ro.temperature, ro.top_p) if tag is None else (tag.samples, ev.temperature, ev.top_p)
+        stage, start = self.bus.keys.prompts, time.monotonic()
         outputs = self.engine.generate(
-            [job.prompt_ids for _, job in jobs], n=ro.group_size, max_tokens=ro.max_response_len,
-            temperature=ro.temperature, top_p=ro.top_p,
+            [job.prompt_ids for _, job in jobs], n=n, max_tokens=ro.max_response_len, temperature=temperature, top_p=top_p,
         )
         stretch("rollout.slowdown", time.monotonic() - start, self.stop.event)  # fault suite only
         seconds = time.monotonic() - start
@@ -97,7 +103,7 @@ class RolloutWorker:
         for (entry_id, job), samples in zip(jobs, outputs, strict=True):
             group = RolloutGroup(
                 job=job, policy_version=self.policy_version, replica_id=self.id, gen_seconds=seconds / len(jobs),
-                responses=[Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples],  # type: ignore[arg-type]
+                responses=[Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples],
             )
             self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
 
@@ -124,6 +130,15 @@ class RolloutWorker:
                 if self.stop.stopping and is_oom(exc):  # asked to stop while paused on a full Redis
                     break
                 raise
+
+
+def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, PromptJob]]]:
+    """Split a batch into runs that sample alike: training jobs, and evaluation jobs per sample
+    count."""
+    kinds: dict[int | None, list[tuple[str, PromptJob]]] = {}
+    for item in jobs:
+        kinds.setdefault(None if item[1].eval is None else item[1].eval.samples, []).append(item)
+    return list(kinds.values())
 
 
 def main(cfg: DapoConfig) -> int:

@@ -4,6 +4,10 @@ Reads scored groups, keeps a group only if its metric (default `acc`, not the sh
 differs across the group's responses, and forwards kept groups to the train stream. A dropped
 group is counted `filtered` in the ledger; the learner's feeder sees the shortfall and issues
 replacement prompts, so a high filter rate slows the run down but never stops it.
+
+Evaluation groups (`PromptJob.eval`) are never gated or trained: the gatekeeper reduces each to
+an `EvalResult` (counts only) and forwards it to the evaluation lane, where learner rank 0 adds
+up each round.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from services.contracts.bus import Entry, StreamBus
 from services.contracts.config import DapoConfig
 from services.contracts.keys import LEDGER_FILTERED, Counter
 from services.contracts.runtime import run_stage_loop, service_context
-from services.contracts.schemas import RolloutGroup, SchemaError, decode_group
+from services.contracts.schemas import (
+    EvalResult,
+    RolloutGroup,
+    SchemaError,
+    decode_group,
+    encode_eval_result,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,7 @@ class Gatekeeper:
         self.bus, self.metric, self.enabled = bus, metric, enabled
         self.kept = 0
         self.filtered = 0
+        self.evaluations = 0
 
     @property
     def pass_rate(self) -> float:
@@ -74,7 +85,10 @@ class Gatekeeper:
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"gatekeeper: {exc}")
                 continue
-            if not self.enabled or keep_group(group_metric(group, self.metric)):
+            if group.job.eval is not None:
+                result = encode_eval_result(EvalResult.of(group))
+                self.evaluations += self.bus.hop(stage, entry_id, downstream=self.bus.keys.evals.stream, fields=result)
+            elif not self.enabled or keep_group(group_metric(group, self.metric)):
                 done = self.bus.hop(
                     stage, entry_id, downstream=self.bus.keys.train.stream,
                     fields={k.decode(): v for k, v in fields.items()}, counter=Counter.GATEKEEPER_KEPT,
@@ -90,7 +104,10 @@ def main(cfg: DapoConfig) -> int:
     gate = Gatekeeper(ctx.bus, metric=cfg.algorithm.gatekeeper_metric, enabled=cfg.algorithm.gatekeeper)
 
     def status() -> dict[str, Any]:
-        return {"kept": gate.kept, "filtered": gate.filtered, "pass_rate": round(gate.pass_rate, 4)}
+        return {
+            "kept": gate.kept, "filtered": gate.filtered, "pass_rate": round(gate.pass_rate, 4),
+            "evaluations": gate.evaluations,
+        }
 
     hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, status)
     try:

@@ -8,7 +8,8 @@ numbers (clip bounds, global token counts) in. Modules:
   data parallelism (section 5).
 - ``losses``: clipped policy loss with dual clip and truncated importance weights (sections 4
   and 9) and ``combine_losses`` (DAPO has no KL term).
-- ``entropy``: chunked, memory-light entropy and log-probs from logits.
+- ``entropy``: chunked, memory-light entropy and log-probs from logits, or straight from the
+  final hidden states (the logits never built).
 """
 
 from learner.algos.advantages import group_advantages
@@ -19,7 +20,7 @@ from learner.algos.aggregation import (
     count_seqs,
     count_tokens,
 )
-from learner.algos.entropy import entropy_from_logits, log_probs_from_logits
+from learner.algos.entropy import entropy_from_logits, log_probs_from_hidden, log_probs_from_logits
 from learner.algos.losses import DEFAULT_IS_CLIP, combine_losses, policy_loss
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "count_tokens",
     "entropy_from_logits",
     "group_advantages",
+    "log_probs_from_hidden",
     "log_probs_from_logits",
     "policy_loss",
 ]

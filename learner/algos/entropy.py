@@ -10,6 +10,11 @@ logits and their gradient. Each chunk is computed in float32 (float64 logits sta
 and results are returned in that dtype, not the logits' dtype: the PPO ratio
 ``exp(logp - old_logp)`` needs more than bf16's 8 mantissa bits.
 
+`log_probs_from_hidden` goes one step further and never builds the logits at all: it takes the
+final hidden states and the output projection, and computes each chunk's logits, log-probs and
+entropy in float32, keeping nothing of size V beyond one chunk in forward or backward. The
+learner uses it, so the [B, T, V] logits of a long-response batch never exist.
+
 Not guaranteed: a non-contiguous ``logits`` is copied once by ``reshape``; double backward
 (gradient of a gradient) is not supported.
 """
@@ -23,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["entropy_from_logits", "log_probs_from_logits"]
+__all__ = ["entropy_from_logits", "log_probs_from_hidden", "log_probs_from_logits"]
 
 
 def _row_chunks(n_rows: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -109,9 +114,60 @@ class _ChunkedLogProb(torch.autograd.Function):
         return grad, None, None
 
 
+class _ChunkedHead(torch.autograd.Function):
+    """Log-prob of the label and entropy per row, from hidden states h (N, H) and the output
+    projection W (V, H): z = h W^T / t. Gradients: d logp/dz = onehot(y) - p and
+    dH/dz = -p (z - sum(p z)); then dh = dz W / t and dW = dz^T h / t, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+        # hidden: (N, H), weight: (V, H), labels: (N,) -> logp (N,), entropy (N,)
+        # The projection runs in the weights' dtype, like the model's own lm_head (bf16 on a GPU);
+        # the softmax and everything after it in float32. No float32 copy of W is made.
+        dtype = _compute_dtype(hidden.dtype)
+        logp = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)  # (N,)
+        ent, lse_all = torch.empty_like(logp), torch.empty_like(logp)  # (N,)
+        for s, e in _row_chunks(hidden.shape[0], chunk_size):
+            z = _finite((hidden[s:e] @ weight.T).to(dtype) / temperature)  # (c, V)
+            lse = torch.logsumexp(z, dim=-1)  # (c,)
+            p = (z - lse.unsqueeze(-1)).exp()  # (c, V)
+            logp[s:e] = z.gather(-1, labels[s:e].unsqueeze(-1)).squeeze(-1) - lse
+            ent[s:e] = lse - (p * z).sum(dim=-1)
+            lse_all[s:e] = lse
+        ctx.save_for_backward(hidden, weight, labels, lse_all)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor, Tensor, None, None, None]:
+        hidden, weight, labels, lse_all = ctx.saved_tensors
+        dtype, t = lse_all.dtype, ctx.temperature
+        grad_h = torch.empty_like(hidden)  # (N, H)
+        grad_w = torch.zeros_like(weight)  # (V, H), in the weights' dtype like Linear's own backward
+        for s, e in _row_chunks(hidden.shape[0], ctx.chunk_size):
+            h = hidden[s:e]  # (c, H)
+            z = _finite((h @ weight.T).to(dtype) / t)  # (c, V)
+            p = (z - lse_all[s:e].unsqueeze(-1)).exp()  # (c, V)
+            dz = torch.zeros_like(z)  # (c, V)
+            if grad_logp is not None:
+                g = grad_logp[s:e].to(dtype).unsqueeze(-1)  # (c, 1)
+                dz -= g * p
+                dz.scatter_add_(-1, labels[s:e].unsqueeze(-1), g)
+            if grad_ent is not None:
+                g = grad_ent[s:e].to(dtype).unsqueeze(-1)  # (c, 1)
+                dz -= g * p * (z - (p * z).sum(dim=-1, keepdim=True))
+            dz = (dz / t).to(weight.dtype)
+            grad_h[s:e] = (dz @ weight).to(grad_h.dtype)
+            grad_w += dz.T @ h.to(weight.dtype)
+        return grad_h, grad_w, None, None, None
+
+
 # torch types ``Function.apply`` as untyped; these aliases give the calls their real signature.
 _entropy_rows: Callable[[Tensor, int], Tensor] = _ChunkedEntropy.apply
 _log_prob_rows: Callable[[Tensor, Tensor, int], Tensor] = _ChunkedLogProb.apply
+_head_rows: Callable[[Tensor, Tensor, Tensor, float, int], tuple[Tensor, Tensor]] = _ChunkedHead.apply
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -150,3 +206,23 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int = 1
     flat = logits.reshape(b * t, v)  # (B*T, V)
     out = _log_prob_rows(flat, labels.reshape(b * t).long(), chunk_size)  # (B*T,)
     return out.view(b, t)
+
+
+def log_probs_from_hidden(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """(log-prob of ``labels``, entropy) under ``softmax(hidden @ weight.T / temperature)``;
+    hidden [B, T, H], weight [V, H], labels [B, T] -> two [B, T] tensors in float32 (or float64).
+
+    Differentiable w.r.t. ``hidden`` and ``weight`` through both outputs; the [B, T, V] logits are
+    never built (module docstring). Pass ``chunk_size`` rows such that chunk_size x V floats fit.
+    """
+    _check_chunk_size(chunk_size)
+    if hidden.ndim != 3 or labels.shape != hidden.shape[:2] or weight.ndim != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"expected hidden [B, T, H], weight [V, H] and labels [B, T], got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)} and {tuple(labels.shape)}"
+        )
+    b, t, h = hidden.shape
+    logp, ent = _head_rows(hidden.reshape(b * t, h), weight, labels.reshape(b * t).long(), float(temperature), chunk_size)
+    return logp.view(b, t), ent.view(b, t)

@@ -10,7 +10,11 @@ group is never forwarded twice.
 Because acknowledged entries are deleted, a stage stream's length is exactly the work waiting
 or being processed at that stage, and the ledger balance is a real check, not a tautology:
 
-    issued == trained + filtered + stale + dead + sum(XLEN of the four stage streams)
+    issued + eval_issued == trained + filtered + stale + dead + evaluated + eval_dead
+                            + sum(XLEN of the five stage streams)
+
+(two lanes: training jobs end trained, filtered, stale or dead; evaluation jobs end evaluated or
+eval_dead).
 
 When Redis reaches `maxmemory` (policy `noeviction`, which `check_memory_policy` insists on)
 it refuses plain writes that may grow its memory (XADD, SET, HINCRBY, ...). Clients from
@@ -43,6 +47,8 @@ from redis.retry import Retry
 
 from services.contracts.keys import (
     LEDGER_DEAD,
+    LEDGER_EVAL_DEAD,
+    LEDGER_EVAL_ISSUED,
     LEDGER_ISSUED,
     LEDGER_OUTCOMES,
     Counter,
@@ -74,11 +80,12 @@ if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
 return 1
 """
 
-# KEYS: prompts stream, ledger. ARGV: n_fields, then n_fields*2 values per job, repeated.
+# KEYS: prompts stream, ledger. ARGV: ledger field, n_fields, then n_fields*2 values per job,
+# repeated.
 _ISSUE = """
-local n = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
 local count = 0
-local i = 2
+local i = 3
 while i <= #ARGV do
   local kv = {}
   for j = i, i + 2 * n - 1 do kv[#kv + 1] = ARGV[j] end
@@ -86,7 +93,7 @@ while i <= #ARGV do
   count = count + 1
   i = i + 2 * n
 end
-redis.call('HINCRBY', KEYS[2], 'issued', count)
+redis.call('HINCRBY', KEYS[2], ARGV[1], count)
 return count
 """
 
@@ -224,11 +231,25 @@ class LedgerSnapshot:
     stale: int
     dead: int
     in_flight: int
-    """Entries still in a stage stream (waiting or being processed), measured with XLEN."""
+    """Entries still in a stage stream (waiting or being processed), both lanes, measured with XLEN."""
+    eval_issued: int = 0
+    evaluated: int = 0
+    eval_dead: int = 0
 
     @property
     def balanced(self) -> bool:
-        return self.issued == self.trained + self.filtered + self.stale + self.dead + self.in_flight
+        ended = self.trained + self.filtered + self.stale + self.dead + self.evaluated + self.eval_dead
+        return self.issued + self.eval_issued == ended + self.in_flight
+
+    @property
+    def eval_in_flight(self) -> int:
+        """Evaluation jobs not yet evaluated or dead (by the lane's own counts)."""
+        return self.eval_issued - self.evaluated - self.eval_dead
+
+    @property
+    def train_in_flight(self) -> int:
+        """Training jobs still in a stream: what admission control and the drain look at."""
+        return self.in_flight - self.eval_in_flight
 
     def as_dict(self) -> dict[str, int | bool]:
         return {
@@ -237,6 +258,9 @@ class LedgerSnapshot:
             "filtered": self.filtered,
             "stale": self.stale,
             "dead": self.dead,
+            "eval_issued": self.eval_issued,
+            "evaluated": self.evaluated,
+            "eval_dead": self.eval_dead,
             "in_flight": self.in_flight,
             "balanced": self.balanced,
         }
@@ -282,12 +306,13 @@ class StreamBus:
                     raise
 
     # --- producing --------------------------------------------------------------------------
-    def issue(self, encoded_jobs: list[dict[str, bytes]]) -> int:
-        """Append prompt jobs and count them as issued, atomically."""
+    def issue(self, encoded_jobs: list[dict[str, bytes]], *, evaluation: bool = False) -> int:
+        """Append prompt jobs and count them as issued (`eval_issued` for evaluation jobs),
+        atomically."""
         if not encoded_jobs:
             return 0
         names = list(encoded_jobs[0])
-        argv: list[Any] = [len(names)]
+        argv: list[Any] = [LEDGER_EVAL_ISSUED if evaluation else LEDGER_ISSUED, len(names)]
         for job in encoded_jobs:
             if list(job) != names:
                 raise ValueError("every issued job must have the same fields in the same order")
@@ -296,8 +321,9 @@ class StreamBus:
         return int(self._issue(keys=[self.keys.prompts.stream, self.keys.ledger], args=argv))
 
     # --- consuming --------------------------------------------------------------------------
-    def read(self, stage: Stage, *, count: int, block_ms: int) -> list[Entry]:
-        """New entries for this consumer (blocking up to block_ms when there are none)."""
+    def read(self, stage: Stage, *, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries for this consumer (blocking up to block_ms when there are none; None:
+        never blocks)."""
         try:
             reply: Any = self.redis.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
         except redis.ResponseError as exc:
@@ -381,9 +407,11 @@ class StreamBus:
         """Move an entry to the dead-letter stream with the reason; count it.
 
         An entry that carries a group id was issued by the feeder and counts as `dead` in the
-        ledger; one without (garbage injected into a stream) is counted as `poison` only.
+        ledger (`eval_dead` for an evaluation job); one without (garbage injected into a stream)
+        is counted as `poison` only.
         """
         group_id = fields.get(b"group_id") or _group_id_from_meta(fields)
+        dead = LEDGER_EVAL_DEAD if _is_evaluation(fields) else LEDGER_DEAD
         record = {
             "stage": stage.stream.encode(),
             "entry_id": entry_id.encode(),
@@ -399,7 +427,7 @@ class StreamBus:
             entry_id,
             downstream=self.keys.dead,
             fields={k: v for k, v in record.items()},
-            outcome=LEDGER_DEAD if group_id else None,
+            outcome=dead if group_id else None,
             counter=Counter.DEAD_LETTERS if group_id else Counter.POISON_MESSAGES,
         )
 
@@ -414,7 +442,7 @@ class StreamBus:
         flat, *lengths = self._ledger(keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)])
         c = {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         return LedgerSnapshot(
-            issued=c.get(LEDGER_ISSUED, 0),
+            issued=c.get(LEDGER_ISSUED, 0), eval_issued=c.get(LEDGER_EVAL_ISSUED, 0),
             **{name: c.get(name, 0) for name in LEDGER_OUTCOMES},
             in_flight=sum(int(n) for n in lengths),
         )
@@ -615,6 +643,17 @@ def _int(raw: bytes | None, default: int) -> int:
 def _entry_id(pending: Any) -> str:
     eid = pending["message_id"]
     return str(eid.decode() if isinstance(eid, bytes) else eid)
+
+
+def _is_evaluation(fields: Fields) -> bool:
+    """An evaluation job, group or result (it dies in the evaluation lane of the ledger)."""
+    if fields.get(b"kind") == b"eval":
+        return True
+    try:
+        meta = json.loads(fields[b"meta"])
+        return bool(meta.get("eval") or meta.get("job", {}).get("eval"))
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def _group_id_from_meta(fields: Fields) -> bytes | None:

@@ -180,6 +180,30 @@ def load_prompts(path: str | Path) -> list[PromptRecord]:
     return records
 
 
+def distinct_problems(records: Sequence[PromptRecord]) -> list[PromptRecord]:
+    """The records with duplicate problems merged (same messages and ground truth), first
+    occurrence kept, order kept. AIME-style eval files repeat each problem (e.g. 32 times for
+    avg@32); evaluation samples k responses per distinct problem instead, which gives the same
+    expected avg@k for a fraction of the prompt tokens."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for rec in records:
+        key = (json.dumps(rec.messages, sort_keys=True), rec.ground_truth)
+        if key not in seen:
+            seen.add(key)
+            out.append(rec)
+    return out
+
+
+def load_eval_problems(path: str | Path, max_problems: int | None = None) -> list[PromptRecord]:
+    """The distinct problems of an eval file (see `distinct_problems`), the first `max_problems`."""
+    records = load_prompts(path)
+    problems = distinct_problems(records)
+    if len(problems) < len(records):
+        logger.info("%s: %d rows hold %d distinct problems; duplicates merged", path, len(records), len(problems))
+    return problems[:max_problems]
+
+
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
@@ -263,3 +287,10 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
         return text
     return "\n".join(m["content"] for m in messages)
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_len: int) -> list[int]:
+    """The prompt's token ids, left-truncated to `max_len` (the paper keeps the end of a long
+    prompt, where the question is)."""
+    ids: list[int] = tokenizer.encode(render_prompt(tokenizer, messages), add_special_tokens=False)
+    return ids[-max_len:]

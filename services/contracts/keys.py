@@ -10,13 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-# Ledger fields: every prompt job issued ends in exactly one of these, or is still in flight.
+# Ledger fields: every prompt job issued ends in exactly one outcome of its lane, or is still in
+# flight. Training lane: issued -> trained | filtered | stale | dead. Evaluation lane:
+# eval_issued -> evaluated | eval_dead.
 LEDGER_ISSUED = "issued"
 LEDGER_TRAINED = "trained"
 LEDGER_FILTERED = "filtered"
 LEDGER_STALE = "stale"
 LEDGER_DEAD = "dead"
-LEDGER_OUTCOMES = (LEDGER_TRAINED, LEDGER_FILTERED, LEDGER_STALE, LEDGER_DEAD)
+LEDGER_EVAL_ISSUED = "eval_issued"
+LEDGER_EVALUATED = "evaluated"
+LEDGER_EVAL_DEAD = "eval_dead"
+LEDGER_TRAIN_OUTCOMES = (LEDGER_TRAINED, LEDGER_FILTERED, LEDGER_STALE, LEDGER_DEAD)
+LEDGER_EVAL_OUTCOMES = (LEDGER_EVALUATED, LEDGER_EVAL_DEAD)
+LEDGER_OUTCOMES = (*LEDGER_TRAIN_OUTCOMES, *LEDGER_EVAL_OUTCOMES)
 
 
 class Counter(StrEnum):
@@ -117,8 +124,14 @@ class Keys:
         return Stage(self._k("stream", "train"), "learner")
 
     @property
+    def evals(self) -> Stage:
+        """Evaluation results (one per eval job, counts only), made by the gatekeeper from scored
+        evaluation groups; consumed by learner rank 0, which reports each round once complete."""
+        return Stage(self._k("stream", "evals"), "evaluation")
+
+    @property
     def stages(self) -> tuple[Stage, ...]:
-        return (self.prompts, self.rollouts, self.scored, self.train)
+        return (self.prompts, self.rollouts, self.scored, self.train, self.evals)
 
     @property
     def dead(self) -> str:
@@ -138,7 +151,7 @@ class Keys:
     # --- counters and state -------------------------------------------------------------------
     @property
     def ledger(self) -> str:
-        """Hash: issued / trained / filtered / stale / dead."""
+        """Hash: issued / trained / filtered / stale / dead, eval_issued / evaluated / eval_dead."""
         return self._k("ledger")
 
     @property

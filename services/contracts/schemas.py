@@ -2,7 +2,9 @@
 
 One message = one prompt group (ARCHITECTURE.md): a `PromptJob` issued by the feeder grows into a
 `RolloutGroup` (G responses + behaviour log-probs + the policy version that generated them) and then
-into a scored group (the same model with `scores` filled in). Scalars travel as one small JSON
+into a scored group (the same model with `scores` filled in). An evaluation job (`PromptJob.eval`
+set) travels the same way and is turned by the gatekeeper into an `EvalResult` for the learner's
+evaluation lane instead of being trained. Scalars travel as one small JSON
 field; token ids and log-probs travel as packed little-endian int32 / float32 arrays, never as
 JSON lists. Nothing is pickled. Anything that does not decode raises `SchemaError`, which the
 stream layer turns into a dead letter with the reason.
@@ -16,8 +18,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_VERSION = 2
-"""2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`."""
+SCHEMA_VERSION = 3
+"""2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
+3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message."""
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -30,8 +33,25 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+class EvalTag(_Msg):
+    """Marks a prompt job as evaluation: sampled with the eval settings, never trained, tallied
+    into its round (docs/algorithm.md s7, avg@k)."""
+
+    round_step: int = Field(ge=0)
+    """The learner step whose weights the round evaluates (0 = the base model)."""
+    policy_version: int = Field(ge=0)
+    """The policy version published at that step."""
+    problem: int = Field(ge=0)
+    """Index of this problem among the round's distinct problems."""
+    problems: int = Field(ge=1)
+    """Distinct problems in the round (duplicates in the eval file are merged)."""
+    samples: int = Field(ge=1)
+    """Responses to generate (k of avg@k)."""
+
+
 class PromptJob(_Msg):
-    """Work for a rollout replica: generate `group_size` responses to one prompt."""
+    """Work for a rollout replica: generate `group_size` responses to one prompt (or, for an
+    evaluation job, `eval.samples` responses with the eval sampling settings)."""
 
     group_id: str
     """Unique per issued job (`<run>-<cursor>`), the identity the ledger counts."""
@@ -44,6 +64,8 @@ class PromptJob(_Msg):
     """The learner's policy version when it issued the job; a replica generates with at least this
     version, so no group starts older than the admission bound allows."""
     issued_at: float
+    eval: EvalTag | None = None
+    """Set on evaluation jobs only."""
 
 
 class Response(_Msg):
@@ -75,6 +97,32 @@ class RolloutGroup(_Msg):
     @property
     def is_scored(self) -> bool:
         return self.rewards is not None
+
+
+class EvalResult(_Msg):
+    """One evaluation job's outcome, as the gatekeeper forwards it to the evaluation lane: counts
+    only (the responses themselves are not needed to compute avg@k)."""
+
+    group_id: str
+    tag: EvalTag
+    policy_version: int
+    """Version of the weights that generated the responses (at least the round's)."""
+    correct: int = Field(ge=0)
+    samples: int = Field(ge=1)
+    response_tokens: int = Field(ge=0)
+    truncated: int = Field(ge=0)
+    """Responses cut at `rollout.max_response_len`."""
+
+    @classmethod
+    def of(cls, group: RolloutGroup) -> EvalResult:
+        if group.job.eval is None or group.acc is None:
+            raise SchemaError(f"group {group.job.group_id} is not a scored evaluation group")
+        return cls(
+            group_id=group.job.group_id, tag=group.job.eval, policy_version=group.policy_version,
+            correct=sum(bool(a) for a in group.acc), samples=len(group.responses),
+            response_tokens=sum(len(r.token_ids) for r in group.responses),
+            truncated=sum(r.finish_reason == "length" for r in group.responses),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,13 +213,30 @@ def encode_group(group: RolloutGroup) -> dict[str, bytes]:
     }
 
 
-def _header(fields: dict[bytes, bytes], kind: str) -> dict[str, object]:
+def encode_eval_result(result: EvalResult) -> dict[str, bytes]:
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": b"eval",
+        "group_id": result.group_id.encode(),
+        "meta": json.dumps(result.model_dump(), separators=(",", ":")).encode(),
+    }
+
+
+def decode_eval_result(fields: dict[bytes, bytes]) -> EvalResult:
+    meta = _header(fields, "eval", packed=())
+    try:
+        return EvalResult.model_validate(meta)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid eval result: {_first_error(exc)}") from None
+
+
+def _header(fields: dict[bytes, bytes], kind: str, packed: tuple[bytes, ...] = (b"prompt_ids",)) -> dict[str, object]:
     version = fields.get(b"v")
     if version != str(SCHEMA_VERSION).encode():
         raise SchemaError(f"schema version {version!r}, expected {SCHEMA_VERSION}")
     if fields.get(b"kind") != kind.encode():
         raise SchemaError(f"message kind {fields.get(b'kind')!r}, expected {kind!r}")
-    for name in (b"meta", b"prompt_ids"):
+    for name in (b"meta", *packed):
         if name not in fields:
             raise SchemaError(f"missing field {name.decode()!r}")
     try:

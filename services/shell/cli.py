@@ -71,9 +71,8 @@ def _cmd_gatekeeper(args: argparse.Namespace) -> int:
 
 def _cmd_learner(args: argparse.Namespace) -> int:
     from learner.service import main
-    from services.shell.evaluation import make_evaluator
 
-    return main(_config(args), make_evaluator)
+    return main(_config(args))
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -1,11 +1,10 @@
-"""avg@k evaluation (docs/algorithm.md s7: AIME 2024 avg@32 = mean accuracy over 32 samples per
-problem): `dapo eval` on a model directory, and the evaluator the shell injects into the learner.
+"""`dapo eval`: avg@k of a model directory on the eval set (docs/algorithm.md s7: AIME 2024 avg@32 =
+mean accuracy over 32 samples per distinct problem), with the configured engine (vLLM on a GPU)
+and verifier, in this process.
 
-The learner (a stage) never imports an inference engine or a verifier (other stages); it is
-handed an `Evaluator` built here from the rollout stage's engine and the reward stage's scorer.
-Departure from ARCHITECTURE.md, until evaluation travels the prompt stream to the rollout
-replicas: rank 0 evaluates in its own process with the transformers engine, which suits the
-tiny CPU preset, not a 32B model.
+A training run does not use this: its evaluations travel the prompt stream to the rollout
+replicas (`learner/evaluation.py`). Both evaluate the distinct problems of the eval file with the
+eval sampling settings, so their numbers compare.
 """
 
 from __future__ import annotations
@@ -14,15 +13,12 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable
 from typing import Any
-
-from torch import Tensor
 
 from reward.verifiers import make_scorer
 from rollout.engine import Engine
 from services.contracts.config import DapoConfig
-from services.contracts.data import PromptRecord, load_prompts, render_prompt
+from services.contracts.data import PromptRecord, encode_prompt, load_eval_problems
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +26,8 @@ log = logging.getLogger(__name__)
 def eval_prompts(cfg: DapoConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[list[int]]]:
     if not cfg.data.eval_path:
         return [], []
-    records = load_prompts(cfg.data.eval_path)[: cfg.eval.max_problems]
-    prompts = [
-        tokenizer.encode(render_prompt(tokenizer, r.messages), add_special_tokens=False)[-cfg.data.max_prompt_len :]
-        for r in records
-    ]
-    return records, prompts
+    records = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems)
+    return records, [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in records]
 
 
 def evaluate(
@@ -68,37 +60,6 @@ def evaluate(
         "eval/samples_per_problem": float(k),
         "eval/seconds": time.monotonic() - start,
     }
-
-
-class EngineEvaluator:
-    """The learner's evaluator: the transformers engine on CPU, loaded once from `model.path`,
-    handed the policy's weights before each evaluation."""
-
-    def __init__(self, cfg: DapoConfig) -> None:
-        from transformers import AutoTokenizer
-
-        from rollout.hf_engine import HFEngine
-
-        self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.records, self.prompts = eval_prompts(cfg, self.tokenizer)
-        self.engine = HFEngine(cfg.model.path, seed=cfg.learner.seed) if self.records else None
-
-    def evaluate(self, weights: Iterable[tuple[str, Tensor]], step: int) -> dict[str, float]:
-        if self.engine is None:
-            return {}
-        self.engine.update_weights(weights)
-        result = evaluate(self.engine, self.tokenizer, self.records, self.prompts, self.cfg)
-        log.info("eval at step %d: avg@%d = %.3f", step, self.cfg.eval.samples_per_problem, result["eval/acc"])
-        return result
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
-
-def make_evaluator(cfg: DapoConfig) -> EngineEvaluator:
-    return EngineEvaluator(cfg)
 
 
 def main(cfg: DapoConfig, model_dir: str | None = None) -> int:

@@ -129,7 +129,7 @@ class Progress:
             f"step {state.get('step', 0)}/{self.total} [{state.get('state', 'starting')}] "
             f"reward {m.get('critic/rewards/mean', float('nan')):.3f} acc {m.get('rollout/acc_mean', float('nan')):.3f} "
             f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
-            f"| issued {led.issued} trained {led.trained} filtered {led.filtered} stale {led.stale} in-flight {led.in_flight}"
+            f"| issued {led.issued} trained {led.trained} filtered {led.filtered} stale {led.stale} evaluated {led.evaluated}/{led.eval_issued} in-flight {led.in_flight}"
         )
 
     def show(self) -> None:
@@ -195,6 +195,7 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
         "replica_final_versions": replica_versions,
         "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
+        "gatekeeper_evaluations": sum(int(s.get("evaluations", 0)) for s in bus.final_stats("gatekeeper").values()),
         "eval_history": bus.eval_history(),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},

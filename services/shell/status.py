@@ -98,7 +98,8 @@ def prometheus_text(status: dict[str, Any]) -> str:
         if outcome != "balanced":
             kind = "gauge" if outcome == "in_flight" else "counter"
             metric(f"ledger_{outcome}" + ("" if kind == "gauge" else "_total"), kind, f"Prompt jobs {outcome}.", count)
-    metric("ledger_balanced", "gauge", "1 when issued = trained + filtered + stale + dead + in flight.", float(status["ledger"]["balanced"]))
+    metric("ledger_balanced", "gauge", "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead + in flight.",
+           float(status["ledger"]["balanced"]))
     for stage, depth in status["stream_depths"].items():
         metric("stream_depth", "gauge", "Entries waiting or in progress per stage.", depth, f'{{stage="{stage}"}}')
     mem = status["redis_memory"]
@@ -130,8 +131,9 @@ def format_status(status: dict[str, Any]) -> str:
         ("run", status["run_name"]),
         ("step / policy version", f"{status['step']} / {status['policy_version']}"),
         ("learner", status["learner_state"]),
-        ("ledger", f"issued {led['issued']} = trained {led['trained']} + filtered {led['filtered']} + stale {led['stale']} "
-                   f"+ dead {led['dead']} + in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})"),
+        ("ledger", f"issued {led['issued']} + eval {led['eval_issued']} = trained {led['trained']} + filtered {led['filtered']} "
+                   f"+ stale {led['stale']} + dead {led['dead']} + evaluated {led['evaluated']} + eval dead {led['eval_dead']} "
+                   f"+ in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})"),
         ("stream depths", ", ".join(f"{k} {v}" for k, v in status["stream_depths"].items())),
         ("dead letters", str(status["dead_letters"])),
         ("redis memory", _memory_line(status["redis_memory"])),

@@ -1,9 +1,9 @@
 """End to end: `dapo run` on the tiny preset, every service a real process, learns.
 
 Shorter than the README's main job, same code path: embedded Redis, 2 rollout replicas,
-reward worker, gatekeeper, FSDP2 learner, API. Asserts outcomes: eval accuracy rose, the
-parameters changed, the ledger balances with nothing in flight, and every replica ended on the
-final policy version.
+reward worker, gatekeeper, FSDP2 learner, API. Asserts outcomes: eval accuracy rose (evaluated
+by the replicas), the parameters changed, the ledger balances with nothing in flight, and every
+replica ended on the final policy version.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     assert rise >= 0.08, f"eval accuracy {summary['base_eval_acc']:.3f} -> {summary['final_eval_acc']:.3f}"
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["trained"] == steps * 16
+    # Evaluation ran on the replicas: 4 rounds (base, steps 40 and 80, final) of flagged jobs went
+    # through the pipeline and the gatekeeper, none trained, each recorded under its step.
+    assert [step for step, _ in summary["eval_history"]] == [0, 40, 80, steps]
+    assert ledger["eval_issued"] > 0 and ledger["eval_issued"] % 4 == 0 and ledger["evaluated"] == ledger["eval_issued"]
+    assert summary["gatekeeper_evaluations"] == ledger["eval_issued"] and ledger["eval_dead"] == 0
     assert summary["counters"].get("trained_twice", 0) == 0
     versions = summary["replica_final_versions"]
     assert len(versions) == 2 and set(versions.values()) == {summary["policy_version"]}

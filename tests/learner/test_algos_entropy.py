@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Categorical
 
-from learner.algos import entropy_from_logits, log_probs_from_logits
+from learner.algos import entropy_from_logits, log_probs_from_hidden, log_probs_from_logits
 
 B, T, V = 3, 4, 11  # B*T = 12 rows
 
@@ -104,3 +104,38 @@ def test_bad_arguments() -> None:
         entropy_from_logits(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="labels"):
         log_probs_from_logits(_logits(), torch.zeros(B, T + 1, dtype=torch.long))
+
+
+# --- straight from the hidden states ---------------------------------------------------------------
+def test_the_fused_head_matches_the_logits_path_values_and_gradients() -> None:
+    """log_probs_from_hidden == log_softmax(h W^T / t) gathered, and entropy, with the same
+    gradients w.r.t. h and W through both outputs, for chunks that do not divide the rows."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=gen)
+    weights = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    logp, ent = log_probs_from_hidden(h, w, labels, temperature=0.7, chunk_size=3)
+    ((logp * weights).sum() + 0.3 * ent.sum()).backward()
+    got = (logp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
+    h.grad, w.grad = None, None
+    logits = h @ w.T / 0.7
+    ref_logp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(logits, -1)
+    ref_ent = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    ((ref_logp * weights).sum() + 0.3 * ref_ent.sum()).backward()
+    for a, b in zip(got, (ref_logp, ref_ent, h.grad, w.grad), strict=True):
+        torch.testing.assert_close(a, b.detach())
+    assert torch.autograd.gradcheck(lambda x, y: log_probs_from_hidden(x, y, labels, chunk_size=4), (h.detach().requires_grad_(), w.detach().requires_grad_()))
+
+
+def test_the_fused_head_skips_the_entropy_gradient_when_the_loss_does_not_use_it() -> None:
+    h = torch.randn(1, 4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 7, (1, 4))
+    logp, _ = log_probs_from_hidden(h, w, labels)
+    logp.sum().backward()
+    ref = torch.log_softmax(h @ w.T, -1).gather(-1, labels.unsqueeze(-1)).sum()
+    g_h, g_w = torch.autograd.grad(ref, (h, w))
+    torch.testing.assert_close(h.grad, g_h)
+    torch.testing.assert_close(w.grad, g_w)

@@ -30,7 +30,7 @@ from learner.commands import (
     resumed_policy_version,
 )
 from learner.control import NullControl
-from learner.evaluation import NullEvaluator
+from learner.evaluation import NullEvaluations
 from learner.export import NullExporter
 from learner.loop import LearnerLoop
 from learner.publish import NullPublisher
@@ -148,18 +148,29 @@ class FakePublisher:
         return iter(self.weights.items())
 
 
-class FakeEvaluator:
+class FakeEvaluations:
+    """Issued rounds complete one poll later (replicas generate them meanwhile); acc 0.1 per round."""
+
     def __init__(self) -> None:
-        self.calls: list[tuple[int, float]] = []  # (step, the weight's value it saw)
-        self.closed = False
+        self.issued: list[Progress] = []
+        self.queued: list[Progress] = []
+        self.waited = False
 
-    def evaluate(self, weights: Iterable[tuple[str, Tensor]], step: int) -> dict[str, float]:
-        w = dict(weights)["w"]
-        self.calls.append((step, float(w[0, 0])))
-        return {"eval/acc": 0.1 * len(self.calls), "eval/response_length": 3.0}
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.queued)
 
-    def close(self) -> None:
-        self.closed = True
+    def issue(self, progress: Progress) -> None:
+        self.issued.append(progress)
+        self.queued.append(progress)
+
+    def poll(self) -> list[tuple[int, dict[str, float]]]:
+        done, self.queued = self.queued, []
+        return [(p.step, {"eval/acc": 0.1 * (self.issued.index(p) + 1), "eval/response_length": 3.0}) for p in done]
+
+    def wait(self, timeout_s: float) -> list[tuple[int, dict[str, float]]]:
+        self.waited = True
+        return self.poll()
 
 
 class FakeExporter:
@@ -287,7 +298,7 @@ def config(tmp_path: Path, *overrides: str) -> DapoConfig:
 def rank0(cfg: DapoConfig, **parts: Any) -> tuple[LearnerLoop, dict[str, Any]]:
     parts = {
         "trainer": FakeTrainer(), "checkpoints": FakeCheckpoints(), "source": FakeSource([]), "publisher": FakePublisher(),
-        "evaluator": FakeEvaluator(), "exporter": FakeExporter(), "control": FakeControl(), "reporter": FakeReporter(),
+        "evaluations": FakeEvaluations(), "exporter": FakeExporter(), "control": FakeControl(), "reporter": FakeReporter(),
         "share": Recorder(), "stop": FakeStop(), **parts,
     }
     return LearnerLoop(cfg, **parts), parts
@@ -319,8 +330,8 @@ def test_a_completed_run_evaluates_drains_exports_and_records_the_summary(tmp_pa
     loop, p = rank0(cfg, source=source, control=FakeControl([None, None, None, None]))
     assert loop.run() == 0
     assert [v for _, v in p["trainer"].steps] == [0, 1, 2, 3]
-    assert [s for s, _ in p["evaluator"].calls] == [0, 2, 4]  # base, periodic, final
-    assert p["evaluator"].calls[0][1] == 0.0 and p["evaluator"].calls[-1][1] == 4.0  # on the staged weights
+    assert p["evaluations"].issued == [Progress(0, 0), Progress(2, 2), Progress(4, 4)]  # base, periodic, final
+    assert p["evaluations"].waited  # the end of the run waits for the final round
     assert p["checkpoints"].saved == [(3, False), (4, False)]  # periodic, then the end of the run
     assert p["exporter"].outs == [Path("/ckpt/step_3/hf"), Path("/ckpt/step_4/hf"), tmp_path / "final_model"]
     assert source.drained and source.accounted == ["e-a", "e-b", "e-c", "e-d"]
@@ -328,8 +339,9 @@ def test_a_completed_run_evaluates_drains_exports_and_records_the_summary(tmp_pa
     assert info[RunField.FINISHED] == 1 and info[RunField.STEPS] == 4 and info[RunField.POLICY_VERSION] == 4
     assert info[RunField.BASE_EVAL_ACC] == pytest.approx(0.1) and info[RunField.FINAL_EVAL_ACC] == pytest.approx(0.3)
     assert info[RunField.FINAL_MODEL] == str(tmp_path / "final_model")
-    assert p["control"].states[-1][0] == "finished" and p["evaluator"].closed and p["control"].closed
-    assert "eval/acc" in p["reporter"].reports[1][1]  # step 2's record carries its evaluation
+    assert p["control"].states[-1][0] == "finished" and p["control"].closed
+    assert [s for s, _ in p["reporter"].evals] == [0, 2, 4]  # each round recorded under the step it evaluated
+    assert "eval/acc" not in p["reporter"].reports[1][1]  # training never waited for an evaluation
 
 
 def test_stop_finishes_the_step_checkpoints_and_exits_without_draining(tmp_path: Path) -> None:
@@ -411,7 +423,7 @@ def test_other_ranks_follow_rank_0_with_null_collaborators(tmp_path: Path) -> No
     follower_trainer, follower_ckpt = FakeTrainer(), FakeCheckpoints(ckpt)
     follower = LearnerLoop(
         cfg, trainer=follower_trainer, checkpoints=follower_ckpt, source=NullSource(), publisher=NullPublisher(),
-        evaluator=NullEvaluator(), exporter=NullExporter(), control=NullControl(), reporter=NullReporter(),
+        evaluations=NullEvaluations(), exporter=NullExporter(), control=NullControl(), reporter=NullReporter(),
         share=Replay(share.shared), stop=FakeStop(),
     )
     assert follower.run() == 0

@@ -42,7 +42,7 @@ def test_hop_is_exactly_once(bus: StreamBus) -> None:
     assert bus.hop(bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group))
     # A second worker that had reclaimed the same entry finishes late: nothing is written.
     assert not bus.hop(bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group))
-    assert bus.depths() == {"rollout": 0, "reward": 1, "gatekeeper": 0, "learner": 0}
+    assert bus.depths() == {"rollout": 0, "reward": 1, "gatekeeper": 0, "learner": 0, "evaluation": 0}
     assert bus.ledger().balanced
 
 
