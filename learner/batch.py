@@ -2,7 +2,13 @@
 
 Layout: each row is one response, `prompt (left-padded to P) + response (right-padded to R)`.
 The logits that score response token t sit at position P - 1 + t, so the trainer slices
-`logits[:, P-1 : P-1+R]` against `responses`. Advantages are computed here, after dynamic
+`logits[:, P-1 : P-1+R]` against `responses`.
+
+`pack_groups` re-lays a micro-batch of whole groups for the model: one row per group, its prompt
+once and then each response in a slot of width R, with an attention mask that lets every slot
+see the prompt and itself only. Each response then sees exactly the tokens and positions it sees
+in its own row, so log-probs and gradients are those of the row layout, while a group's prompt is
+computed once instead of G times. Advantages are computed here, after dynamic
 sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token, sum to
 the response return, which is normalised within the group (s3) and shared by every token.
 """
@@ -10,6 +16,7 @@ the response return, which is normalised within the group (s3) and shared by eve
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -87,3 +94,60 @@ def build_batch(
         group_index=group_index,
         prompt_len=P,
     )
+
+
+class PackedGroups(NamedTuple):
+    """A micro-batch laid out one row per group (module docstring); L = P + S x R."""
+
+    input_ids: Tensor  # (g, L) long: the prompt (left-padded to P), then S response slots of width R
+    position_ids: Tensor  # (g, L) long: each slot continues the prompt's positions
+    attention_mask: Tensor  # (g, 1, L, L) bool: True where a query position may attend to a key
+    keep: Tensor  # (S x R,) long: the positions whose hidden states predict each slot's tokens
+    rows: Tensor  # (g, S) long: the micro-batch row in each slot (-1: an empty slot)
+
+
+def pack_groups(mb: TrainBatch) -> PackedGroups:
+    """One row per group of `mb` (its rows need not be contiguous); see the module docstring."""
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(mb.group_index.tolist()):
+        members.setdefault(group, []).append(row)
+    groups = list(members.values())
+    g, S, P, R = len(groups), max(len(m) for m in groups), mb.prompt_len, mb.responses.shape[1]
+    L = P + S * R
+    input_ids = torch.zeros((g, L), dtype=torch.long)
+    position_ids = torch.zeros((g, L), dtype=torch.long)
+    key_ok = torch.ones((g, L), dtype=torch.bool)  # prompt padding is never attended to
+    rows = torch.full((g, S), -1, dtype=torch.long)
+    for k, group_rows in enumerate(groups):
+        first = group_rows[0]
+        input_ids[k, :P] = mb.input_ids[first, :P]
+        position_ids[k, :P] = mb.position_ids[first, :P]
+        key_ok[k, :P] = mb.attention_mask[first, :P].bool()
+        prompt_len = int(mb.attention_mask[first, :P].sum())
+        for s, row in enumerate(group_rows):
+            start = P + s * R
+            input_ids[k, start : start + R] = mb.responses[row]
+            position_ids[k, start : start + R] = torch.arange(prompt_len, prompt_len + R)
+            rows[k, s] = row
+    slot = torch.cat([torch.full((P,), -1), torch.arange(S).repeat_interleave(R)])  # (L,): -1 = prompt
+    pos = torch.arange(L)
+    causal = pos.unsqueeze(1) >= pos.unsqueeze(0)  # (L, L): query i, key j <= i
+    visible = (slot.unsqueeze(0) == -1) | (slot.unsqueeze(0) == slot.unsqueeze(1))  # the prompt, or the same slot
+    mask = (causal & visible).unsqueeze(0) & key_ok.unsqueeze(1)  # (g, L, L)
+    mask |= torch.eye(L, dtype=torch.bool)  # a padding query attends to itself (no empty softmax row)
+    t = torch.arange(R).repeat(S)  # (S*R,)
+    keep = torch.where(t == 0, P - 1, P + torch.arange(S).repeat_interleave(R) * R + t - 1)
+    return PackedGroups(input_ids, position_ids, mask.unsqueeze(1), keep, rows)
+
+
+def packing_saves_flops(mb: TrainBatch, *, hidden: int, intermediate: int) -> bool:
+    """True when the packed layout costs fewer FLOPs per layer than one row per response: it
+    saves (G - 1) prompts' projections but its attention spans the whole group. Per token the
+    projections cost ~2(4h^2 + 3hi), per attended pair ~4h."""
+    groups = int(mb.group_index.unique().numel())
+    B, P, R = len(mb), mb.prompt_len, mb.responses.shape[1]
+    S = -(-B // groups)
+    per_token, per_pair = 2 * (4 * hidden * hidden + 3 * hidden * intermediate), 4 * hidden
+    rows_cost = B * ((P + R) * per_token + (P + R) ** 2 * per_pair)
+    L = P + S * R
+    return groups * (L * per_token + L * L * per_pair) < rows_cost and groups * L * L <= 64 * 2**20

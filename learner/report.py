@@ -75,6 +75,7 @@ def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, 
     lengths = [len(r.token_ids) for g in groups for r in g.responses]
     lags = [float(trained_on - g.policy_version) for g in groups]
     truncated = sum(r.finish_reason == "length" for g in groups for r in g.responses)
+    spans = [r.versions[1] - r.versions[0] for g in groups for r in g.responses if r.versions is not None]
     return {
         "critic/rewards/mean": _mean(rewards),
         "critic/score/mean": _mean(scores),
@@ -83,6 +84,7 @@ def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, 
         "response_length/max": float(max(lengths, default=0)),
         "response_length/clip_ratio": truncated / max(len(lengths), 1),
         "rollout/version_lag_mean": _mean(lags),
+        "rollout/updated_in_flight": _mean([float(span > 0) for span in spans]),  # sampled by 2+ versions
         "rollout/tokens": float(sum(lengths)),
         "rollout/groups": float(len(groups)),
     }

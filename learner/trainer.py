@@ -4,14 +4,21 @@ Each learner rank holds a shard of the model (`fully_shard` per decoder layer, t
 gloo on CPU and NCCL on GPU. A training step:
 
 1. splits the batch into `epochs x (train_batch_groups / mini_batch_groups)` mini-batches of whole
-   groups, each mini-batch's rows dealt round-robin to the ranks and cut into micro-batches;
-2. recomputes `old_log_prob` for every row with the weights the batch arrived to (no grad);
+   groups, each mini-batch's rows (or, when prompts are shared, its groups) dealt round-robin to
+   the ranks and cut into micro-batches;
+2. recomputes `old_log_prob` with the weights the batch arrived to (no grad) for the rows of
+   every mini-batch but the first: the first trains on those very weights, so its `old_log_prob`
+   is its own forward pass, detached, and needs no extra pass;
 3. for each mini-batch: counts its valid tokens (and sequences) over all its rows (every rank
    holds the whole batch, so that count is already global), accumulates micro-batch losses
    normalised by that GLOBAL count (docs/algorithm.md s5; the loss is multiplied by the world
    size because FSDP averages gradients across ranks), clips the gradient norm and steps AdamW,
    so 1, 2 or 4 ranks take the same step (`bench/multirank_check.py`);
 4. advances the warm-up schedule once per training step (paper: warm-up over rollout steps).
+
+When it saves FLOPs (`learner.share_prompts`), a micro-batch runs one row per group, the prompt
+once and the responses packed behind it (`learner.batch.pack_groups`): on the CPU preset's short
+responses after longer prompts that halves the tokens the model processes.
 
 Log-probs and entropy come straight from the final hidden states (`ResponseHead`): the model
 runs up to its last layer, and the output projection, softmax and gather run chunk by chunk
@@ -50,7 +57,7 @@ from learner.algos import (
     log_probs_from_hidden,
     policy_loss,
 )
-from learner.batch import TrainBatch
+from learner.batch import TrainBatch, pack_groups, packing_saves_flops
 from services.contracts.config import DapoConfig
 
 log = logging.getLogger(__name__)
@@ -191,8 +198,8 @@ class Trainer:
             mp=mixed_precision(le.mixed_precision, self.device), checkpointing=le.activation_checkpointing,
         )
         self.head = ResponseHead(self.model.get_output_embeddings(), cfg.rollout.temperature)
+        self.share_prompts = False  # decided per step (`_plan`)
         model = self.model
-        le = cfg.learner
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=le.lr, betas=le.betas, weight_decay=le.weight_decay)
         warmup = le.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -203,6 +210,8 @@ class Trainer:
     # --- forward -----------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(log_prob (B, R), entropy (B, R) or None) of the response tokens."""
+        if self.share_prompts:
+            return self._forward_packed(mb, entropy=entropy)
         P, R = mb.prompt_len, mb.responses.shape[1]
         with self.head.scoring(mb.responses.to(self.device)):
             out = self.model(
@@ -211,7 +220,25 @@ class Trainer:
                 position_ids=mb.position_ids.to(self.device),
                 logits_to_keep=torch.arange(P - 1, P - 1 + R, device=self.device),  # the positions predicting responses
             )
-        scored = out.logits  # (B, R, 2): log-prob, entropy
+        return self._split(out.logits, entropy)  # (B, R, 2): log-prob, entropy
+
+    def _forward_packed(self, mb: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """The same as `_forward`, one row per group (`learner.batch.pack_groups`)."""
+        packed = pack_groups(mb)
+        P, R, (g, S) = mb.prompt_len, mb.responses.shape[1], packed.rows.shape
+        ids = packed.input_ids.to(self.device)
+        with self.head.scoring(ids[:, P:]):  # slot tokens are the labels of the kept positions
+            out = self.model(
+                input_ids=ids, attention_mask=packed.attention_mask.to(self.device),
+                position_ids=packed.position_ids.to(self.device), logits_to_keep=packed.keep.to(self.device),
+            )
+        slots = out.logits.reshape(g * S, R, 2)  # (slots, R, 2) in slot order
+        rows = packed.rows.reshape(-1)
+        filled = (rows >= 0).nonzero().squeeze(-1).to(self.device)
+        order = rows[rows >= 0].argsort().to(self.device)  # slot -> micro-batch row order
+        return self._split(slots.index_select(0, filled).index_select(0, order), entropy)
+
+    def _split(self, scored: Tensor, entropy: bool) -> tuple[Tensor, Tensor | None]:
         ent = scored[..., 1] if entropy else None
         if ent is not None and self.cfg.algorithm.entropy_coef == 0:
             ent = ent.detach()  # a metric only
@@ -232,15 +259,32 @@ class Trainer:
                 minis.append([i for i, g in enumerate(batch.group_index.tolist()) if g in chosen])
         return minis
 
-    def _micro_batches(self, rows: list[int]) -> list[list[int]]:
+    def _micro_batches(self, rows: list[int], group_index: list[int]) -> list[list[int]]:
         """This rank's share of a mini-batch, as micro-batches; every rank gets the same count
         (FSDP's collectives need equal numbers of forward/backward calls), an empty slot being
-        a masked-out copy of the first row."""
-        mine = rows[self.rank :: self.world]
-        per_rank = math.ceil(len(rows) / self.world)
-        n_micro = max(1, math.ceil(per_rank / self.cfg.learner.micro_batch_size))
-        size = self.cfg.learner.micro_batch_size
-        return [mine[i * size : (i + 1) * size] or [-1] for i in range(n_micro)]
+        a masked-out copy of the first row. Rows are dealt one by one, or whole groups at a time
+        when prompts are shared (a packed row holds a whole group)."""
+        units: list[list[int]] = [[r] for r in rows]
+        if self.share_prompts:
+            by_group: dict[int, list[int]] = {}
+            for r in rows:
+                by_group.setdefault(group_index[r], []).append(r)
+            units = list(by_group.values())
+        mine = units[self.rank :: self.world]
+        per_rank = math.ceil(len(units) / self.world)
+        size = max(1, self.cfg.learner.micro_batch_size // max(len(u) for u in units))  # units per micro-batch
+        n_micro = max(1, math.ceil(per_rank / size))
+        return [[r for u in mine[i * size : (i + 1) * size] for r in u] or [-1] for i in range(n_micro)]
+
+    def _plan(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Mini-batches and, per mini-batch, this rank's micro-batches; decides prompt sharing
+        (P and R are the batch's, so the whole batch answers for every micro-batch)."""
+        setting, config = self.cfg.learner.share_prompts, self.model.config
+        self.share_prompts = setting == "always" or (
+            setting == "auto" and packing_saves_flops(batch, hidden=config.hidden_size, intermediate=config.intermediate_size)
+        )
+        minis, groups = self._mini_batches(batch), batch.group_index.tolist()
+        return minis, [self._micro_batches(rows, groups) for rows in minis]
 
     def _select(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
         if rows == [-1]:
@@ -252,6 +296,7 @@ class Trainer:
     # --- the update --------------------------------------------------------------------------
     @torch.no_grad()
     def _old_log_probs(self, batch: TrainBatch, plan: list[list[list[int]]]) -> Tensor:
+        """old_log_prob of the rows in `plan`'s micro-batches (zeros elsewhere)."""
         old = torch.zeros_like(batch.behaviour_log_prob)
         self.model.eval()
         for micro in (m for mini in plan for m in mini):
@@ -264,16 +309,14 @@ class Trainer:
     def train_step(self, batch: TrainBatch, policy_version: int) -> dict[str, float]:
         """One DAPO step on `batch` with the weights of `policy_version`; metrics averaged over ranks."""
         alg = self.cfg.algorithm
-        minis = self._mini_batches(batch)
-        plan = [self._micro_batches(rows) for rows in minis]
-        old = self._old_log_probs(batch, plan)
+        minis, plan = self._plan(batch)
+        old = self._old_log_probs(batch, plan[1:])  # the first mini-batch's come from its own pass
         # Off-policy rows only get the behaviour correction (docs/algorithm.md s9).
         off_policy = (batch.policy_version < policy_version).unsqueeze(-1)  # (B, 1)
-        behaviour = torch.where(off_policy, batch.behaviour_log_prob, old)
         self.model.train()
         sums: dict[str, float] = {}
         grad_norms = []
-        for mini_rows, micros in zip(minis, plan, strict=True):
+        for mini_index, (mini_rows, micros) in enumerate(zip(minis, plan, strict=True)):
             # Every rank holds the whole batch, so counts over the mini-batch's rows are already
             # global: all-reducing them again would divide the loss by world size (docs/algorithm.md s5).
             global_tokens = float(count_tokens(batch.response_mask[mini_rows]))
@@ -283,11 +326,13 @@ class Trainer:
                 idx = torch.tensor(micro if micro != [-1] else [0])
                 logp, ent = self._forward(mb, entropy=True)
                 mask = mb.response_mask.to(self.device)
+                # Before the first update the weights are still those the batch arrived to.
+                old_mb = logp.detach() if mini_index == 0 else old[idx].to(self.device)
+                behaviour = torch.where(off_policy[idx].to(self.device), mb.behaviour_log_prob.to(self.device), old_mb)
                 pg_loss, metrics = policy_loss(
-                    logp, old[idx].to(self.device), mb.advantages.to(self.device), mask,
+                    logp, old_mb, mb.advantages.to(self.device), mask,
                     clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, loss_agg=alg.loss_agg,
-                    global_tokens=global_tokens, global_seqs=global_seqs,
-                    behaviour_log_prob=behaviour[idx].to(self.device), is_clip=alg.is_clip,
+                    global_tokens=global_tokens, global_seqs=global_seqs, behaviour_log_prob=behaviour, is_clip=alg.is_clip,
                 )
                 ent_term = (aggregate_loss(ent, mask, alg.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs)
                             if alg.entropy_coef and ent is not None else None)

@@ -6,7 +6,7 @@ the light transformers engine are interchangeable (`rollout.engine`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -14,14 +14,23 @@ import torch
 from rollout.sample import Sample
 from services.contracts.config import DapoConfig
 
-__all__ = ["Engine", "Sample", "make_engine"]
+__all__ = ["BetweenSteps", "Engine", "Sample", "make_engine"]
+
+
+BetweenSteps = Callable[[], int]
+"""Called by an engine between two decode steps of a generation; it may swap in new weights
+(through `update_weights`) and returns the policy version the engine holds from then on."""
 
 
 class Engine(Protocol):
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+        between_steps: BetweenSteps | None = None,
     ) -> list[list[Sample]]:
-        """For each prompt, n samples. Log-probs are of the temperature-scaled distribution."""
+        """For each prompt, n samples. Log-probs are of the temperature-scaled distribution,
+        each token's under the weights that sampled it. With `between_steps`, weights may change
+        between decode steps (in-flight updates): responses in flight continue under the new
+        weights, and each sample's `versions` is the (oldest, newest) version that produced it."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -29,7 +38,7 @@ class Engine(Protocol):
 
         `weights` is a `services.contracts.weight_sync.WeightStream` in the rollout loop:
         iterating it receives the broadcast bucket by bucket, in whichever process iterates it.
-        Called between generation batches only; resets any prefix cache.
+        Called between generation batches, or between decode steps from `between_steps`.
         """
         ...
 

@@ -5,15 +5,19 @@ behaviour log-prob of each sampled token is that of the distribution actually sa
 log_softmax(logits / temperature), renormalised over the top-p nucleus when top_p < 1 (the same
 quantity as vLLM's "processed" log-probs). With top_p = 1 (training) this is exactly what the
 learner recomputes.
+
+In-flight weight updates: `between_steps` runs after every sampled token (a stopping criterion
+that never stops), so new weights are copied into the model between two decode steps; the
+logits of each later token, and so its log-prob, come from the new weights.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from rollout.sample import Sample
 from services.contracts.weight_sync import DTYPES
@@ -30,6 +34,19 @@ def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+class _EveryStep(StoppingCriteria):
+    """Runs `between_steps` after each sampled token and records the version that will sample
+    the next one; never stops a sequence."""
+
+    def __init__(self, between_steps: Callable[[], int]) -> None:
+        self.between_steps = between_steps
+        self.versions = [between_steps()]  # versions[t]: the policy version that sampled token t
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.BoolTensor:
+        self.versions.append(self.between_steps())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
 class HFEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
@@ -42,7 +59,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+        between_steps: Callable[[], int] | None = None,
     ) -> list[list[Sample]]:
         if seed is not None:
             torch.manual_seed(seed)
@@ -52,10 +70,11 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
+        hook = _EveryStep(between_steps or (lambda: 0))
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
             max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_logits=True,
+            return_dict_in_generate=True, output_logits=True, stopping_criteria=StoppingCriteriaList([hook]),
         )
         new = out.sequences[:, width:]  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
@@ -69,7 +88,7 @@ class HFEngine:
                 end, reason = toks.index(self.eos_id) + 1, "stop"
             else:
                 end, reason = len(toks), "length"
-            samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason))
+            samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, (hook.versions[0], hook.versions[max(end, 1) - 1])))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()

@@ -13,3 +13,6 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    versions: tuple[int, int] = (0, 0)
+    """(oldest, newest) policy version that sampled a token of this response: they differ when
+    new weights arrived while it was being generated (the engine's `between_steps` hook)."""

@@ -1,7 +1,9 @@
 """`dapo rollout`: one rollout replica.
 
 Loop: between generation batches, sync weights (`services.contracts.weight_sync.WeightSubscriber`:
-broadcasts, catch-up from the checkpoint store); take up to `rollout.prompts_per_batch` prompt
+broadcasts, catch-up from the checkpoint store), and between decode steps too (in-flight updates:
+a broadcast is taken mid-batch, responses continue under the new weights, and each records the
+oldest and newest version that sampled it); take up to `rollout.prompts_per_batch` prompt
 jobs; make sure the weights held are at least as new as each job's `policy_version` (waiting for
 the learner's catch-up broadcast if not); generate `group_size` responses per job with behaviour
 log-probs (an evaluation job: `eval.samples` responses with the eval sampling settings); forward
@@ -47,6 +49,7 @@ class RolloutWorker:
         self.weights = WeightSubscriber.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now)
         self.groups_done = 0
         self.busy_s = 0.0
+        self._step_at = 0.0  # when the engine's last decode step began (the slowdown fault)
         self.started = time.monotonic()
         self.hb: Heartbeat | None = None
 
@@ -93,19 +96,32 @@ class RolloutWorker:
     def _generate(self, jobs: list[tuple[str, PromptJob]]) -> None:
         ro, ev, tag = self.cfg.rollout, self.cfg.eval, jobs[0][1].eval
         n, temperature, top_p = (ro.group_size, ro.temperature, ro.top_p) if tag is None else (tag.samples, ev.temperature, ev.top_p)
-        stage, start = self.bus.keys.prompts, time.monotonic()
+        stage, start, synced = self.bus.keys.prompts, time.monotonic(), self.weights.sync_s
+        self._step_at = start
         outputs = self.engine.generate(
             [job.prompt_ids for _, job in jobs], n=n, max_tokens=ro.max_response_len, temperature=temperature, top_p=top_p,
+            between_steps=self._between_steps,
         )
-        stretch("rollout.slowdown", time.monotonic() - start, self.stop.event)  # fault suite only
         seconds = time.monotonic() - start
-        self.busy_s += seconds
+        self.busy_s += seconds - (self.weights.sync_s - synced)  # in-flight syncs count as syncing
         for (entry_id, job), samples in zip(jobs, outputs, strict=True):
             group = RolloutGroup(
-                job=job, policy_version=self.policy_version, replica_id=self.id, gen_seconds=seconds / len(jobs),
-                responses=[Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples],
+                job=job, policy_version=min(s.versions[0] for s in samples), replica_id=self.id, gen_seconds=seconds / len(jobs),
+                responses=[
+                    Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason, versions=s.versions)  # type: ignore[arg-type]
+                    for s in samples
+                ],
             )
             self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
+
+    def _between_steps(self) -> int:
+        """The engine's hook between decode steps: in-flight weight updates (and, in the fault
+        suite only, the slowdown of each decode step, taking updates while it lasts)."""
+        stretch("rollout.slowdown", time.monotonic() - self._step_at, self.stop.event,
+                wake=self.weights.announced, on_wake=self.weights.between_steps)
+        version = self.weights.between_steps()
+        self._step_at = time.monotonic()
+        return version
 
     def run(self) -> None:
         """Sync weights, take jobs, generate, hop; until asked to stop."""

@@ -15,6 +15,14 @@ which iterates it there. Any other iterable of tensors is sent whole through the
 computed with the old weights. A swap that fails part-way leaves some layers new and some old;
 the engine then refuses to generate (`WeightSyncError`) until `load_weights_from_dir` succeeds.
 
+In-flight weight updates: `generate` queues its requests and drives the engine step by step
+itself (what `LLM.generate` does inside), calling `between_steps` between two engine steps, so a
+swap lands between decode steps while requests keep running; their KV cache so far stays, and
+later tokens are sampled (with their log-probs) under the new weights. The prefix-cache reset
+waits until no request runs (vLLM refuses it before). A sample's newest version is the one held
+when its request finished (with n > 1, when all n samples had): exact for the oldest, an upper
+bound for the newest of a sample that finished earlier.
+
 vLLM starts its engine core (and, on CPU, a worker) in child processes, so a script that builds
 this engine needs an `if __name__ == "__main__":` guard.
 """
@@ -26,7 +34,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,6 +128,9 @@ class VLLMEngine:
                 **memory,
             )
         self.startup_seconds = time.monotonic() - start
+        self.generating = False
+        self.prefix_cache_stale = False
+        """Weights changed while requests ran: reset the prefix cache once they are done."""
         self.last_sync_seconds = 0.0
         self.inconsistent: str | None = None
         """Why the weights may be a mix of two policies (a failed sync); None when consistent."""
@@ -139,6 +150,7 @@ class VLLMEngine:
         temperature: float,
         top_p: float,
         seed: int | None = None,
+        between_steps: Callable[[], int] | None = None,
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -166,9 +178,25 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+        step = between_steps or (lambda: 0)
+        oldest = version = step()
+        llm.enqueue(inputs, params, use_tqdm=False)
+        finished: dict[int, tuple[Any, int]] = {}  # request number -> (output, version when it finished)
+        self.generating = True
+        try:
+            while llm.llm_engine.has_unfinished_requests():
+                for out in llm.llm_engine.step():
+                    if out.finished:  # request ids number the prompts in order, as LLM.generate sorts them
+                        finished[int(out.request_id)] = (out, version)
+                if llm.llm_engine.has_unfinished_requests():
+                    version = step()  # may swap weights in (update_weights) before the next step
+        finally:
+            self.generating = False
+            if self.prefix_cache_stale:
+                self._reset_prefix_cache()
         return [
-            [_to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs
+            [_to_sample(c, (oldest, newest)) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out, newest in (finished[rid] for rid in sorted(finished))
         ]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -201,7 +229,10 @@ class VLLMEngine:
             # Layers swapped before the failure hold the new weights, the rest the old ones.
             self.inconsistent = f"loading {what} failed: {'; '.join(errors)}"
             raise WeightSyncError(self.inconsistent)
-        self._reset_prefix_cache()
+        if self.generating:  # an in-flight swap: reset once the running requests are done
+            self.prefix_cache_stale = True
+        else:
+            self._reset_prefix_cache()
         self.inconsistent = None
         return int(results[0].get("tensors", 0))
 
@@ -210,11 +241,12 @@ class VLLMEngine:
         return [float(x) for x in self._engine().collective_rpc("dapo_param_checksum")]
 
     def _reset_prefix_cache(self) -> None:
-        # Cached prefix blocks hold KV computed with the old weights; reusing them would mix
-        # policies inside one response. Weights only change between generate calls, so no
-        # request is running and the reset cannot be refused for that reason.
+        # Cached prefix blocks hold KV computed with the old weights; a new request reusing them
+        # would start under two policies. Called when no request runs, so vLLM cannot refuse it
+        # for that reason.
         if not self._engine().reset_prefix_cache():
             raise EngineError("vLLM refused to reset its prefix cache after a weight swap")
+        self.prefix_cache_stale = False
 
     def close(self) -> None:
         """Stop the engine-core (and worker) processes and free the engine."""
@@ -244,7 +276,7 @@ def _to_wire(name: str, tensor: torch.Tensor) -> list[Any]:
     return [name, dtype, list(tensor.shape), flat.view(torch.uint8).numpy().tobytes()]
 
 
-def _to_sample(completion: Any) -> Sample:
+def _to_sample(completion: Any, versions: tuple[int, int] = (0, 0)) -> Sample:
     """vLLM CompletionOutput -> Sample. Token ids include EOS when generation stopped on it."""
     token_ids = [int(t) for t in completion.token_ids]
     steps = completion.logprobs or []
@@ -253,4 +285,4 @@ def _to_sample(completion: Any) -> Sample:
     logprobs = [float(step[tok].logprob) for step, tok in zip(steps, token_ids, strict=True)]
     if completion.finish_reason not in ("stop", "length"):
         raise EngineError(f"vLLM finished a sample with reason {completion.finish_reason!r}")
-    return Sample(token_ids, logprobs, completion.finish_reason)
+    return Sample(token_ids, logprobs, completion.finish_reason, versions)

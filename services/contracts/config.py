@@ -234,6 +234,11 @@ class LearnerConfig(_Section):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory for long responses, about one more forward pass of compute."""
+    share_prompts: Literal["auto", "always", "never"] = "auto"
+    """Run each group's prompt once per forward pass, its responses packed behind it
+    (`learner/batch.py` `pack_groups`), instead of once per response. auto = when it costs fewer
+    FLOPs (short responses after long prompts: the CPU preset); never for long responses, whose
+    packed attention would cost more than the prompt tokens saved."""
     seed: int = 0
 
 

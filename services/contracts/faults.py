@@ -3,11 +3,14 @@
 Read once from the `DAPO_FAULTS` environment variable, a comma-separated list of `name=factor`:
 
     DAPO_FAULTS="learner.slowdown=10"   every training step takes 10x its real time
-    DAPO_FAULTS="rollout.slowdown=10"   every generation batch takes 10x its real time
+    DAPO_FAULTS="rollout.slowdown=10"   every decode step of a generation takes 10x its real time
 
 This is how the back-pressure scenarios get "a learner 10x slower than rollout" without a
 different model or machine: after the real work the stage sleeps (factor - 1) x its duration.
-Unset (always, outside tests) it costs one dict lookup.
+A rollout replica sleeps after each decode step, and takes an in-flight weight update announced
+during that sleep at once: a slow model is emulated as one with more decode steps, each as
+interruptible as a real one. Unset (always, outside tests) it
+costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 KNOWN = ("learner.slowdown", "rollout.slowdown")
 
@@ -35,12 +39,22 @@ def _parse(spec: str) -> dict[str, float]:
 FAULTS = _parse(os.environ.get("DAPO_FAULTS", ""))
 
 
-def stretch(name: str, seconds: float, stop: threading.Event | None = None) -> None:
-    """Sleep so that work that took `seconds` appears to take `factor` times as long."""
+def stretch(
+    name: str, seconds: float, stop: threading.Event | None = None, *, wake: threading.Event | None = None,
+    on_wake: Callable[[], object] | None = None,
+) -> None:
+    """Sleep so that work that took `seconds` appears to take `factor` times as long; when `wake`
+    is set meanwhile, call `on_wake()` at once and sleep on (a decode step ends early to take a
+    weight update, as a real one would after at most one step)."""
     factor = FAULTS.get(name, 1.0)
-    if factor > 1.0:
-        delay = (factor - 1.0) * seconds
-        if stop is not None:
-            stop.wait(delay)
-        else:
-            time.sleep(delay)
+    if factor <= 1.0:
+        return
+    deadline = time.monotonic() + (factor - 1.0) * seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if stop is not None and stop.is_set():
+            return
+        if wake is None:
+            (stop.wait if stop is not None else time.sleep)(left)
+            continue
+        if wake.wait(left) and on_wake is not None:
+            on_wake()

@@ -71,9 +71,12 @@ class PromptJob(_Msg):
 class Response(_Msg):
     token_ids: list[int]
     logprobs: list[float]
-    """Behaviour log-probs of each sampled token under the generating policy."""
+    """Behaviour log-probs of each sampled token under the weights that sampled it."""
     finish_reason: FinishReason
     text: str = ""
+    versions: tuple[int, int] | None = None
+    """(oldest, newest) policy version that sampled its tokens; they differ when new weights
+    arrived while it was generated (an in-flight update). None: not recorded."""
 
 
 class RolloutGroup(_Msg):
@@ -81,7 +84,8 @@ class RolloutGroup(_Msg):
 
     job: PromptJob
     policy_version: int
-    """Version of the weights that generated every response of this group."""
+    """The oldest version of the weights that generated any token of this group: staleness and
+    the off-policy correction are judged by it (`Response.versions` has the range)."""
     replica_id: str
     responses: list[Response]
     gen_seconds: float = 0.0
@@ -190,7 +194,7 @@ def encode_job(job: PromptJob) -> dict[str, bytes]:
 def encode_group(group: RolloutGroup) -> dict[str, bytes]:
     meta = group.model_dump(exclude={"job": {"prompt_ids"}, "responses": True})
     meta["responses"] = [
-        {"n": len(r.token_ids), "finish_reason": r.finish_reason, "text": r.text} for r in group.responses
+        {"n": len(r.token_ids), "finish_reason": r.finish_reason, "text": r.text, "versions": r.versions} for r in group.responses
     ]
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -282,6 +286,7 @@ def decode_group(fields: dict[bytes, bytes]) -> RolloutGroup:
                 "logprobs": logprobs[offset : offset + n],
                 "finish_reason": head.get("finish_reason"),
                 "text": head.get("text", ""),
+                "versions": head.get("versions"),
             }
         )
         offset += n

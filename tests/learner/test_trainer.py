@@ -86,6 +86,26 @@ def test_update_is_invariant_to_micro_batch_size(tiny_model_dir: Path) -> None:
             torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=1e-5)
 
 
+def test_sharing_prompts_takes_the_same_step(tiny_model_dir: Path) -> None:
+    """One row per group (prompt computed once) or one row per response, with micro-batches that
+    split the groups differently: the same update; and auto picks the packed layout for these
+    prompt-heavy groups."""
+    batch = build_batch(make_groups(4, 4, seed=2), pad_id=0)
+    results = []
+    for share, mbs in (("never", 3), ("always", 8), ("always", 64), ("auto", 64)):
+        torch.manual_seed(0)
+        trainer = Trainer(config(tiny_model_dir, f"learner.share_prompts={share}", f"learner.micro_batch_size={mbs}"),
+                          rank=0, world_size=1, backend="gloo")
+        trainer.rng = random.Random(0)
+        metrics = trainer.train_step(batch, policy_version=0)
+        assert trainer.share_prompts == (share != "never")
+        results.append((params(trainer), metrics))
+    for other, metrics in results[1:]:
+        for name, tensor in results[0][0].items():
+            torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=1e-5)
+        assert metrics["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-4, abs=1e-6)
+
+
 def test_build_batch_layout_and_advantages() -> None:
     groups = make_groups(2, 3)
     batch = build_batch(groups, pad_id=0)

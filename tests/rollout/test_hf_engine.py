@@ -48,3 +48,37 @@ def test_update_weights_swaps_all_or_nothing(tiny_model_dir: Path) -> None:
     engine.update_weights(iter(new.items()))
     for name, p in engine.model.named_parameters():
         assert torch.equal(p, new[name])
+
+
+def test_weights_swapped_between_decode_steps_sample_the_rest(tiny_model_dir: Path) -> None:
+    """In-flight update: new weights arrive after the 2nd sampled token. Tokens 0 and 1 carry the
+    old policy's log-probs; later ones the new policy's, computed over the KV the old weights had
+    cached for the prompt and token 0; every longer sample records versions (0, 1)."""
+    engine = HFEngine(str(tiny_model_dir), seed=0)
+    old = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    new = {n: p * 1.5 for n, p in old.items()}  # sharper logits: a different policy
+    calls: list[int] = []
+
+    def between_steps() -> int:
+        calls.append(len(calls))
+        if len(calls) == 3:  # after tokens 0 and 1
+            engine.update_weights(new.items())
+        return 0 if len(calls) < 3 else 1
+
+    prompt = [5, 6, 7, 8]
+    [group] = engine.generate([prompt], n=4, max_tokens=6, temperature=1.0, top_p=1.0, between_steps=between_steps)
+    before, after = HFEngine(str(tiny_model_dir)), HFEngine(str(tiny_model_dir))
+    after.update_weights(new.items())
+    checked = 0
+    for s in group:
+        assert s.versions == ((0, 1) if len(s.token_ids) > 2 else (0, 0))
+        for t, (tok, logp) in enumerate(zip(s.token_ids, s.logprobs, strict=True)):
+            with torch.no_grad():
+                if t < 2:
+                    logits = before.model(torch.tensor([prompt + s.token_ids[:t]])).logits[0, -1]
+                else:
+                    cache = before.model(torch.tensor([prompt + s.token_ids[:1]]), use_cache=True).past_key_values
+                    logits = after.model(torch.tensor([s.token_ids[1:t]]), past_key_values=cache).logits[0, -1]
+                    checked += 1
+            assert logp == pytest.approx(float(torch.log_softmax(logits.float(), -1)[tok]), abs=1e-4)
+    assert checked > 0

@@ -20,6 +20,7 @@ from services.contracts.weight_sync.transport import (
     broadcast_bucket,
     bucket_numel,
     dtype_of,
+    flat_broadcast_seconds,
     make_group,
     make_group_on_store,
     plan_buckets,
@@ -28,5 +29,5 @@ from services.contracts.weight_sync.transport import (
 
 __all__ = [
     "DTYPES", "Announcement", "ParamSpec", "WeightPublisher", "WeightSink", "WeightStream", "WeightSubscriber",
-    "broadcast_bucket", "bucket_numel", "dtype_of", "make_group", "make_group_on_store", "plan_buckets", "unflatten",
+    "broadcast_bucket", "bucket_numel", "dtype_of", "flat_broadcast_seconds", "make_group", "make_group_on_store", "plan_buckets", "unflatten",
 ]

@@ -154,7 +154,7 @@ class WeightPublisher:
             joined = {m.decode() for m in raw}
             if joined >= set(ann.replicas) or time.monotonic() > deadline:
                 return joined & set(ann.replicas)
-            time.sleep(0.02)
+            time.sleep(0.005)
 
     def _decide(self, ann: Announcement, decision: str) -> None:
         self.bus.redis.set(self.bus.keys.weight_decision(ann.group_key), decision, ex=int(self.timeout_s * 4) + 60)

@@ -1,7 +1,9 @@
 """Receiving weights on a rollout replica: the replica's half of weight sync.
 
 `WeightSubscriber` owns everything a replica does about its weights, so the rollout loop only
-calls `sync()` between batches and `wait_for(version)` before generating for a job:
+calls `sync()` between batches, `wait_for(version)` before generating for a job, and hands the
+engine `between_steps` to call between decode steps (in-flight updates: a broadcast is taken
+while the replica generates, not after its batch):
 
 - reads the weights stream (announcements by learner rank 0, `publisher.WeightPublisher`) and
   acts on the newest one naming this replica;
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+import redis
 import torch
 
 from services.contracts.bus import StreamBus
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 
 STORE_CHECK_S = 5.0
 """How often `sync` considers a catch-up from the checkpoint store."""
+WATCH_BLOCK_MS = 1000
+"""The announcement watcher's blocking read; it also bounds how long it takes to notice a stop."""
 
 
 class WeightSink(Protocol):
@@ -74,6 +80,10 @@ class WeightSubscriber:
         # they were loaded from the store. A late-completing old broadcast does not look recent.
         self.weights_from = time.time()
         self._store_checked = 0.0
+        self.announced = threading.Event()
+        """Set by the watcher thread the moment an announcement is appended: `between_steps`
+        (and a slowed-down replica's sleep) react to it at once instead of polling Redis."""
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def from_config(
@@ -93,6 +103,8 @@ class WeightSubscriber:
         if latest_checkpoint(self.checkpoint_dir) is not None:
             self.load_published()
         self.poll()
+        self._watcher = threading.Thread(target=self._watch, name="weights-watcher", daemon=True)
+        self._watcher.start()
 
     def sync(self) -> None:
         """Between batches: catch up from the store when out of contact, then apply the newest
@@ -101,6 +113,29 @@ class WeightSubscriber:
             self._store_checked = time.monotonic()
             self.catch_up()  # before taking a broadcast: the store is the cheap part
         self.poll()
+
+    def between_steps(self) -> int:
+        """Between two decode steps of a generation: take a broadcast announced meanwhile now, so
+        the learner never waits for a batch to end; returns the version held from here on. Costs
+        nothing when nothing was announced (one flag read)."""
+        if self.announced.is_set():
+            self.announced.clear()
+            self.poll()
+        return self.policy_version
+
+    def _watch(self) -> None:
+        """Background thread: block on the weights stream and raise `announced` when something is
+        appended. It only signals; the receive itself runs in the thread that owns the engine."""
+        r, stream, last = self.bus.redis, self.bus.keys.weights, "$"
+        while not self.stop.stopping:
+            try:
+                reply: Any = r.xread({stream: last}, count=64, block=WATCH_BLOCK_MS)
+            except redis.RedisError:
+                self.stop.wait(1.0)  # Redis restarting: the loop's own polls ride it out
+                continue
+            for _, entries in reply or []:
+                last = entries[-1][0].decode()
+                self.announced.set()
 
     def wait_for(self, version: int) -> bool:
         """Block (receiving broadcasts) until the weights held are at least `version`; False
@@ -143,7 +178,7 @@ class WeightSubscriber:
             decision = r.get(keys.weight_decision(ann.group_key))
             if decision is not None:
                 return decision == b"go"
-            time.sleep(0.02)
+            time.sleep(0.005)
         return False
 
     def _apply(self, ann: Announcement, announced_at: float) -> None:

@@ -162,6 +162,46 @@ def broadcast_bucket(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: fl
         raise TimeoutError(f"weight broadcast did not complete in {timeout_s}s")
 
 
+def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) -> float:
+    """Median seconds of one bare gloo broadcast of `nbytes` from rank 0 (this process) to
+    `replicas` receiving processes on this machine: the floor a weight sync of that size can
+    reach here (what a sync is measured against). Each round starts after a barrier."""
+    import multiprocessing
+    import statistics
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ann = Announcement(version=0, generation=0, replicas=tuple(f"probe{i}" for i in range(replicas)),
+                       store_host="127.0.0.1", store_port=store.port, backend="gloo", timeout_s=120.0, buckets=())
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_flat_receiver, args=(ann.to_json(), rank, nbytes, repeats + 1)) for rank in range(1, ann.world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        group = make_group_on_store(store, ann, 0)
+        flat, times = torch.zeros(nbytes, dtype=torch.uint8), []
+        for _ in range(repeats + 1):
+            group.barrier().wait()
+            start = time.perf_counter()
+            broadcast_bucket(group, flat, ann.timeout_s)
+            times.append(time.perf_counter() - start)
+        group.barrier().wait()  # every receiver has its copy
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    return statistics.median(times[1:])  # the first round warms the connections up
+
+
+def _flat_receiver(ann_json: dict[str, Any], rank: int, nbytes: int, rounds: int) -> None:
+    ann = Announcement.from_json(ann_json)
+    store = dist.TCPStore(ann.store_host, ann.store_port, is_master=False, timeout=timedelta(seconds=ann.timeout_s))
+    group = make_group_on_store(store, ann, rank)
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(rounds):
+        group.barrier().wait()
+        broadcast_bucket(group, flat, ann.timeout_s)
+    group.barrier().wait()
+
+
 class _Receiver:
     """This process's receive group; rebuilt when the announced generation changes, dropped on
     any error so the next sync builds a fresh one."""
