@@ -112,6 +112,7 @@ def worker(model_dir: str, out_dir: str) -> None:
     figures = {"rank": rank, "world": world, "fixed_mib": fixed, "after_build_mib": built, "after_step_mib": stepped,
                "peak_mib": peak_rss_mib(), **publication_extra_mib(trainer, cfg, rank)}
     Path(out_dir, f"w{world}-r{rank}.json").write_text(json.dumps(figures))
+    dist.barrier()  # no rank leaves (closing its sockets) while another still talks to it
     dist.destroy_process_group()
 
 

@@ -90,6 +90,7 @@ def worker(model_dir: str, out: str) -> None:
         results[mode] = {"metrics": metrics, "grads": grads, "params": params}
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank leaves (closing its sockets) while another still talks to it
     dist.destroy_process_group()
 
 

@@ -53,8 +53,9 @@ class Evaluations(Protocol):
         """Some evaluation job is still being generated, scored or added up."""
         ...
 
-    def issue(self, progress: Progress) -> None:
-        """Queue a round evaluating the weights just published at `progress`."""
+    def issue(self, progress: Progress, rl_seconds: float) -> None:
+        """Queue a round evaluating the weights just published at `progress` (they existed
+        `rl_seconds` into training)."""
         ...
 
     def poll(self) -> list[RoundReport]:
@@ -71,7 +72,7 @@ class NullEvaluations:
 
     in_flight = False
 
-    def issue(self, progress: Progress) -> None:
+    def issue(self, progress: Progress, rl_seconds: float) -> None:
         pass
 
     def poll(self) -> list[RoundReport]:
@@ -102,6 +103,7 @@ class _Round:
             "eval/problems": float(len(results)),
             "eval/samples_per_problem": float(self.tag.samples),
             "eval/policy_version_lag": float(max(r.policy_version for r in results) - self.tag.policy_version),
+            "eval/rl_seconds": self.tag.rl_seconds,
         }
         if issued_at is not None:
             out["eval/seconds"] = time.monotonic() - issued_at
@@ -130,7 +132,7 @@ class EvalLane:
     def in_flight(self) -> bool:
         return bool(self.rounds) or self.bus.ledger().eval_in_flight > 0
 
-    def issue(self, progress: Progress) -> None:
+    def issue(self, progress: Progress, rl_seconds: float) -> None:
         if progress.policy_version in self.issued_at or progress.policy_version in self.finished:
             return
         now, n = time.time(), len(self.prompts)
@@ -138,7 +140,8 @@ class EvalLane:
             encode_job(PromptJob(
                 group_id=f"{self.run_name}-eval{progress.step}-{i}", prompt_index=i, prompt_ids=ids, ground_truth=truth,
                 data_source=source, policy_version=progress.policy_version, issued_at=now,
-                eval=EvalTag(round_step=progress.step, policy_version=progress.policy_version, problem=i, problems=n, samples=self.samples),
+                eval=EvalTag(round_step=progress.step, policy_version=progress.policy_version, problem=i, problems=n,
+                             samples=self.samples, rl_seconds=rl_seconds),
             ))
             for i, (ids, truth, source) in enumerate(self.prompts)
         ]

@@ -92,6 +92,10 @@ class LearnerLoop:
         self.state = "starting"
         self.started = time.monotonic()
         self.waited_s = 0.0
+        self.rl_clock: tuple[float, float] | None = None
+        """(RL seconds before this process, when its first training step began); RL seconds are
+        training time since the run's first step, evaluation and start-up excluded."""
+        self.rl_seconds_before = 0.0
 
     def status(self) -> dict[str, Any]:
         """For the heartbeat (another thread): `progress` is replaced whole, never mutated."""
@@ -120,7 +124,7 @@ class LearnerLoop:
             self._restore(latest)
         self._publish()  # stage the starting weights (and sync replicas on a resume)
         if not self.reporter.has_evals and not self.evaluations.in_flight:
-            self.evaluations.issue(self.progress)
+            self.evaluations.issue(self.progress, self.rl_seconds)
 
     def _continue_from(self, progress: Progress, *, data_cursor: int) -> None:
         self.progress = self.share(progress)
@@ -136,6 +140,7 @@ class LearnerLoop:
         published = max(self.control.published_policy_version(), self.progress.policy_version)
         policy_version = resumed_policy_version(int(meta["policy_version"]), published)
         self._continue_from(Progress(int(meta["step"]), policy_version), data_cursor=int(meta["data_cursor"]))
+        self.rl_seconds_before, self.rl_clock = float(meta.get("rl_seconds", 0.0)), None
         log.info("restored checkpoint step %d as policy version %d", step, policy_version)
         return True
 
@@ -179,9 +184,18 @@ class LearnerLoop:
             case Wait() | Stop():
                 pass
 
+    @property
+    def rl_seconds(self) -> float:
+        if self.rl_clock is None:
+            return self.rl_seconds_before
+        before, started = self.rl_clock
+        return before + time.monotonic() - started
+
     def _train(self, command: Train) -> None:
         """build batch -> train -> publish -> account -> (evaluate when due) -> report."""
         t0 = time.monotonic()
+        if self.rl_clock is None:
+            self.rl_clock = (self.rl_seconds_before, t0)
         trained_on = self.progress.policy_version
         self.progress = self.progress.next_step()
         self._set_state("training")
@@ -221,7 +235,7 @@ class LearnerLoop:
     def _evaluate_if_due(self) -> None:
         every, step = self.cfg.eval.every_steps, self.progress.step
         if every and step % every == 0 and step != self.cfg.learner.total_steps:  # the last: in finish
-            self.evaluations.issue(self.progress)
+            self.evaluations.issue(self.progress, self.rl_seconds)
 
     def _record_evaluations(self, reports: list[RoundReport]) -> dict[int, dict[str, float]]:
         """Record completed rounds (the run's first one is its base accuracy)."""
@@ -239,7 +253,7 @@ class LearnerLoop:
     def _checkpoint(self, *, keep: bool) -> None:
         self._set_state("checkpointing")
         meta = {
-            "policy_version": self.progress.policy_version, **self.source.checkpoint_meta(),
+            "policy_version": self.progress.policy_version, "rl_seconds": self.rl_seconds, **self.source.checkpoint_meta(),
             **self.reporter.checkpoint_meta(), "config": self.cfg.model_dump(mode="json"),
         }
         self.checkpoints.save(self.progress.step, meta, keep=keep, hf_export=self._export)
@@ -284,7 +298,7 @@ class LearnerLoop:
         self._set_state("draining")
         self.source.drain()
         self._set_state("evaluating")
-        self.evaluations.issue(self.progress)
+        self.evaluations.issue(self.progress, self.rl_seconds)
         final = self._record_evaluations(self.evaluations.wait(self.cfg.eval.final_wait_s)).get(self.progress.step, {})
         final_acc = final.get("eval/acc", -1.0)
         out = Path(self.cfg.output_dir) / "final_model"

@@ -99,7 +99,7 @@ class RunReporter:
 
     def __init__(self, bus: StreamBus, trackers: Trackers) -> None:
         self.bus, self.trackers = bus, trackers
-        self.evals: list[tuple[int, float]] = bus.eval_history()
+        self.evals: list[tuple[int, float, float]] = bus.eval_history()
         self.lags: list[float] = []
 
     @property
@@ -127,7 +127,7 @@ class RunReporter:
         }
 
     def record_eval(self, step: int, result: dict[str, float]) -> None:
-        self.evals.append((step, result["eval/acc"]))
+        self.evals.append((step, result["eval/acc"], result.get("eval/rl_seconds", -1.0)))
         self.trackers.log(step, result)
         self.rewrite_eval_history()
 

@@ -512,10 +512,13 @@ class StreamBus:
     def clear_run_field(self, field: RunField) -> None:
         self.redis.hdel(self.keys.run_info, field)
 
-    def eval_history(self) -> list[tuple[int, float]]:
-        """[(step, accuracy)] of every evaluation so far; malformed history reads as empty."""
+    def eval_history(self) -> list[tuple[int, float, float]]:
+        """[(step, accuracy, RL seconds)] of every evaluation so far (RL seconds, -1 if unknown: when the
+        evaluated weights existed, counted from the first training step); malformed history
+        reads as empty."""
         try:
-            return [(int(s), float(a)) for s, a in json.loads(self.run_field(RunField.EVAL_HISTORY) or "[]")]
+            rows = json.loads(self.run_field(RunField.EVAL_HISTORY) or "[]")
+            return [(int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else -1.0) for row in rows]
         except (ValueError, TypeError):
             log.warning("run info eval_history is malformed; treated as empty")
             return []

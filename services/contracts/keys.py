@@ -73,7 +73,7 @@ class RunField(StrEnum):
     """Written at learner start; its absence later means Redis lost the run's state."""
     DATA_CURSOR = "data_cursor"
     EVAL_HISTORY = "eval_history"
-    """JSON list of [step, accuracy]."""
+    """JSON list of [step, accuracy, RL seconds]."""
     BASE_EVAL_ACC = "base_eval_acc"
     FINAL_EVAL_ACC = "final_eval_acc"
     REDIS_DATA_LOST_AT = "redis_data_lost_at"

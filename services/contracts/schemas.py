@@ -47,6 +47,8 @@ class EvalTag(_Msg):
     """Distinct problems in the round (duplicates in the eval file are merged)."""
     samples: int = Field(ge=1)
     """Responses to generate (k of avg@k)."""
+    rl_seconds: float = Field(0.0, ge=0)
+    """When the evaluated weights existed: seconds of training since the run's first step."""
 
 
 class PromptJob(_Msg):

@@ -35,7 +35,7 @@ def _panel(title: str, series: list[tuple[str, list[tuple[float, float]]]], x0: 
 
 
 def write_curves_svg(summary: dict[str, Any], path: Path) -> Path:
-    evals = [(float(s), float(a)) for s, a in summary.get("eval_history", [])]
+    evals = [(float(row[0]), float(row[1])) for row in summary.get("eval_history", [])]
     curve = summary.get("reward_curve", [])
     reward = [(float(s), float(r)) for s, r, _ in curve if r is not None]
     acc = [(float(s), float(a)) for s, _, a in curve if a is not None]

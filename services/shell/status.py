@@ -139,7 +139,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("redis memory", _memory_line(status["redis_memory"])),
         ("gatekeeper pass rate", "-" if status["gatekeeper_pass_rate"] is None else f"{status['gatekeeper_pass_rate']:.3f}"),
         ("throughput", f"{status['throughput']['prompts_per_s']:.2f} prompts/s, {status['throughput']['tokens_per_s']:.0f} tokens/s"),
-        ("eval", ", ".join(f"step {s}: {a:.3f}" for s, a in status["eval_history"][-5:]) or "-"),
+        ("eval", ", ".join(f"step {row[0]}: {row[1]:.3f}" for row in status["eval_history"][-5:]) or "-"),
     ]
     last = status["last_metrics"]
     for key in ("critic/rewards/mean", "rollout/acc_mean", "actor/entropy", "actor/clipfrac_high", "rollout/version_lag_mean"):

@@ -56,7 +56,7 @@ def serve(bus: StreamBus, correct: dict[int, int], *, version: int = 0, only: se
 
 def test_a_round_is_reported_once_every_problem_is_in_and_never_trained(bus: StreamBus) -> None:
     evals = lane(bus)
-    evals.issue(Progress(step=10, policy_version=12))
+    evals.issue(Progress(step=10, policy_version=12), 12.5)
     snap = bus.ledger()
     assert (snap.issued, snap.eval_issued, snap.eval_in_flight, snap.train_in_flight) == (0, 3, 3, 0)
     assert evals.in_flight
@@ -69,6 +69,7 @@ def test_a_round_is_reported_once_every_problem_is_in_and_never_trained(bus: Str
     assert metrics["eval/acc"] == pytest.approx(5 / 12)  # avg@4 over the 3 problems
     assert metrics["eval/response_length"] == pytest.approx(2.5) and metrics["eval/problems"] == 3
     assert metrics["eval/samples_per_problem"] == 4 and metrics["eval/policy_version_lag"] == 1
+    assert metrics["eval/rl_seconds"] == 12.5  # when the evaluated weights existed
     snap = bus.ledger()
     assert (snap.evaluated, snap.in_flight, snap.trained, snap.filtered, snap.balanced) == (3, 0, 0, 0, True)
     assert bus.depths()["learner"] == 0 and bus.counters().get(Counter.GATEKEEPER_KEPT, 0) == 0
@@ -77,7 +78,7 @@ def test_a_round_is_reported_once_every_problem_is_in_and_never_trained(bus: Str
 
 def test_a_restarted_learner_takes_over_a_half_added_round(bus: StreamBus) -> None:
     first = lane(bus)
-    first.issue(Progress(step=0, policy_version=0))
+    first.issue(Progress(step=0, policy_version=0), 0.0)
     serve(bus, {0: 2, 1: 2, 2: 2}, only={0, 1})
     assert first.poll() == []  # two results held, unacknowledged
     # The learner dies; its successor (another consumer) finishes the round.
@@ -92,7 +93,7 @@ def test_a_restarted_learner_takes_over_a_half_added_round(bus: StreamBus) -> No
 
 def test_a_round_that_lost_a_job_is_reported_when_the_lane_is_quiet(bus: StreamBus) -> None:
     evals = lane(bus)
-    evals.issue(Progress(step=5, policy_version=5))
+    evals.issue(Progress(step=5, policy_version=5), 0.0)
     replica = bus.as_consumer("replica")
     entry_id, fields = next((e, f) for e, f in replica.read(bus.keys.prompts, count=1, block_ms=None))
     replica.dead_letter(bus.keys.prompts, entry_id, fields, "rollout: test")
@@ -105,13 +106,13 @@ def test_a_round_that_lost_a_job_is_reported_when_the_lane_is_quiet(bus: StreamB
 
 def test_a_round_is_issued_once_per_policy_version(bus: StreamBus) -> None:
     evals = lane(bus)
-    evals.issue(Progress(step=3, policy_version=3))
-    evals.issue(Progress(step=3, policy_version=3))
+    evals.issue(Progress(step=3, policy_version=3), 0.0)
+    evals.issue(Progress(step=3, policy_version=3), 0.0)
     assert bus.ledger().eval_issued == 3
     serve(bus, {0: 1, 1: 1, 2: 1})
     assert [step for step, _ in evals.poll()] == [3]
-    evals.issue(Progress(step=3, policy_version=3))  # reported already
-    evals.issue(Progress(step=3, policy_version=7))  # the same step retrained after a resume: new weights
+    evals.issue(Progress(step=3, policy_version=3), 0.0)  # reported already
+    evals.issue(Progress(step=3, policy_version=7), 0.0)  # the same step retrained after a resume: new weights
     assert bus.ledger().eval_issued == 6
 
 

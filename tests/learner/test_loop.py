@@ -153,6 +153,7 @@ class FakeEvaluations:
 
     def __init__(self) -> None:
         self.issued: list[Progress] = []
+        self.rl_seconds: list[float] = []
         self.queued: list[Progress] = []
         self.waited = False
 
@@ -160,8 +161,9 @@ class FakeEvaluations:
     def in_flight(self) -> bool:
         return bool(self.queued)
 
-    def issue(self, progress: Progress) -> None:
+    def issue(self, progress: Progress, rl_seconds: float) -> None:
         self.issued.append(progress)
+        self.rl_seconds.append(rl_seconds)
         self.queued.append(progress)
 
     def poll(self) -> list[tuple[int, dict[str, float]]]:
@@ -332,6 +334,8 @@ def test_a_completed_run_evaluates_drains_exports_and_records_the_summary(tmp_pa
     assert [v for _, v in p["trainer"].steps] == [0, 1, 2, 3]
     assert p["evaluations"].issued == [Progress(0, 0), Progress(2, 2), Progress(4, 4)]  # base, periodic, final
     assert p["evaluations"].waited  # the end of the run waits for the final round
+    rl = p["evaluations"].rl_seconds  # training time when each evaluated version existed
+    assert rl[0] == 0.0 and rl[1] > 0.0 and rl == sorted(rl)
     assert p["checkpoints"].saved == [(3, False), (4, False)]  # periodic, then the end of the run
     assert p["exporter"].outs == [Path("/ckpt/step_3/hf"), Path("/ckpt/step_4/hf"), tmp_path / "final_model"]
     assert source.drained and source.accounted == ["e-a", "e-b", "e-c", "e-d"]

@@ -39,6 +39,7 @@ def _rank_main(model_dir: str, out: str) -> None:
         "logit_diff": diff, "local_params": local, "total_params": sum(p.numel() for p in ref.parameters()),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank leaves (closing its sockets) while another still talks to it
     dist.destroy_process_group()
 
 
