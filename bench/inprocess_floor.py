@@ -70,6 +70,7 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
     ro, alg, ov = cfg.rollout, cfg.algorithm, cfg.reward.overlong
     history: list[list[float]] = []
     rl_seconds, cursor, generated, kept_total = 0.0, 0, 0, 0
+    train_seconds, train_tokens = 0.0, 0.0
 
     def evaluate_now(step: int) -> None:
         result = evaluate(engine, tokenizer, eval_records, eval_ids, cfg)
@@ -107,14 +108,18 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
         kept_total += alg.train_batch_groups
         batch = build_batch(kept[: alg.train_batch_groups], pad_id=0, norm_by_std=alg.norm_by_std,
                             overlong_filter=cfg.reward.overlong.filter)
+        trained_at = time.monotonic()
         trainer.train_step(batch, policy_version=0)  # every row on-policy: no behaviour correction
+        train_seconds += time.monotonic() - trained_at
+        train_tokens += float(batch.response_mask.sum())
         engine.update_weights(trainer.named_full_params())
         rl_seconds += time.monotonic() - start
         if step % cfg.eval.every_steps == 0 or step == steps:
             evaluate_now(step)
     scorer.close()
     return {"eval_history": history, "rl_seconds": rl_seconds, "steps": steps, "groups_generated": generated,
-            "groups_trained": kept_total, "seconds_to_plus25": seconds_to_gain(history, 0.25)}
+            "groups_trained": kept_total, "seconds_to_plus25": seconds_to_gain(history, 0.25),
+            "train_tokens_per_s": train_tokens / train_seconds if train_seconds else 0.0, "train_seconds": train_seconds}
 
 
 def main() -> int:

@@ -3,19 +3,27 @@ baseline of plain pipelined XADD + XREADGROUP + XACK in the same run, with reali
 
     .venv/bin/python bench/stream_hops.py [--groups 2000] [--group-size 16] [--tokens 256]
 
-Prints groups/s and MB/s for both, and their ratio.
+Prints groups/s and MB/s for both, and their ratio. Last line: `hop_ms=<milliseconds per atomic hop>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 from services.contracts.bus import StreamBus, connect
 from services.contracts.keys import Keys
 from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
 from services.shell.redis_server import RedisServer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_group(group_size: int, tokens: int) -> RolloutGroup:
@@ -29,6 +37,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2000)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args()
     fields = encode_group(make_group(args.group_size, args.tokens))
     size_mb = sum(len(v) for v in fields.values()) / 2**20
@@ -61,6 +70,15 @@ def main() -> None:
     print(f"baseline xadd+xack pipeline: {n / base_s:8.0f} groups/s  {n * size_mb / base_s:7.1f} MB/s")
     print(f"atomic hop (Lua):            {n / hop_s:8.0f} groups/s  {n * size_mb / hop_s:7.1f} MB/s")
     print(f"hop / baseline throughput:   {base_s / hop_s:.2f}x")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "group_size": args.group_size, "tokens": args.tokens, "groups": n, "hop_groups_per_s": n / hop_s,
+              "baseline_groups_per_s": n / base_s, "hop_ms": 1e3 * hop_s / n}
+    out = Path(args.out) / f"{result['date']}-stream_hops.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"results: {out}")
+    print(f"hop_ms={1e3 * hop_s / n:.3f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 5.0
 """How often the loop takes over prompt jobs left pending by a dead replica."""
+IDLE_WAIT_S = 1.0
+"""An idle replica wakes when a prompt job or a weight announcement is appended (the watcher
+thread rings), and at least this often."""
 
 
 class RolloutWorker:
@@ -46,7 +49,8 @@ class RolloutWorker:
 
     def __init__(self, cfg: DapoConfig, bus: StreamBus, engine: Engine, replica_id: str, stop: StopFlag) -> None:
         self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
-        self.weights = WeightSubscriber.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now)
+        self.weights = WeightSubscriber.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now,
+                                                    watch_also=(bus.keys.prompts.stream,))
         self.groups_done = 0
         self.busy_s = 0.0
         self._step_at = 0.0  # when the engine's last decode step began (the slowdown fault)
@@ -130,15 +134,18 @@ class RolloutWorker:
         q = self.cfg.queue
         while not self.stop.stopping:
             try:
+                self.weights.activity.clear()  # before looking: anything appended from now on rings
                 self.weights.sync()
                 entries: list[Entry] = []
                 if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
                     last_reclaim = time.monotonic()
                     entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
                 if not entries:
-                    entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=200)
+                    entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=None)
                 if entries:
                     self.handle(entries)
+                else:  # idle: sleep until a job or a weight announcement is appended
+                    self.weights.activity.wait(IDLE_WAIT_S)
             except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
                 log.warning("redis unavailable (%s); retrying", exc)
                 self.stop.wait(1.0)

@@ -201,8 +201,27 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),
         "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics) / max(wall_s, 1e-9),
+        "timing": step_timing(metrics),
         "mean_sync_seconds": sum(m.get("timing_s/sync_weights", 0.0) for m in metrics) / max(len(metrics), 1),
         "reward_curve": [[m["step"], m.get("critic/rewards/mean"), m.get("rollout/acc_mean")] for m in metrics],
+    }
+
+
+def step_timing(metrics: list[dict[str, Any]], warmup: int = 5) -> dict[str, float]:
+    """Steady-state pace of the learner from its per-step records (the first `warmup` steps left
+    out): steps per hour by the wall clock, and the mean seconds of a step's parts."""
+    steady = [m for m in metrics if m.get("step", 0) > warmup]
+    if len(steady) < 2:
+        return {}
+    span = float(steady[-1]["time"]) - float(steady[0]["time"])
+
+    def mean(key: str) -> float:
+        return sum(float(m.get(key, 0.0)) for m in steady) / len(steady)
+
+    return {
+        "steps_per_hour": 3600.0 * (len(steady) - 1) / span if span > 0 else 0.0,
+        "step_s": mean("timing_s/step"), "update_actor_s": mean("timing_s/update_actor"),
+        "sync_weights_s": mean("timing_s/sync_weights"), "learner_idle_fraction": mean("perf/learner_idle_fraction"),
     }
 
 

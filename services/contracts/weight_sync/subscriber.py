@@ -66,6 +66,7 @@ class WeightSubscriber:
     def __init__(
         self, bus: StreamBus, engine: WeightSink, replica_id: str, *, checkpoint_dir: str | Path, base_model_path: str,
         lost_contact_s: float, max_staleness: int, stop: StopFlag, on_change: Callable[[], None] | None = None,
+        watch_also: tuple[str, ...] = (),
     ) -> None:
         self.bus, self.engine, self.replica_id, self.stop = bus, engine, replica_id, stop
         self.checkpoint_dir, self.base_model_path = checkpoint_dir, base_model_path
@@ -83,17 +84,21 @@ class WeightSubscriber:
         self.announced = threading.Event()
         """Set by the watcher thread the moment an announcement is appended: `between_steps`
         (and a slowed-down replica's sleep) react to it at once instead of polling Redis."""
+        self.watch_also = watch_also
+        self.activity = threading.Event()
+        """Set by the watcher when anything is appended to the weights stream or `watch_also`
+        (the replica's prompt stream): an idle replica sleeps on it."""
         self._watcher: threading.Thread | None = None
 
     @classmethod
     def from_config(
         cls, cfg: DapoConfig, bus: StreamBus, engine: WeightSink, replica_id: str, stop: StopFlag,
-        on_change: Callable[[], None] | None = None,
+        on_change: Callable[[], None] | None = None, watch_also: tuple[str, ...] = (),
     ) -> WeightSubscriber:
         return cls(
             bus, engine, replica_id, checkpoint_dir=cfg.checkpoint_dir, base_model_path=cfg.model.path,
             lost_contact_s=cfg.learner.collective_timeout_s, max_staleness=cfg.algorithm.max_staleness,
-            stop=stop, on_change=on_change,
+            stop=stop, on_change=on_change, watch_also=watch_also,
         )
 
     # --- the loop's interface ------------------------------------------------------------------
@@ -124,18 +129,23 @@ class WeightSubscriber:
         return self.policy_version
 
     def _watch(self) -> None:
-        """Background thread: block on the weights stream and raise `announced` when something is
-        appended. It only signals; the receive itself runs in the thread that owns the engine."""
-        r, stream, last = self.bus.redis, self.bus.keys.weights, "$"
+        """Background thread: block on the weights stream (and `watch_also`) and raise
+        `announced` / `activity` when something is appended. It only signals; the receive itself
+        runs in the thread that owns the engine."""
+        weights = self.bus.keys.weights
+        last = {weights: "$", **{stream: "$" for stream in self.watch_also}}
         while not self.stop.stopping:
             try:
-                reply: Any = r.xread({stream: last}, count=64, block=WATCH_BLOCK_MS)
+                reply: Any = self.bus.redis.xread(dict(last), count=64, block=WATCH_BLOCK_MS)
             except redis.RedisError:
                 self.stop.wait(1.0)  # Redis restarting: the loop's own polls ride it out
                 continue
-            for _, entries in reply or []:
-                last = entries[-1][0].decode()
-                self.announced.set()
+            for stream, entries in reply or []:
+                name = stream.decode() if isinstance(stream, bytes) else stream
+                last[name] = entries[-1][0].decode()
+                if name == weights:
+                    self.announced.set()
+                self.activity.set()
 
     def wait_for(self, version: int) -> bool:
         """Block (receiving broadcasts) until the weights held are at least `version`; False

@@ -1,0 +1,67 @@
+"""Weight-sync time against a bare broadcast of the same bytes: the tiny preset with the rollout
+slowed 10x (`DAPO_FAULTS=rollout.slowdown=10`), so replicas are always mid-generation when the
+learner publishes. With in-flight updates a replica takes the broadcast between two decode steps;
+the learner's sync should then cost about one transfer. The bare broadcast (rank 0 to as many
+receiving processes as replicas, same bytes) is measured on this machine right after the run.
+Nothing is asserted.
+
+    .venv/bin/python bench/sync_latency.py [--steps 40] [overrides...]
+
+Last line: `sync_over_flat=<mean learner sync time / bare broadcast time>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    from safetensors import safe_open
+
+    from services.contracts.config import load_config
+    from services.contracts.weight_sync import flat_broadcast_seconds
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--slowdown", type=float, default=10.0)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("overrides", nargs="*", help="config overrides, dotted.key=value")
+    args = parser.parse_args()
+    replicas = load_config(REPO / "configs" / "tiny.yaml", args.overrides).rollout.replicas
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        subprocess.run([sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(run),
+                        "--quiet", f"learner.total_steps={args.steps}", "eval.every_steps=0", "checkpoint.every_steps=0", *args.overrides],
+                       cwd=REPO, check=True, timeout=3600, env={**os.environ, "DAPO_FAULTS": f"rollout.slowdown={args.slowdown}"})
+        summary = json.loads((run / "summary.json").read_text())
+        with safe_open(str(run / "final_model" / "model.safetensors"), "pt") as f:
+            nbytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
+    flat = flat_broadcast_seconds(nbytes, replicas=replicas)
+    sync = summary["timing"]["sync_weights_s"]
+    print(f"rollout slowed {args.slowdown:g}x, {replicas} replicas, {nbytes / 2**20:.1f} MiB of weights: mean learner sync "
+          f"{sync * 1e3:.1f} ms, bare broadcast {flat * 1e3:.1f} ms")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "steps": args.steps, "slowdown": args.slowdown, "bytes": nbytes, "mean_sync_s": sync, "flat_broadcast_s": flat,
+              "sync_over_flat": sync / flat}
+    out = Path(args.out) / f"{result['date']}-sync_latency.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"results: {out}")
+    print(f"sync_over_flat={sync / flat:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
