@@ -40,7 +40,7 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["trained"] == steps * 16
     # Evaluation ran on the replicas: 4 rounds (base, steps 40 and 80, final) of flagged jobs went
     # through the pipeline and the gatekeeper, none trained, each recorded under its step.
-    assert [step for step, _ in summary["eval_history"]] == [0, 40, 80, steps]
+    assert [row[0] for row in summary["eval_history"]] == [0, 40, 80, steps]
     assert ledger["eval_issued"] > 0 and ledger["eval_issued"] % 4 == 0 and ledger["evaluated"] == ledger["eval_issued"]
     assert summary["gatekeeper_evaluations"] == ledger["eval_issued"] and ledger["eval_dead"] == 0
     assert summary["counters"].get("trained_twice", 0) == 0

@@ -50,7 +50,7 @@ class Sampler(threading.Thread):
                 continue
             if not ledger.balanced:  # it must balance at every instant, not just at the end
                 self.unbalanced.append(ledger)
-            self.max_in_flight = max(self.max_in_flight, ledger.in_flight)
+            self.max_in_flight = max(self.max_in_flight, ledger.train_in_flight)  # what admission bounds
             for stage, depth in depths.items():
                 self.max_depth[stage] = max(self.max_depth.get(stage, 0), depth)
             self.peak_used = max(self.peak_used, used)
