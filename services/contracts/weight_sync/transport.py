@@ -209,6 +209,21 @@ class _Receiver:
     def __init__(self) -> None:
         self.group_key = ""
         self.group: dist.ProcessGroup | None = None
+        self.buffers: dict[int, torch.Tensor] = {}
+        """Host receive buffers by bucket index, reused from sync to sync: a fresh buffer would be
+        paged in by the receive itself, on the critical path. Consumers copy the tensors out (an
+        engine's `update_weights` keeps no reference past the sync). GPU buffers are not kept:
+        the caching allocator makes them cheap, and keeping them would hold a model's worth of
+        GPU memory between syncs."""
+
+    def _buffer(self, index: int, bucket: Bucket, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return empty_bucket(bucket, device)
+        key, numel = index, bucket_numel(bucket)
+        flat = self.buffers.get(key)
+        if flat is None or flat.numel() != numel or flat.dtype != dtype_of(bucket[0].dtype):
+            flat = self.buffers[key] = empty_bucket(bucket, device)
+        return flat
 
     def receive(self, ann: Announcement, rank: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.monotonic()
@@ -217,8 +232,8 @@ class _Receiver:
                 self.group, self.group_key = None, ""
                 self.group = make_group(ann, rank)
                 self.group_key = ann.group_key
-            for bucket in ann.buckets:
-                flat = empty_bucket(bucket, device)
+            for index, bucket in enumerate(ann.buckets):
+                flat = self._buffer(index, bucket, device)
                 broadcast_bucket(self.group, flat, ann.timeout_s)
                 yield from unflatten(flat, bucket)
         except BaseException:
