@@ -15,16 +15,15 @@ Last line: `async_efficiency=<measured speed-up / ideal speed-up>`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 
 def run(staleness: int, steps: int, overrides: list[str], out: Path) -> dict[str, float]:
@@ -54,14 +53,7 @@ def main() -> int:
           f"{t_train:.3f}s training (weight sync {sync['sync_weights_s']:.3f}s)")
     print(f"max_staleness 1 (asynchronous): {asyn['steps_per_hour']:.0f} steps/hour; learner idle {asyn['learner_idle_fraction']:.0%}")
     print(f"speed-up {measured:.2f}x of an ideal {ideal:.2f}x (perfect overlap of generation and training)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "steps": args.steps, "overrides": args.overrides, "sync": sync, "async": asyn, "t_gen_s": t_gen, "t_train_s": t_train,
-              "ideal_speedup": ideal, "measured_speedup": measured, "efficiency": efficiency}
-    out = Path(args.out) / f"{result['date']}-async_vs_sync.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"results: {out}")
+    save_result("async_vs_sync", {"steps": args.steps, "overrides": args.overrides, "sync": sync, "async": asyn, "t_gen_s": t_gen, "t_train_s": t_train, "ideal_speedup": ideal, "measured_speedup": measured, "efficiency": efficiency}, args.out)
     print(f"async_efficiency={efficiency:.3f}")
     return 0
 

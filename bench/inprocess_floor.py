@@ -45,7 +45,7 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
     from learner.batch import build_batch
     from learner.service import init_distributed
     from learner.trainer import Trainer
-    from reward.overlong import shaped_reward
+    from reward.service import score_group
     from reward.verifiers import make_scorer
     from rollout.hf_engine import HFEngine
     from services.contracts.config import load_config
@@ -67,7 +67,7 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
     order = list(range(len(records)))
     random.Random(cfg.data.seed).shuffle(order)
     eval_records, eval_ids = eval_prompts(cfg, tokenizer)
-    ro, alg, ov = cfg.rollout, cfg.algorithm, cfg.reward.overlong
+    ro, alg = cfg.rollout, cfg.algorithm
     history: list[list[float]] = []
     rl_seconds, cursor, generated, kept_total = 0.0, 0, 0, 0
     train_seconds, train_tokens = 0.0, 0.0
@@ -85,18 +85,15 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
         outs = engine.generate(prompts, n=ro.group_size, max_tokens=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p)
         groups = []
         for rec, ids, samples in zip(recs, prompts, outs, strict=True):
-            texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-            results = scorer.score_many([(t, rec.ground_truth) for t in texts])
             job = PromptJob(group_id=f"floor-{generated}", prompt_index=rec.index, prompt_ids=ids, ground_truth=rec.ground_truth,
                             policy_version=0, issued_at=0.0)
             generated += 1
-            groups.append(RolloutGroup(
+            group = RolloutGroup(
                 job=job, policy_version=0, replica_id="floor",
                 responses=[Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples],  # type: ignore[arg-type]
-                scores=[r.score for r in results], acc=[r.acc for r in results], preds=[r.pred for r in results],
-                rewards=[shaped_reward(r.score, len(s.token_ids), max_len=ro.max_response_len, buffer_len=ov.buffer_len,
-                                       factor=ov.penalty_factor, enabled=ov.enabled) for r, s in zip(results, samples, strict=True)],
-            ))
+            )
+            score_group(group, tokenizer, scorer, cfg)  # the reward worker's own scoring
+            groups.append(group)
         return groups
 
     evaluate_now(0)

@@ -18,12 +18,9 @@ Last line: `shard_ratio=<sharded peak per rank at W=2 / at W=1>` (ideal 0.5).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.multirank_check import launch_ranks, make_groups  # noqa: E402  (a script beside this one)
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 MODEL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
          "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 256, "tie_word_embeddings": False}
@@ -153,13 +151,7 @@ def main() -> int:
               f"{r0['host_copy_mib']:.0f} + 2 x {r0['bucket_mib']:.0f} MiB buckets = {bound:.0f} MiB "
               f"({'within' if r0['publish_extra_mib'] <= bound else 'OVER'})")
     ratio = sharded[2] / sharded[1] if 1 in sharded and 2 in sharded else float("nan")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "params": n_params, "per_rank": rows, "sharded_peak_mib": sharded, "shard_ratio": ratio}
-    out = Path(args.out) / f"{result['date']}-learner_memory.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"results: {out}")
+    save_result("learner_memory", {"params": n_params, "per_rank": rows, "sharded_peak_mib": sharded, "shard_ratio": ratio}, args.out)
     print(f"shard_ratio={ratio:.3f}")
     return 0
 

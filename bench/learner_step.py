@@ -14,12 +14,7 @@ Last line: `learner_tokens_per_s=<trained response tokens per second>`.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +22,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 
 def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
@@ -88,15 +84,9 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, dotted.key=value")
     args = parser.parse_args()
     figures = measure(args.steps, args.overrides)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "overrides": args.overrides, **figures}
-    out = Path(args.out) / f"{result['date']}-learner_step.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save_result("learner_step", {"overrides": args.overrides, **figures}, args.out)
     print(f"tiny preset, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per step; "
           f"train_step {figures['train_s_per_step']:.3f} s, weight gather {figures['gather_s_per_step']:.3f} s")
-    print(f"results: {out}")
     print(f"learner_tokens_per_s={figures['tokens_per_s']:.0f}")
     return 0
 

@@ -7,17 +7,15 @@ date, commit and machine.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO))
+from bench.results_file import RESULTS, provenance  # noqa: E402  (a module beside this script)
+
 HOPS_PER_JOB = 4
 """prompts -> rollouts -> scored -> train -> trained (a filtered group stops one hop earlier)."""
 
@@ -66,8 +64,8 @@ def rows() -> list[tuple[str, str, str]]:
 
 
 def main() -> int:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    head = f"{datetime.date.today().isoformat()}, commit {commit}, {platform.machine()} {os.cpu_count()} cores, tiny preset"
+    p = provenance()
+    head = f"{p['date']}, commit {p['commit']}, {p['machine']}, tiny preset"
     table = ["| figure | value | measured by |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows())]
     text = "\n".join([f"# Bench results\n\n{head}\n", *table, ""])
     (RESULTS / "RESULTS.md").write_text(text)

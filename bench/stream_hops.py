@@ -9,11 +9,7 @@ Prints groups/s and MB/s for both, and their ratio. Last line: `hop_ms=<millisec
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +20,8 @@ from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode
 from services.shell.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 
 def make_group(group_size: int, tokens: int) -> RolloutGroup:
@@ -70,14 +68,7 @@ def main() -> None:
     print(f"baseline xadd+xack pipeline: {n / base_s:8.0f} groups/s  {n * size_mb / base_s:7.1f} MB/s")
     print(f"atomic hop (Lua):            {n / hop_s:8.0f} groups/s  {n * size_mb / hop_s:7.1f} MB/s")
     print(f"hop / baseline throughput:   {base_s / hop_s:.2f}x")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "group_size": args.group_size, "tokens": args.tokens, "groups": n, "hop_groups_per_s": n / hop_s,
-              "baseline_groups_per_s": n / base_s, "hop_ms": 1e3 * hop_s / n}
-    out = Path(args.out) / f"{result['date']}-stream_hops.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"results: {out}")
+    save_result("stream_hops", {"group_size": args.group_size, "tokens": args.tokens, "groups": n, "hop_groups_per_s": n / hop_s, "baseline_groups_per_s": n / base_s, "hop_ms": 1e3 * hop_s / n}, args.out)
     print(f"hop_ms={1e3 * hop_s / n:.3f}")
 
 

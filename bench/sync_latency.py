@@ -13,10 +13,8 @@ Last line: `sync_over_flat=<mean learner sync time / bare broadcast time>`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 
 def main() -> int:
@@ -51,14 +50,7 @@ def main() -> int:
     sync = summary["timing"]["sync_weights_s"]
     print(f"rollout slowed {args.slowdown:g}x, {replicas} replicas, {nbytes / 2**20:.1f} MiB of weights: mean learner sync "
           f"{sync * 1e3:.1f} ms, bare broadcast {flat * 1e3:.1f} ms")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "steps": args.steps, "slowdown": args.slowdown, "bytes": nbytes, "mean_sync_s": sync, "flat_broadcast_s": flat,
-              "sync_over_flat": sync / flat}
-    out = Path(args.out) / f"{result['date']}-sync_latency.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"results: {out}")
+    save_result("sync_latency", {"steps": args.steps, "slowdown": args.slowdown, "bytes": nbytes, "mean_sync_s": sync, "flat_broadcast_s": flat, "sync_over_flat": sync / flat}, args.out)
     print(f"sync_over_flat={sync / flat:.2f}")
     return 0
 

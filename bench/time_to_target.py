@@ -14,11 +14,8 @@ Last line: `service_over_floor=<service seconds / floor seconds>` (below 1: the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.inprocess_floor import seconds_to_gain  # noqa: E402  (a script beside this one)
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 GAIN = 0.25
 
@@ -62,14 +60,7 @@ def main() -> int:
     print(f"floor   (eval@step:acc@RL s): {curve(floor['eval_history'])}")
     print(f"service (eval@step:acc@RL s): {curve(service['eval_history'])}")
     print(f"RL seconds to +{GAIN * 100:.0f} points: service {service_s:.1f}, in-process floor {floor_s:.1f}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "steps": args.steps, "overrides": args.overrides, "floor": floor, "service": service,
-              "floor_seconds_to_plus25": floor_s, "service_seconds_to_plus25": service_s, "service_over_floor": ratio}
-    out = Path(args.out) / f"{result['date']}-time_to_target.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"results: {out}")
+    save_result("time_to_target", {"steps": args.steps, "overrides": args.overrides, "floor": floor, "service": service, "floor_seconds_to_plus25": floor_s, "service_seconds_to_plus25": service_s, "service_over_floor": ratio}, args.out)
     print(f"service_over_floor={ratio:.3f}")
     return 0
 

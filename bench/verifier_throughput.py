@@ -13,18 +13,14 @@ Last line: `verifier_responses_per_s=<the dapo verifier's responses per second>`
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 
 def responses(n: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -64,13 +60,7 @@ def main() -> int:
             print(f"{name}: skipped ({exc})")
             continue
         print(f"{name:>12}: {rates[name]:9.0f} responses/s on one core")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "responses_per_s": rates}
-    out = Path(args.out) / f"{result['date']}-verifier_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"results: {out}")
+    save_result("verifier_throughput", {"responses_per_s": rates}, args.out)
     print(f"verifier_responses_per_s={rates['dapo']:.0f}")
     return 0
 

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 from learner.commands import Picked
 from learner.feeder import PromptFeeder
-from services.contracts.bus import Entry, StreamBus
+from services.contracts.bus import Entry, StreamBus, is_evaluation
 from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
 from services.contracts.runtime import StopFlag
-from services.contracts.schemas import SchemaError, decode_group, decode_job
+from services.contracts.schemas import SchemaError, decode_group
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class StreamSource:
         self.pending, self.orphans = [], []
         drainer = self.bus.as_consumer(f"{self.bus.consumer}-drain")
         for entry_id, fields in drainer.read(keys.prompts, count=1_000_000, block_ms=None):  # undelivered jobs
-            if _is_eval_job(fields):
+            if is_evaluation(fields):
                 drainer.hand_back(keys.prompts, entry_id, fields)
             else:
                 drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
@@ -179,10 +179,3 @@ class StreamSource:
         if ledger.train_in_flight:
             log.warning("drain timed out with %d jobs in flight; stream depths %s", ledger.train_in_flight, self.bus.depths())
         log.info("drained: %s", ledger.as_dict())
-
-
-def _is_eval_job(fields: dict[bytes, bytes]) -> bool:
-    try:
-        return decode_job(fields).eval is not None
-    except SchemaError:
-        return False  # dropped as stale with the rest

@@ -12,12 +12,12 @@ import logging
 from typing import Any
 
 from reward.overlong import shaped_reward
-from reward.verifiers import make_scorer
+from reward.verifiers import Scorer, make_scorer
 from services.contracts.bus import Entry, StreamBus
 from services.contracts.config import DapoConfig
 from services.contracts.keys import Counter
 from services.contracts.runtime import run_stage_loop, service_context
-from services.contracts.schemas import SchemaError, decode_group, encode_group
+from services.contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class RewardWorker:
 
     def handle(self, entries: list[Entry]) -> None:
         stage = self.bus.keys.rollouts
-        ov, max_len = self.cfg.reward.overlong, self.cfg.rollout.max_response_len
+        max_len = self.cfg.rollout.max_response_len
         for entry_id, fields in entries:
             try:
                 group = decode_group(fields)
@@ -50,22 +50,28 @@ class RewardWorker:
                 self.bus.dead_letter(stage, entry_id, fields, f"reward: a response of {longest} tokens exceeds "
                                      f"rollout.max_response_len={max_len} (services running with different configs?)")
                 continue
-            texts = self.tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
-            results = self.scorer.score_many([(t, group.job.ground_truth) for t in texts])
-            group.scores = [r.score for r in results]
-            group.acc = [r.acc for r in results]
-            group.preds = [r.pred for r in results]
-            group.rewards = [
-                shaped_reward(r.score, len(resp.token_ids), max_len=max_len, buffer_len=ov.buffer_len, factor=ov.penalty_factor, enabled=ov.enabled)
-                for r, resp in zip(results, group.responses, strict=True)
-            ]
-            for resp, text in zip(group.responses, texts, strict=True):
-                resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
-            group.reward_timeouts = sum(r.timeout for r in results)
+            score_group(group, self.tokenizer, self.scorer, self.cfg)
             self.timeouts += group.reward_timeouts
             if group.reward_timeouts:
                 self.bus.incr(Counter.REWARD_TIMEOUTS, group.reward_timeouts)
             self.groups += self.bus.hop(stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(group))
+
+
+def score_group(group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoConfig) -> None:
+    """Fill in a group's scores, accuracies, predictions and shaped rewards (in place)."""
+    ov, max_len = cfg.reward.overlong, cfg.rollout.max_response_len
+    texts = tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
+    results = scorer.score_many([(t, group.job.ground_truth) for t in texts])
+    group.scores = [r.score for r in results]
+    group.acc = [r.acc for r in results]
+    group.preds = [r.pred for r in results]
+    group.rewards = [
+        shaped_reward(r.score, len(resp.token_ids), max_len=max_len, buffer_len=ov.buffer_len, factor=ov.penalty_factor, enabled=ov.enabled)
+        for r, resp in zip(results, group.responses, strict=True)
+    ]
+    for resp, text in zip(group.responses, texts, strict=True):
+        resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
+    group.reward_timeouts = sum(r.timeout for r in results)
 
 
 def main(cfg: DapoConfig) -> int:

@@ -70,11 +70,11 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        hook = _EveryStep(between_steps or (lambda: 0))
+        hook = _EveryStep(between_steps) if between_steps is not None else None
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
             max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_logits=True, stopping_criteria=StoppingCriteriaList([hook]),
+            return_dict_in_generate=True, output_logits=True, stopping_criteria=StoppingCriteriaList([hook] if hook else []),
         )
         new = out.sequences[:, width:]  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
@@ -88,7 +88,8 @@ class HFEngine:
                 end, reason = toks.index(self.eos_id) + 1, "stop"
             else:
                 end, reason = len(toks), "length"
-            samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, (hook.versions[0], hook.versions[max(end, 1) - 1])))
+            versions = (hook.versions[0], hook.versions[max(end, 1) - 1]) if hook else None
+            samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, versions))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
-    versions: tuple[int, int] = (0, 0)
-    """(oldest, newest) policy version that sampled a token of this response: they differ when
-    new weights arrived while it was being generated (the engine's `between_steps` hook)."""
+    versions: tuple[int, int] | None = None
+    """(oldest, newest) policy version that sampled a token of this response, as returned by the
+    engine's `between_steps` hook; they differ when new weights arrived while it was generated.
+    None when generated without the hook (then no weights can have changed mid-generation)."""

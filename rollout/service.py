@@ -100,7 +100,7 @@ class RolloutWorker:
     def _generate(self, jobs: list[tuple[str, PromptJob]]) -> None:
         ro, ev, tag = self.cfg.rollout, self.cfg.eval, jobs[0][1].eval
         n, temperature, top_p = (ro.group_size, ro.temperature, ro.top_p) if tag is None else (tag.samples, ev.temperature, ev.top_p)
-        stage, start, synced = self.bus.keys.prompts, time.monotonic(), self.weights.sync_s
+        stage, start, synced, held = self.bus.keys.prompts, time.monotonic(), self.weights.sync_s, self.policy_version
         self._step_at = start
         outputs = self.engine.generate(
             [job.prompt_ids for _, job in jobs], n=n, max_tokens=ro.max_response_len, temperature=temperature, top_p=top_p,
@@ -109,11 +109,13 @@ class RolloutWorker:
         seconds = time.monotonic() - start
         self.busy_s += seconds - (self.weights.sync_s - synced)  # in-flight syncs count as syncing
         for (entry_id, job), samples in zip(jobs, outputs, strict=True):
+            # An engine that did not report versions never called the hook: no weights changed.
+            versions = [s.versions or (held, held) for s in samples]
             group = RolloutGroup(
-                job=job, policy_version=min(s.versions[0] for s in samples), replica_id=self.id, gen_seconds=seconds / len(jobs),
+                job=job, policy_version=min(oldest for oldest, _ in versions), replica_id=self.id, gen_seconds=seconds / len(jobs),
                 responses=[
-                    Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason, versions=s.versions)  # type: ignore[arg-type]
-                    for s in samples
+                    Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason, versions=v)
+                    for s, v in zip(samples, versions, strict=True)
                 ],
             )
             self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))

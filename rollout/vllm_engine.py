@@ -178,8 +178,7 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        step = between_steps or (lambda: 0)
-        oldest = version = step()
+        oldest = version = between_steps() if between_steps is not None else -1
         llm.enqueue(inputs, params, use_tqdm=False)
         finished: dict[int, tuple[Any, int]] = {}  # request number -> (output, version when it finished)
         self.generating = True
@@ -188,14 +187,14 @@ class VLLMEngine:
                 for out in llm.llm_engine.step():
                     if out.finished:  # request ids number the prompts in order, as LLM.generate sorts them
                         finished[int(out.request_id)] = (out, version)
-                if llm.llm_engine.has_unfinished_requests():
-                    version = step()  # may swap weights in (update_weights) before the next step
+                if between_steps is not None and llm.llm_engine.has_unfinished_requests():
+                    version = between_steps()  # may swap weights in (update_weights) before the next step
         finally:
             self.generating = False
             if self.prefix_cache_stale:
                 self._reset_prefix_cache()
         return [
-            [_to_sample(c, (oldest, newest)) for c in sorted(out.outputs, key=lambda c: c.index)]
+            [_to_sample(c, None if between_steps is None else (oldest, newest)) for c in sorted(out.outputs, key=lambda c: c.index)]
             for out, newest in (finished[rid] for rid in sorted(finished))
         ]
 
@@ -276,7 +275,7 @@ def _to_wire(name: str, tensor: torch.Tensor) -> list[Any]:
     return [name, dtype, list(tensor.shape), flat.view(torch.uint8).numpy().tobytes()]
 
 
-def _to_sample(completion: Any, versions: tuple[int, int] = (0, 0)) -> Sample:
+def _to_sample(completion: Any, versions: tuple[int, int] | None = None) -> Sample:
     """vLLM CompletionOutput -> Sample. Token ids include EOS when generation stopped on it."""
     token_ids = [int(t) for t in completion.token_ids]
     steps = completion.logprobs or []

@@ -411,7 +411,7 @@ class StreamBus:
         is counted as `poison` only.
         """
         group_id = fields.get(b"group_id") or _group_id_from_meta(fields)
-        dead = LEDGER_EVAL_DEAD if _is_evaluation(fields) else LEDGER_DEAD
+        dead = LEDGER_EVAL_DEAD if is_evaluation(fields) else LEDGER_DEAD
         record = {
             "stage": stage.stream.encode(),
             "entry_id": entry_id.encode(),
@@ -648,8 +648,9 @@ def _entry_id(pending: Any) -> str:
     return str(eid.decode() if isinstance(eid, bytes) else eid)
 
 
-def _is_evaluation(fields: Fields) -> bool:
-    """An evaluation job, group or result (it dies in the evaluation lane of the ledger)."""
+def is_evaluation(fields: Fields) -> bool:
+    """An evaluation job, group or result, read from its fields without decoding it whole (it
+    dies in the evaluation lane of the ledger; the drain leaves it to run)."""
     if fields.get(b"kind") == b"eval":
         return True
     try:

@@ -16,9 +16,10 @@ import redis
 from safetensors import safe_open
 
 from services.contracts.bus import StreamBus, connect
+from services.contracts.config import load_config
 from services.contracts.keys import Keys
 from services.contracts.weight_sync import flat_broadcast_seconds
-from tests.helpers import finish, learner_step, start_run, wait_for
+from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
@@ -28,14 +29,15 @@ def weight_bytes(model_dir: Path) -> int:
         return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
 
 
-def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url: str, tiny_model_dir: Path) -> None:
+def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url: str) -> None:
     steps = 40
     proc = start_run(tmp_path, redis_url, f"learner.total_steps={steps}", "rollout.max_response_len=8",
                      "reward.overlong.buffer_len=2", faults="rollout.slowdown=10")
     # The reference transfer is measured in the same run: while it trains, with the same machine
     # load, the same bytes from one process to as many receiving processes as there are replicas.
     wait_for("step 10", lambda: learner_step(redis.Redis.from_url(redis_url)) >= 10, timeout_s=600)
-    flat = flat_broadcast_seconds(weight_bytes(tiny_model_dir), replicas=2, repeats=9)
+    model = REPO / load_config(REPO / "configs" / "tiny.yaml").model.path  # the weights this run broadcasts
+    flat = flat_broadcast_seconds(weight_bytes(model), replicas=2, repeats=9)
     summary = finish(proc, tmp_path)
     assert summary["steps"] == steps and summary["ledger"]["balanced"]
     metrics = StreamBus(connect(redis_url), Keys("dapo"), "test").recent_metrics()
