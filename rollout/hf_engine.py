@@ -109,6 +109,7 @@ class HFEngine:
         self.model.load_state_dict(fresh.state_dict())
 
     weights_consistent_after_failure = True
+    receives_on_host = True  # the model lives in this process: any host tensor can be copied in
 
     def close(self) -> None:
         pass

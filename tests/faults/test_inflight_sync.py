@@ -49,9 +49,12 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
           f"group) vs a bare broadcast of the same bytes "
           f"{flat * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean length {length:.1f} of at most 8 tokens")
     assert in_flight > 0.05, "no response was generated across a weight update"
-    # Target 2x; measured 2.3-3.5x here (the mean also carries the one-off group formation and
-    # scheduling hiccups on 2 shared cores, hence the median): ~2 ms for the replica to react
-    # (watcher thread -> main thread -> read the announcement) on top of the transfer. Receiving
-    # in the watcher thread itself would remove most of that (not done yet). Before in-flight
-    # updates this was the whole generation batch (hundreds of ms with the rollout slowed 10x).
-    assert median_sync <= 3 * flat, f"median sync {median_sync:.4f}s > 3 x bare broadcast {flat:.4f}s"
+    # Target 2x. Replicas whose engine takes host tensors receive in their watcher thread while
+    # they generate, so the learner waits for no decode step: measured 1.6-2.2x the bare broadcast
+    # (median; 5-6 ms against 3-4 ms) in six runs here, the rest being the replicas' wake-up
+    # (Redis delivers the announcement, a thread starts) and two receivers that arrive at
+    # different moments, on 2 cores shared with the learner. Bounded at 2.5x so that scheduling
+    # noise on this machine does not fail the suite. Before in-flight updates this was the whole
+    # generation batch (hundreds of ms with the rollout slowed 10x); receiving at the next decode
+    # step in the engine's own thread it was 2.3-3.5x.
+    assert median_sync <= 2.5 * flat, f"median sync {median_sync:.4f}s > 2.5 x bare broadcast {flat:.4f}s"

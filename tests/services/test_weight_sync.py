@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,12 +38,15 @@ def params() -> list[tuple[str, torch.Tensor]]:
 
 
 class FakeEngine:
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, on_host: bool = False) -> None:
         self.weights: dict[str, torch.Tensor] = {}
         self.loaded: list[str] = []
         self.fail = fail
+        self.receives_on_host = on_host
+        self.owner: set[str] = set()  # the threads that touched the engine
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.owner.add(threading.current_thread().name)
         for name, tensor in weights:
             if self.fail:
                 raise RuntimeError("died mid-broadcast")
@@ -53,9 +56,17 @@ class FakeEngine:
         self.loaded.append(path)
 
 
+STOPS: list[StopFlag] = []
+
+
 @pytest.fixture()
-def bus(redis_url: str) -> StreamBus:
-    return StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+def bus(redis_url: str) -> Iterator[StreamBus]:
+    yield StreamBus(connect(redis_url), Keys(f"t{len(STOPS)}-{time.monotonic_ns()}"), consumer="c1")
+    # A subscriber's watcher thread outlives its test unless stopped, and would answer the next
+    # test's announcements for the same replica id.
+    for stop in STOPS:
+        stop.event.set()
+    STOPS.clear()
 
 
 def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
@@ -68,9 +79,11 @@ def publisher(bus: StreamBus) -> WeightPublisher:
 
 
 def subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r0") -> WeightSubscriber:
+    stop = StopFlag()
+    STOPS.append(stop)
     return WeightSubscriber(
         bus, engine, rid, checkpoint_dir=str(tmp_path / "ckpt"), base_model_path="base",
-        lost_contact_s=0.0, max_staleness=1, stop=StopFlag(),
+        lost_contact_s=0.0, max_staleness=1, stop=stop,
     )
 
 
@@ -110,11 +123,12 @@ def test_stage_consumes_lazily_and_staged_round_trips(bus: StreamBus) -> None:
     assert pub.version == -1  # a failed stage leaves nothing half-staged
 
 
-def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_host", [False, True], ids=["engine-receives", "background-receive"])
+def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_path: Path, on_host: bool) -> None:
     named = params()
     pub = publisher(bus)
     pub.join_timeout_s = 1.0
-    engine = FakeEngine()
+    engine = FakeEngine(on_host=on_host)
     sub = subscriber(bus, engine, tmp_path)
     sub.lost_contact_s = 1e9  # no store catch-up here
     sub.start()
@@ -126,7 +140,7 @@ def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_pa
         sub.wait_for(2)
         done.set()
 
-    thread = threading.Thread(target=replica, daemon=True)
+    thread = threading.Thread(target=replica, name="replica", daemon=True)
     thread.start()
     pub.stage(1, iter(named), named)
     assert pub.publish()
@@ -139,6 +153,69 @@ def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_pa
     assert done.wait(30) and sub.policy_version == 2
     for name, t in named:
         assert torch.equal(engine.weights[name], t + 1)
+    assert engine.owner == {"replica"}  # only the thread that owns the engine touches it
+
+
+def test_background_receive_does_not_wait_for_the_engine(bus: StreamBus, tmp_path: Path) -> None:
+    """An engine that takes host tensors: the watcher thread joins and receives while the owner is
+    busy (it never calls in during the publish); the engine changes only at the owner's next
+    `between_steps`, and a newer broadcast staged before that replaces the older one."""
+    named = params()
+    pub = publisher(bus)
+    engine = FakeEngine(on_host=True)
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9
+    sub.start()
+    beat(bus, "r0")
+    for version in (1, 2):
+        pub.stage(version, iter([(n, t + version) for n, t in named]), named)
+        assert pub.publish()  # returns although the owner thread never looked
+        assert wait_until(lambda: sub.announced.is_set())  # raised once the version is staged
+        sub.announced.clear()
+    assert engine.weights == {} and sub.policy_version == 0
+    sub.announced.set()  # as the watcher left it
+    assert sub.between_steps() == 2
+    for name, t in named:
+        assert torch.equal(engine.weights[name], t + 2)
+    assert sub.between_steps() == 2 and len(engine.owner) == 1  # nothing new: nothing applied
+
+
+def test_a_failed_background_receive_leaves_the_engine_untouched(
+    bus: StreamBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    named = params()
+    pub = publisher(bus)
+    pub.timeout_s = 2.0
+    engine = FakeEngine(on_host=True)
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9
+    sub.start()
+    beat(bus, "r0")
+    real_iter = WeightStream.__iter__
+
+    def dies_after_one_bucket(self: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(real_iter(self)):
+            if i == 2:
+                raise RuntimeError("the connection dropped")
+            yield item
+
+    monkeypatch.setattr(WeightStream, "__iter__", dies_after_one_bucket)
+    pub.stage(1, iter(named), named)
+    assert not pub.publish()
+    sub.between_steps()
+    assert engine.weights == {} and engine.loaded == [] and sub.policy_version == 0
+    monkeypatch.setattr(WeightStream, "__iter__", real_iter)
+    assert pub.publish()  # a fresh group; this one lands
+    assert wait_until(lambda: sub.announced.is_set()) and sub.between_steps() == 1
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_failed_receive_falls_back_to_published_weights(bus: StreamBus, tmp_path: Path) -> None:

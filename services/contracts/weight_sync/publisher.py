@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -66,6 +67,7 @@ class WeightPublisher:
         self.timeout_s, self.bucket_mb = timeout_s, bucket_mb
         self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self.port = self.store.port
+        self.token = secrets.token_hex(4)  # tells this learner's groups from a restarted one's
         self.generation = 0
         self.replicas: tuple[str, ...] = ()
         self.group: dist.ProcessGroup | None = None
@@ -191,6 +193,7 @@ class WeightPublisher:
         ann = Announcement(
             version=self.version, generation=self.generation, replicas=self.replicas, store_host=self.host,
             store_port=self.port, backend=self.backend, timeout_s=self.timeout_s, buckets=self.buckets,
+            publisher=self.token,
         )
         start = time.monotonic()
         if self.group is None:  # a new group: two-phase join first

@@ -10,7 +10,10 @@ while the replica generates, not after its batch):
 - takes part in the two-phase join (README.md, "What a run survives"): registers in the join
   set, then waits for the learner's `go` before touching torch.distributed, so a sync the
   learner aborted costs nothing but the wait;
-- hands the engine a `WeightStream` (the engine receives and applies it);
+- hands the engine a `WeightStream` (the engine receives and applies it), or, for an engine
+  that takes host tensors (`receives_on_host`), receives in its watcher thread into host
+  buffers while the engine keeps generating and hands the engine the received tensors at its
+  next decode step: the learner's broadcast then waits for nobody's decode step;
 - after a failed broadcast, falls back to the newest committed checkpoint (an engine that may
   hold half old, half new weights must not generate);
 - catches up from the checkpoint store after losing contact (a local read instead of a
@@ -53,7 +56,10 @@ class WeightSink(Protocol):
     """What the subscriber needs of an engine (`rollout.engine.Engine` satisfies it).
 
     An engine may set `weights_consistent_after_failure = True` when a failed `update_weights`
-    leaves its previous weights intact (receive everything, then swap)."""
+    leaves its previous weights intact (receive everything, then swap), and
+    `receives_on_host = True` when `update_weights` copies from host tensors it may be given
+    from anywhere (the subscriber then receives in the background; an engine whose own worker
+    receives onto its device, like vLLM's, leaves it False)."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -89,6 +95,13 @@ class WeightSubscriber:
         """Set by the watcher when anything is appended to the weights stream or `watch_also`
         (the replica's prompt stream): an idle replica sleeps on it."""
         self._watcher: threading.Thread | None = None
+        self.background = bool(getattr(engine, "receives_on_host", False))
+        """Receive in the watcher thread (see the module docstring); the engine is still only
+        touched by the thread that owns it."""
+        self._staged: tuple[Announcement, float, list[tuple[str, torch.Tensor]]] | None = None
+        self._staging = threading.Lock()
+        """Held while the staged tensors are written (the watcher receives) or read (the owner
+        applies): they are views of receive buffers that the next receive reuses."""
 
     @classmethod
     def from_config(
@@ -120,9 +133,10 @@ class WeightSubscriber:
         self.poll()
 
     def between_steps(self) -> int:
-        """Between two decode steps of a generation: take a broadcast announced meanwhile now, so
-        the learner never waits for a batch to end; returns the version held from here on. Costs
-        nothing when nothing was announced (one flag read)."""
+        """Between two decode steps of a generation: take a broadcast announced (or, receiving in
+        the background, received) meanwhile now, so the learner never waits for a batch to end;
+        returns the version held from here on. Costs nothing when there is nothing new (one flag
+        read)."""
         if self.announced.is_set():
             self.announced.clear()
             self.poll()
@@ -130,52 +144,71 @@ class WeightSubscriber:
 
     def _watch(self) -> None:
         """Background thread: block on the weights stream (and `watch_also`) and raise
-        `announced` / `activity` when something is appended. It only signals; the receive itself
-        runs in the thread that owns the engine."""
+        `announced` / `activity` when something is appended. Receiving in the background, it
+        also joins and receives each broadcast naming this replica and raises `announced` once
+        the tensors are staged; otherwise it only signals and the receive runs in the thread that
+        owns the engine."""
         weights = self.bus.keys.weights
-        last = {weights: "$", **{stream: "$" for stream in self.watch_also}}
+        last = {weights: self.cursor, **{stream: "$" for stream in self.watch_also}}
         while not self.stop.stopping:
             try:
                 reply: Any = self.bus.redis.xread(dict(last), count=64, block=WATCH_BLOCK_MS)
             except redis.RedisError:
                 self.stop.wait(1.0)  # Redis restarting: the loop's own polls ride it out
                 continue
+            if self.stop.stopping:
+                return
             for stream, entries in reply or []:
                 name = stream.decode() if isinstance(stream, bytes) else stream
                 last[name] = entries[-1][0].decode()
-                if name == weights:
+                if name == weights and not self.background:
                     self.announced.set()
+                elif name == weights and (newest := self._newest_for_me(entries)) is not None:
+                    self._receive_staged(*newest)
                 self.activity.set()
 
     def wait_for(self, version: int) -> bool:
         """Block (receiving broadcasts) until the weights held are at least `version`; False
         when asked to stop first."""
         while self.policy_version < version and not self.stop.stopping:
-            self.poll(block_ms=500)
+            if self.background:  # the watcher receives; apply what it staged
+                self.announced.wait(0.5)
+                self.between_steps()
+            else:
+                self.poll(block_ms=500)
         return self.policy_version >= version
 
     # --- announcements ---------------------------------------------------------------------------
     def poll(self, block_ms: int | None = None) -> None:
-        """Apply the newest pending announcement that names this replica (older ones are moot)."""
+        """Apply the newest pending announcement that names this replica (older ones are moot);
+        receiving in the background, apply the newest staged broadcast instead."""
         r, stream = self.bus.redis, self.bus.keys.weights
-        reply: Any = r.xread({stream: self.cursor}, count=64, block=block_ms)
         if self.cursor == "$":
             # First call: start after the newest announcement; the learner's catch-up sync includes
             # this replica once its heartbeat is seen.
             last: Any = r.xrevrange(stream, count=1)
             self.cursor = last[0][0].decode() if last else "0"
-        newest: tuple[Announcement, float] | None = None
+            return
+        if self.background:
+            self._apply_staged()
+            return
+        reply: Any = r.xread({stream: self.cursor}, count=64, block=block_ms)
         for _, entries in reply or []:
-            for eid, fields in entries:
-                self.cursor = eid.decode()
-                ann = Announcement.from_json(json.loads(fields[b"ann"]))
-                announced_at = int(self.cursor.split("-")[0]) / 1000
-                # Only while its rendezvous can still be open: joining an abandoned one would
-                # just time out.
-                if self.replica_id in ann.replicas and time.time() - announced_at < ann.timeout_s / 2:
-                    newest = ann, announced_at
-        if newest is not None:
-            self._apply(*newest)
+            self.cursor = entries[-1][0].decode()
+            newest = self._newest_for_me(entries)
+            if newest is not None:
+                self._apply(*newest)
+
+    def _newest_for_me(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[Announcement, float] | None:
+        """The newest announcement in `entries` that names this replica while its rendezvous can
+        still be open (joining an abandoned one would just time out)."""
+        newest: tuple[Announcement, float] | None = None
+        for eid, fields in entries:
+            ann = Announcement.from_json(json.loads(fields[b"ann"]))
+            announced_at = int(eid.decode().split("-")[0]) / 1000
+            if self.replica_id in ann.replicas and time.time() - announced_at < ann.timeout_s / 2:
+                newest = ann, announced_at
+        return newest
 
     def _await_go(self, ann: Announcement) -> bool:
         """Phase one of a sync: register in the join set, then wait for the learner's go/abort
@@ -191,11 +224,54 @@ class WeightSubscriber:
             time.sleep(0.005)
         return False
 
+    def _joined(self, ann: Announcement) -> bool:
+        """In the group `ann` broadcasts over: already, or after a two-phase join."""
+        if self.group_key == ann.group_key or self._await_go(ann):
+            return True
+        log.info("weight sync %s aborted; waiting for the next", ann.group_key)
+        return False
+
+    def _receive_staged(self, ann: Announcement, announced_at: float) -> None:
+        """Watcher thread, receiving in the background: join, receive every bucket into host
+        buffers, and leave them for the owner's next `between_steps`. A broadcast that fails
+        part-way stages nothing; the engine's weights were never touched."""
+        if not self._joined(ann):
+            return
+        with self._staging:
+            self._staged = None  # the receive overwrites the buffers an unapplied version is in
+            try:
+                tensors = list(WeightStream(ann, ann.rank_of(self.replica_id)))
+            except Exception:
+                log.exception("weight broadcast %d (%s) failed", ann.version, ann.group_key)
+                self.group_key = ""
+                return
+            self.group_key = ann.group_key
+            self._staged = ann, announced_at, tensors
+        self.announced.set()
+
+    def _apply_staged(self) -> None:
+        """Owner thread: hand the newest staged broadcast to the engine (a host-to-engine copy)."""
+        if self._staged is None or not self._staging.acquire(blocking=False):
+            return  # nothing staged, or the watcher is receiving a newer one: next step
+        try:
+            staged, self._staged = self._staged, None
+            # Versions only grow (a restore resumes above the newest published one), so an older
+            # staged version lost a race with a store load and is moot.
+            if staged is None or staged[0].version < self.policy_version:
+                return
+            start = time.monotonic()
+            ann, announced_at, tensors = staged
+            self.engine.update_weights(tensors)
+            self.sync_s += time.monotonic() - start
+        finally:
+            self._staging.release()
+        self.weights_from = announced_at
+        self._hold(ann.version, "broadcast")
+
     def _apply(self, ann: Announcement, announced_at: float) -> None:
         start = time.monotonic()
-        if self.group_key != ann.group_key and not self._await_go(ann):  # a new group: join first
+        if not self._joined(ann):
             self.sync_s += time.monotonic() - start
-            log.info("weight sync %s aborted; waiting for the next", ann.group_key)
             return
         try:
             self.engine.update_weights(WeightStream(ann, ann.rank_of(self.replica_id)))

@@ -69,6 +69,8 @@ class Announcement:
     backend: str
     timeout_s: float
     buckets: tuple[Bucket, ...]
+    publisher: str = ""
+    """A token unique to the publishing learner process (see `group_key`)."""
 
     @property
     def world_size(self) -> int:
@@ -76,9 +78,10 @@ class Announcement:
 
     @property
     def group_key(self) -> str:
-        """Identity of the process group: a restarted learner serves a new store and counts
-        generations from 1 again, so the generation number alone is not unique."""
-        return f"{self.store_host}:{self.store_port}/gen{self.generation}"
+        """Identity of the process group: a restarted learner serves a new store (possibly on the
+        same port) and counts generations from 1 again, so neither the address nor the generation
+        number is unique; the publisher token is."""
+        return f"{self.store_host}:{self.store_port}/{self.publisher}/gen{self.generation}"
 
     def rank_of(self, replica_id: str) -> int:
         return self.replicas.index(replica_id) + 1
@@ -94,7 +97,7 @@ class Announcement:
         return cls(
             version=int(data["version"]), generation=int(data["generation"]), replicas=tuple(data["replicas"]),
             store_host=data["store_host"], store_port=int(data["store_port"]), backend=data["backend"],
-            timeout_s=float(data["timeout_s"]), buckets=buckets,
+            timeout_s=float(data["timeout_s"]), buckets=buckets, publisher=str(data.get("publisher", "")),
         )
 
 
