@@ -7,6 +7,11 @@ the groups the gatekeeper kept, drops groups older than `max_staleness` policy v
 At start it takes over groups a previous learner had read but not trained. It accounts trained
 groups (a group id trained twice is counted and reported) and drains the pipeline at the end of
 a completed run, so every issued job is accounted for.
+
+A group that does not decode, or whose numbers no model could train on (NaN or infinite rewards
+or log-probs, positive log-probs: checked by the schema's decode), or whose token ids fall outside
+the model's vocabulary (checked here, where the vocabulary is known), is dead-lettered with the
+reason (counted `dead` in the ledger) and never reaches the trainer.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from typing import Any, Protocol
 
 from learner.commands import Picked
 from learner.feeder import PromptFeeder
-from services.contracts.bus import Entry, StreamBus, is_evaluation
+from services.contracts.bus import Entry, Fields, StreamBus, is_evaluation
 from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
 from services.contracts.runtime import StopFlag
-from services.contracts.schemas import SchemaError, decode_group
+from services.contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +77,12 @@ class StreamSource:
 
     def __init__(
         self, bus: StreamBus, feeder: PromptFeeder, *, batch_groups: int, max_staleness: int, max_deliveries: int,
-        stop: StopFlag, catch_up: Callable[[], None], budget_s: float = 5.0, drain_timeout_s: float = 120.0,
+        stop: StopFlag, catch_up: Callable[[], None], vocab_size: int, budget_s: float = 5.0,
+        drain_timeout_s: float = 120.0,
     ) -> None:
         self.bus, self.feeder, self.stop, self.catch_up = bus, feeder, stop, catch_up
+        self.vocab_size = vocab_size
+        """Rows of the model's embedding: token ids must be below it (`check_vocabulary`)."""
         self.batch_groups, self.max_staleness, self.max_deliveries = batch_groups, max_staleness, max_deliveries
         self.budget_s, self.drain_timeout_s = budget_s, drain_timeout_s
         self.pending: list[Picked] = []
@@ -118,7 +126,7 @@ class StreamSource:
         self.orphans = []
         for entry_id, fields in entries:
             try:
-                picked = Picked(entry_id, decode_group(fields))
+                picked = Picked(entry_id, self._decode(fields))
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
                 continue
@@ -126,6 +134,11 @@ class StreamSource:
                 self._drop([entry_id])
             else:
                 self.pending.append(picked)
+
+    def _decode(self, fields: Fields) -> RolloutGroup:
+        group = decode_group(fields)
+        check_vocabulary(group, self.vocab_size)
+        return group
 
     def _stale(self, picked: Picked, policy_version: int) -> bool:
         return policy_version - picked.group.policy_version > self.max_staleness

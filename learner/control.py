@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from learner.commands import Command, Pause, Progress, Restore, SaveCheckpoint
 from services.contracts.bus import StreamBus
 from services.contracts.keys import Counter, RunField
+from services.contracts.lease import LearnerLease
 from services.contracts.runtime import Heartbeat
 from services.contracts.schemas import CheckpointRequest, PauseRequest, RestoreRequest
 
@@ -36,6 +37,8 @@ class Control(Protocol):
     def record(self, fields: RunInfo) -> None: ...
 
     def count(self, counter: Counter) -> None: ...
+
+    def check_lease(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -67,6 +70,9 @@ class NullControl:
     def count(self, counter: Counter) -> None:
         pass
 
+    def check_lease(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -74,8 +80,10 @@ class NullControl:
 class RunControl:
     """Rank 0: the learner's face in Redis."""
 
-    def __init__(self, bus: StreamBus, *, run_name: str, instance: str, heartbeat_ttl_s: float) -> None:
-        self.bus, self.run_name, self.instance = bus, run_name, instance
+    def __init__(
+        self, bus: StreamBus, *, run_name: str, instance: str, heartbeat_ttl_s: float, lease: LearnerLease | None = None,
+    ) -> None:
+        self.bus, self.run_name, self.instance, self.lease = bus, run_name, instance, lease
         self._status: Callable[[], dict[str, Any]] = dict
         self.heartbeat = Heartbeat(bus, "learner", instance, heartbeat_ttl_s, lambda: self._status())
 
@@ -131,5 +139,13 @@ class RunControl:
     def count(self, counter: Counter) -> None:
         self.bus.incr(counter)
 
+    def check_lease(self) -> None:
+        """Raise `FencedError` when another learner holds the lease (before a checkpoint: the
+        store cannot check a token the way Redis does)."""
+        if self.lease is not None:
+            self.lease.check()
+
     def close(self) -> None:
         self.heartbeat.stop()
+        if self.lease is not None:
+            self.lease.release()

@@ -56,6 +56,7 @@ from learner.evaluation import Evaluations, RoundReport
 from learner.export import Exporter
 from learner.publish import Publisher
 from learner.report import Reporter
+from learner.trainer import NonFiniteTrainingError
 from services.contracts.config import DapoConfig
 from services.contracts.faults import stretch
 from services.contracts.keys import Counter, RunField
@@ -213,7 +214,17 @@ class LearnerLoop:
     def _update_actor(self, groups: list[RolloutGroup], policy_version: int, t0: float) -> dict[str, float]:
         alg = self.cfg.algorithm
         batch = build_batch(groups, pad_id=0, norm_by_std=alg.norm_by_std, overlong_filter=self.cfg.reward.overlong.filter)
-        metrics: dict[str, float] = self.trainer.train_step(batch, policy_version=policy_version)
+        # Non-finite steps (learner/trainer.py): a step that skipped an update is counted and goes on
+        # as any other: its weights (unchanged if every update was skipped) are published as the
+        # next policy version, so versions keep matching steps, and its groups are accounted trained
+        # (consumed). The trainer raises on every rank after learner.max_nonfinite_steps in a row.
+        try:
+            metrics: dict[str, float] = self.trainer.train_step(batch, policy_version=policy_version)
+        except NonFiniteTrainingError:
+            self.control.count(Counter.NONFINITE_STEPS)  # the step that stops the run counts too
+            raise
+        if metrics.get("actor/nonfinite_steps"):
+            self.control.count(Counter.NONFINITE_STEPS)
         stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/contracts/faults.py)
         return metrics
 
@@ -252,6 +263,7 @@ class LearnerLoop:
 
     def _checkpoint(self, *, keep: bool) -> None:
         self._set_state("checkpointing")
+        self.control.check_lease()  # a superseded learner must not write into the store
         meta = {
             "policy_version": self.progress.policy_version, "rl_seconds": self.rl_seconds, **self.source.checkpoint_meta(),
             **self.reporter.checkpoint_meta(), "config": self.cfg.model_dump(mode="json"),

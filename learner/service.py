@@ -11,6 +11,7 @@ docs/algorithm.md s9; `max_staleness: 0` is the synchronous algorithm).
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -29,13 +30,18 @@ from learner.publish import NullPublisher
 from learner.report import NullReporter, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
-from services.contracts.bus import open_bus
+from services.contracts.bus import FencedError, open_bus
 from services.contracts.config import ConfigError, DapoConfig
 from services.contracts.data import load_prompts
+from services.contracts.lease import LearnerLease, LeaseHeldError
 from services.contracts.runtime import StopFlag, free_port, instance_id
 from services.contracts.weight_sync import WeightPublisher
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+EXIT_NOT_THE_LEARNER = 3
+"""Exit status of a learner that found (or lost) the learner lease to another learner."""
 
 
 def resolve_backend(name: str) -> str:
@@ -72,7 +78,7 @@ def make_share(rank: int) -> Share:
 
 def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[str, Any]:
     """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     if not cfg.redis_url:
         raise ConfigError("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
@@ -82,6 +88,8 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[s
     # the pause outlasts the grace period, SIGKILL and a restart lose nothing. With several
     # ranks, a pause longer than learner.collective_timeout_s times the others out (a restart).
     bus = open_bus(cfg.redis_url, cfg.queue.namespace, inst)
+    lease = LearnerLease(bus, holder=inst, ttl_s=cfg.learner.lease_ttl_s)
+    lease.acquire(cfg.learner.lease_wait_s, stop.event)  # before any write: one learner per run
     bus.check_memory_policy()
     bus.ensure_groups()
     alg, le = cfg.algorithm, cfg.learner
@@ -100,13 +108,14 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[s
     source = StreamSource(
         bus, feeder, batch_groups=alg.train_batch_groups, max_staleness=alg.max_staleness,
         max_deliveries=cfg.queue.max_deliveries, stop=stop, catch_up=publisher.catch_up,
+        vocab_size=AutoConfig.from_pretrained(cfg.model.path).vocab_size,  # the model's embedding rows
     )
     reporter = RunReporter(bus, Trackers(cfg))
     evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up)
     return {
         "source": source, "publisher": publisher, "evaluations": evaluations,
         "exporter": HFExporter(cfg.model.path), "reporter": reporter,
-        "control": RunControl(bus, run_name=cfg.run_name, instance=inst, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s),
+        "control": RunControl(bus, run_name=cfg.run_name, instance=inst, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s, lease=lease),
     }
 
 
@@ -133,5 +142,8 @@ def main(cfg: DapoConfig) -> int:
         parts = rank0_collaborators(cfg, backend, stop) if rank == 0 else null_collaborators()
         loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
         return loop.run()
+    except (LeaseHeldError, FencedError) as exc:  # another learner trains this run: not a crash to debug
+        log.error("%s", exc)
+        return EXIT_NOT_THE_LEARNER
     finally:
         dist.destroy_process_group()

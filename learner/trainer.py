@@ -14,7 +14,19 @@ gloo on CPU and NCCL on GPU. A training step:
    normalised by that GLOBAL count (docs/algorithm.md s5; the loss is multiplied by the world
    size because FSDP averages gradients across ranks), clips the gradient norm and steps AdamW,
    so 1, 2 or 4 ranks take the same step (`bench/multirank_check.py`);
-4. advances the warm-up schedule once per training step (paper: warm-up over rollout steps).
+4. advances the warm-up schedule once per training step that applied an update (paper: warm-up
+   over rollout steps).
+
+An update whose loss (on any rank) or global gradient norm is NaN or infinite is skipped: its
+gradients are dropped and the optimizer does not step, so the weights and AdamW's moments stay
+as they were. Every rank takes the same branch (the norm is global and the loss check is
+all-reduced): a rank that stepped alone would leave the shards out of step, and one that skipped
+a collective alone would hang the others. A step that applied no update does not advance the
+warm-up either (the schedule counts updates taken, as AdamW's bias correction does). The step's
+metrics say what was skipped (`actor/nonfinite_steps`, `actor/skipped_updates`); after
+`learner.max_nonfinite_steps` steps in a row that skipped an update, `train_step` raises
+`NonFiniteTrainingError` on every rank. What this does NOT guarantee: finite but harmful updates
+(a loss spike short of overflow) are taken as usual.
 
 When it saves FLOPs (`learner.share_prompts`), a micro-batch runs one row per group, the prompt
 once and the responses packed behind it (`learner.batch.pack_groups`): on the CPU preset's short
@@ -188,6 +200,11 @@ class ResponseHead:
             self.labels = None
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """`learner.max_nonfinite_steps` training steps in a row skipped an update: the loss or the
+    gradient norm keeps overflowing, so the run stops instead of going on without learning."""
+
+
 class Trainer:
     def __init__(self, cfg: DapoConfig, *, rank: int, world_size: int, backend: str, model_dir: str | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world_size
@@ -206,6 +223,8 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.rng = random.Random(le.seed)
+        self.nonfinite_in_a_row = 0
+        """Consecutive training steps that skipped an update (not checkpointed: a restart resets it)."""
 
     # --- forward -----------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -307,8 +326,11 @@ class Trainer:
         return old
 
     def train_step(self, batch: TrainBatch, policy_version: int) -> dict[str, float]:
-        """One DAPO step on `batch` with the weights of `policy_version`; metrics averaged over ranks."""
-        alg = self.cfg.algorithm
+        """One DAPO step on `batch` with the weights of `policy_version`; metrics averaged over ranks.
+
+        Raises `NonFiniteTrainingError` (on every rank) when this is the
+        `learner.max_nonfinite_steps`-th step in a row that skipped an update.
+        """
         minis, plan = self._plan(batch)
         old = self._old_log_probs(batch, plan[1:])  # the first mini-batch's come from its own pass
         # Off-policy rows only get the behaviour correction (docs/algorithm.md s9).
@@ -317,51 +339,105 @@ class Trainer:
         sums: dict[str, float] = {}
         grad_norms = []
         for mini_index, (mini_rows, micros) in enumerate(zip(minis, plan, strict=True)):
-            # Every rank holds the whole batch, so counts over the mini-batch's rows are already
-            # global: all-reducing them again would divide the loss by world size (docs/algorithm.md s5).
-            global_tokens = float(count_tokens(batch.response_mask[mini_rows]))
-            global_seqs = float(count_seqs(batch.response_mask[mini_rows]))
-            for micro in micros:
-                mb = self._select(batch, micro)
-                idx = torch.tensor(micro if micro != [-1] else [0])
-                logp, ent = self._forward(mb, entropy=True)
-                mask = mb.response_mask.to(self.device)
-                # Before the first update the weights are still those the batch arrived to.
-                old_mb = logp.detach() if mini_index == 0 else old[idx].to(self.device)
-                behaviour = torch.where(off_policy[idx].to(self.device), mb.behaviour_log_prob.to(self.device), old_mb)
-                pg_loss, metrics = policy_loss(
-                    logp, old_mb, mb.advantages.to(self.device), mask,
-                    clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, loss_agg=alg.loss_agg,
-                    global_tokens=global_tokens, global_seqs=global_seqs, behaviour_log_prob=behaviour, is_clip=alg.is_clip,
-                )
-                ent_term = (aggregate_loss(ent, mask, alg.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs)
-                            if alg.entropy_coef and ent is not None else None)
-                loss = combine_losses(pg_loss, ent_term, alg.entropy_coef)
-                (loss * self.world).backward()
-                tokens = float(mask.sum())
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v * tokens
-                sums["pg_loss"] = sums.get("pg_loss", 0.0) + float(pg_loss.detach())
-                if ent is not None:
-                    sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
-                sums["tokens"] = sums.get("tokens", 0.0) + tokens
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
-            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            mini_sums, loss_nonfinite = self._backward(batch, mini_rows, micros, None if mini_index == 0 else old, off_policy)
+            norm = self._update(loss_nonfinite)
+            if norm is not None:  # a skipped update's metrics are NaN: they would poison the step's
+                grad_norms.append(norm)
+                for k, v in mini_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        return self._reduce_metrics(sums, grad_norms, lr, len(minis))
+        if grad_norms:
+            self.scheduler.step()
+        metrics = self._reduce_metrics(sums, grad_norms, lr, len(grad_norms))
+        return metrics | self._track_nonfinite(skipped=len(minis) - len(grad_norms), updates=len(minis))
+
+    def _backward(
+        self, batch: TrainBatch, rows: list[int], micros: list[list[int]], old: Tensor | None, off_policy: Tensor
+    ) -> tuple[dict[str, float], Tensor]:
+        """Accumulate the gradients of this rank's micro-batches of one mini-batch (`rows`).
+
+        old: old_log_prob of every row (B, R), or None for the first mini-batch, which trains on
+        the weights the batch arrived to, so its own forward pass is its old_log_prob.
+        off_policy: (B, 1) rows generated by an older policy than the learner's.
+        Returns the metric sums and the count of micro-batches whose loss was not finite (a
+        0-dim tensor on the device, so checking it costs no extra synchronisation).
+        """
+        alg = self.cfg.algorithm
+        # Every rank holds the whole batch, so counts over the mini-batch's rows are already
+        # global: all-reducing them again would divide the loss by world size (docs/algorithm.md s5).
+        global_tokens = float(count_tokens(batch.response_mask[rows]))
+        global_seqs = float(count_seqs(batch.response_mask[rows]))
+        sums: dict[str, float] = {}
+        nonfinite = torch.zeros((), device=self.device)
+        for micro in micros:
+            mb = self._select(batch, micro)
+            idx = torch.tensor(micro if micro != [-1] else [0])
+            logp, ent = self._forward(mb, entropy=True)
+            mask = mb.response_mask.to(self.device)
+            # Before the first update the weights are still those the batch arrived to.
+            old_mb = logp.detach() if old is None else old[idx].to(self.device)
+            behaviour = torch.where(off_policy[idx].to(self.device), mb.behaviour_log_prob.to(self.device), old_mb)
+            pg_loss, metrics = policy_loss(
+                logp, old_mb, mb.advantages.to(self.device), mask,
+                clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, loss_agg=alg.loss_agg,
+                global_tokens=global_tokens, global_seqs=global_seqs, behaviour_log_prob=behaviour, is_clip=alg.is_clip,
+            )
+            ent_term = (aggregate_loss(ent, mask, alg.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs)
+                        if alg.entropy_coef and ent is not None else None)
+            loss = combine_losses(pg_loss, ent_term, alg.entropy_coef)
+            nonfinite += ~torch.isfinite(loss.detach())
+            (loss * self.world).backward()
+            tokens = float(mask.sum())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * tokens
+            sums["pg_loss"] = sums.get("pg_loss", 0.0) + float(pg_loss.detach())
+            if ent is not None:
+                sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
+            sums["tokens"] = sums.get("tokens", 0.0) + tokens
+        return sums, nonfinite
+
+    def _update(self, loss_nonfinite: Tensor) -> float | None:
+        """Clip the accumulated gradients and step AdamW; returns the global gradient norm, or
+        None when the update was skipped (a loss on some rank, or the norm, not finite): the
+        gradients are dropped and the optimizer does not step."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # the same on every rank
+        # One flag all-reduced with MAX: every rank skips, or none does.
+        skip = ((loss_nonfinite > 0) | ~torch.isfinite(norm)).to(torch.float32).reshape(1)
+        if self.world > 1:
+            dist.all_reduce(skip, op=dist.ReduceOp.MAX)
+        applied = not bool(skip.item())
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm) if applied else None
+
+    def _track_nonfinite(self, *, skipped: int, updates: int) -> dict[str, float]:
+        """Count a step that skipped an update; raise after `learner.max_nonfinite_steps` in a row."""
+        if not skipped:
+            self.nonfinite_in_a_row = 0
+            return {"actor/nonfinite_steps": 0.0, "actor/skipped_updates": 0.0}
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.learner.max_nonfinite_steps
+        log.error("skipped %d of %d updates of this step: loss or gradient norm not finite (%d such steps in a row, "
+                  "the limit is %d)", skipped, updates, self.nonfinite_in_a_row, limit)
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteTrainingError(
+                f"{self.nonfinite_in_a_row} training steps in a row had a NaN or infinite loss or gradient norm "
+                f"(learner.max_nonfinite_steps={limit}); their updates were skipped, so no published or "
+                f"checkpointed weights took them. Lower learner.lr or inspect the run's data."
+            )
+        return {"actor/nonfinite_steps": 1.0, "actor/skipped_updates": float(skipped)}
 
     def _reduce_metrics(self, sums: dict[str, float], grad_norms: list[float], lr: float, updates: int) -> dict[str, float]:
-        keys = sorted(sums)
+        keys = sorted(sums)  # the same on every rank (each skips the same updates); empty when all were
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        if self.world > 1:
+        if self.world > 1 and keys:
             dist.all_reduce(t)
         total = dict(zip(keys, t.tolist(), strict=True))
         tokens = max(total.pop("tokens", 0.0), 1.0)
         out = {f"actor/{k}": v / tokens for k, v in total.items() if k != "pg_loss"}
-        out["actor/pg_loss"] = total.get("pg_loss", 0.0) / updates  # the policy-gradient term alone
+        out["actor/pg_loss"] = total.get("pg_loss", 0.0) / max(updates, 1)  # the policy-gradient term alone
         out["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out["actor/lr"] = lr
         out["actor/updates"] = float(updates)

@@ -2,7 +2,8 @@
 
 Input: one JSON object per line with ``response`` (string) and ``ground_truth`` (string or
 integer). Output: one JSON object per non-blank input line, in input order, with ``score``,
-``acc`` and ``pred`` (plus ``timeout`` for math-verify). A malformed line yields
+``acc`` and ``pred`` (plus ``timeout`` for math-verify, and ``reason`` for an item that could not
+be verified, pred ``[ERROR]``: an over-long ground truth, say). A malformed line yields
 ``{"error": "line N: ..."}`` (N counts every input line from 1) in its place and the rest are
 still scored. Blank lines are skipped. Exit code 0 when every line scored, 1 when some line
 was malformed, 2 on bad arguments or when the math-verify workers cannot start. Timeouts and
@@ -51,6 +52,10 @@ def parse_line(text: str) -> tuple[str, str | int]:
         raise LineError(f"invalid JSON: {exc}") from exc
     except RecursionError as exc:  # e.g. 100 000 nested "[" on one line
         raise LineError("invalid JSON: nested too deeply") from exc
+    except ValueError as exc:  # an integer literal longer than Python converts
+        raise LineError(
+            f"invalid JSON: an integer of more than {sys.get_int_max_str_digits()} digits"
+        ) from exc
     if not isinstance(record, dict):
         raise LineError(f"expected a JSON object, got {type(record).__name__}")
     for key in ("response", "ground_truth"):
@@ -93,6 +98,8 @@ def _result_record(result: VerifyResult, with_timeout: bool) -> dict[str, Any]:
     record: dict[str, Any] = {"score": result.score, "acc": result.acc, "pred": result.pred}
     if with_timeout:
         record["timeout"] = result.timeout
+    if result.reason is not None:
+        record["reason"] = result.reason
     return record
 
 

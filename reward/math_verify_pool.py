@@ -11,14 +11,22 @@ with:
 * an address-space cap (``RLIMIT_AS``, 2 GiB by default) set inside the worker, so a memory bomb
   fails with ``MemoryError`` (pred ``[ERROR]``) instead of exhausting the machine. Best effort:
   it bounds virtual memory, not RSS, and is not enforced on every OS;
-* an exception inside a check, or a worker that dies, scores -1.0 with pred ``[ERROR]`` and is
-  counted in ``MathVerifyPool.errors``; the pool carries on.
+* an exception inside a check, or a worker that dies while it checks an item, scores that item
+  -1.0 with pred ``[ERROR]`` and a ``reason``, counted in ``MathVerifyPool.errors``; the pool
+  carries on. A worker says ``Started`` when it reads an item, so the parent knows which item
+  was in hand when it died; a death cannot be told apart from an outside kill (OOM killer,
+  operator) during the same check, which is charged to the item too;
+* an item handed to a worker that was already dead (it died while idle, or between two items,
+  before reading this one) is not charged: it is sent again, to a live or a replacement
+  worker, up to ``MAX_ITEM_RETRIES`` times. After that it scores ``[ERROR]`` with a reason
+  saying so, so a pool whose workers keep dying ends every call instead of looping.
 
 Only the last 300 characters of a response are parsed, like the "dapo" verifier, so a 1 MB
 response costs what a 300-character one does (and travels cheaply to the worker). An answer
-that starts earlier is not seen. The ground truth is parsed whole; without ``$`` or
-``\\boxed`` it is wrapped in ``$...$`` because math-verify only reads LaTeX inside a math
-environment (a bare ``\\sqrt{2}`` parses to nothing).
+that starts earlier is not seen. The ground truth is parsed whole (one over
+``GROUND_TRUTH_MAX_CHARS`` characters is an ``[ERROR]`` that never reaches a worker); without
+``$`` or ``\\boxed`` it is wrapped in ``$...$`` because math-verify only reads LaTeX inside a
+math environment (a bare ``\\sqrt{2}`` parses to nothing).
 
 Untrusted text reaches only ``math_verify.parse`` and ``math_verify.verify``; nothing here
 evals it, and only ``str`` values, never SymPy objects, travel back to the parent. (Inside
@@ -50,9 +58,9 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Final, TypeVar
 
-from reward.math_verify_worker import ERROR_PRED, Job, Outcome, Ready, StartFailed, worker_main
-from reward.result import CORRECT_SCORE, WRONG_SCORE, VerifyResult
-from reward.text import clean_text, tail
+from reward.math_verify_worker import Job, Outcome, Ready, Started, StartFailed, worker_main
+from reward.result import CORRECT_SCORE, WRONG_SCORE, VerifyResult, error_result
+from reward.text import GroundTruthTooLong, ground_truth_text, tail
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -66,10 +74,13 @@ DEFAULT_MEMORY_LIMIT_BYTES: Final = 2 << 30
 PIPELINE_DEPTH: Final = 2
 #: Consecutive start-up deaths tolerated before ``WorkerStartError``.
 MAX_START_FAILURES: Final = 3
+#: Times an item is sent again after the worker it was handed to died before reading it. Bounds
+#: the work of a pool whose workers keep dying (each retry may wait for a replacement to start);
+#: it does not make such a pool useful, only makes it end each call with ``[ERROR]`` results.
+MAX_ITEM_RETRIES: Final = 2
 TIMEOUT_PRED: Final = "[TIMEOUT]"
 
 TIMEOUT_RESULT: Final = VerifyResult(score=WRONG_SCORE, acc=False, pred=TIMEOUT_PRED, timeout=True)
-ERROR_RESULT: Final = VerifyResult(score=WRONG_SCORE, acc=False, pred=ERROR_PRED)
 
 
 class WorkerStartError(RuntimeError):
@@ -85,6 +96,7 @@ class _Worker:
     started_at: float
     ready: bool = False
     in_flight: deque[int] = field(default_factory=deque)  # item indices, in send order
+    head_started: bool = False  # the worker said ``Started`` for the first in-flight item
     head_deadline: float = 0.0  # when the first in-flight item runs out of time
 
 
@@ -103,7 +115,9 @@ class MathVerifyPool:
 
     Attributes:
         timeouts: items that ran out of time (each one cost a killed and replaced worker).
-        errors: items whose check raised, or whose worker died (pred ``[ERROR]``).
+        errors: items scored ``[ERROR]``: the check raised, the worker died while checking the
+            item, or the item met more than ``MAX_ITEM_RETRIES`` dead workers. Over-long ground
+            truths are not counted here (they never reach a worker).
     """
 
     def __init__(
@@ -210,17 +224,24 @@ class MathVerifyPool:
     def verify_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]:
         """Score ``(response, ground_truth)`` pairs in parallel; results in input order.
 
-        Each response is cut to its last 300 characters before it is sent.
+        Each response is cut to its last 300 characters before it is sent. A ground truth over
+        ``GROUND_TRUTH_MAX_CHARS`` characters gives ``[ERROR]`` with a reason, unsent.
 
         Raises:
             WorkerStartError: a worker could not start; the pool is closed.
             RuntimeError: the pool was closed before the call.
         """
-        jobs = [
-            Job(tail(response, MATH_VERIFY_TAIL_CHARS), clean_text(str(truth)))
-            for response, truth in pairs
+        refused: dict[int, VerifyResult] = {}
+        jobs: list[Job] = []
+        for index, (response, truth) in enumerate(pairs):
+            try:
+                jobs.append(Job(tail(response, MATH_VERIFY_TAIL_CHARS), ground_truth_text(truth)))
+            except GroundTruthTooLong as exc:
+                refused[index] = error_result(str(exc))
+        checked = iter(self._locked(_Batch(self, jobs).run))
+        return [
+            refused[index] if index in refused else next(checked) for index in range(len(pairs))
         ]
-        return self._locked(_Batch(self, jobs).run)
 
     def _locked(self, action: Callable[[], _T]) -> _T:
         with self._lock:
@@ -242,13 +263,18 @@ class _Batch:
         self.jobs = jobs
         self.pending: deque[int] = deque(range(len(jobs)))
         self.results: list[VerifyResult | None] = [None] * len(jobs)
+        # Per item: deaths of workers it was handed to (or next in line for) before they read it.
+        self.unread_deaths: list[int] = [0] * len(jobs)
 
     def run(self) -> list[VerifyResult]:
         """Score every job; return the results in job order."""
         while self.pending or any(worker.in_flight for worker in self.workers):
             self._dispatch()
             self._step()
-        return [result if result is not None else ERROR_RESULT for result in self.results]
+        # Every item leaves ``pending`` for a worker and comes back with a result or to
+        # ``pending``; the fallback only keeps a bug from turning into a crash.
+        missing = error_result("no result was recorded for this item (a MathVerifyPool bug)")
+        return [result if result is not None else missing for result in self.results]
 
     def wait_ready(self) -> None:
         """Return once every worker has started (or raise ``WorkerStartError``)."""
@@ -270,7 +296,8 @@ class _Batch:
                 try:
                     worker.conn.send(self.jobs[index])
                 except OSError:
-                    # The worker died while idle; ``wait`` sees its pipe close and replaces it.
+                    # The worker died while idle. ``wait`` sees its pipe close, and the death
+                    # is charged to this item, back at the front (``_settle_in_flight``).
                     self.pending.appendleft(index)
                     break
                 if not worker.in_flight:
@@ -290,7 +317,11 @@ class _Batch:
         return max(0.0, min(deadlines, default=now + self.pool.timeout_s) - now)
 
     def _drain(self, position: int) -> None:
-        """Read every message waiting on worker ``position``'s pipe."""
+        """Read every message waiting on worker ``position``'s pipe.
+
+        Messages the worker sent before it died are read before its end of file, so a
+        ``Started`` or ``Outcome`` is never lost to a death that follows it.
+        """
         worker = self.workers[position]
         while True:
             try:
@@ -305,27 +336,48 @@ class _Batch:
                 self.pool._start_failures = 0
             elif isinstance(message, StartFailed):
                 raise WorkerStartError(message.reason)
+            elif isinstance(message, Started) and worker.in_flight:
+                worker.head_started = True
             elif isinstance(message, Outcome) and worker.in_flight:
                 self.results[worker.in_flight.popleft()] = self._to_result(message)
+                worker.head_started = False
                 worker.head_deadline = time.monotonic() + self.pool.timeout_s
 
     def _to_result(self, outcome: Outcome) -> VerifyResult:
         if outcome.error is not None:
             self.pool.errors += 1
             logger.warning("math-verify check failed: %s", outcome.error)
-            return ERROR_RESULT
+            return error_result(f"math-verify raised {outcome.error}")
         score = CORRECT_SCORE if outcome.acc else WRONG_SCORE
         return VerifyResult(score=score, acc=outcome.acc, pred=outcome.pred)
 
-    def _replace(self, position: int) -> None:
-        """Kill worker ``position`` and start a new one.
+    def _requeue(self, indices: list[int]) -> None:
+        """Put unread items back at the front of ``pending``, in their order."""
+        self.pending.extendleft(reversed(indices))
 
-        The worker's first in-flight item must already have its result; the items queued
-        behind it go back to the front of ``pending``, in order.
+    def _retry_unread(self, indices: list[int], exit_code: int | None) -> None:
+        """Requeue items a worker died before reading (see ``_settle_in_flight``), within the bound.
+
+        An item past ``MAX_ITEM_RETRIES`` scores ``[ERROR]`` instead: without the bound, workers
+        that die as soon as they are ready would keep a call looping.
         """
-        worker = self.workers[position]
-        _kill(worker)
-        self.pending.extendleft(reversed(list(worker.in_flight)[1:]))
+        retry: list[int] = []
+        for index in indices:
+            self.unread_deaths[index] += 1
+            if self.unread_deaths[index] <= MAX_ITEM_RETRIES:
+                retry.append(index)
+                continue
+            self.pool.errors += 1
+            self.results[index] = error_result(
+                f"not checked: {self.unread_deaths[index]} math-verify workers died before "
+                f"reading it (last exit code {exit_code})"
+            )
+            logger.error("math-verify item %d given up: its workers kept dying", index)
+        self._requeue(retry)
+
+    def _replace(self, position: int) -> None:
+        """Kill worker ``position`` and start a new one (the caller has settled its items)."""
+        _kill(self.workers[position])
         self.workers[position] = self.pool._spawn()
 
     def _on_worker_death(self, position: int) -> None:
@@ -341,17 +393,44 @@ class _Batch:
                     f"times in a row (last exit code {code})"
                 )
             logger.warning("math-verify worker exited during start-up (exit code %s)", code)
-        elif worker.in_flight:
+        else:
+            self._settle_in_flight(worker, code)
+        self._replace(position)
+
+    def _settle_in_flight(self, worker: _Worker, exit_code: int | None) -> None:
+        """Deal with the items of a worker that died after start-up.
+
+        The item it had said ``Started`` for is charged with the death (``[ERROR]``) and the
+        items queued behind it are requeued. A death before it read anything is charged, as a
+        retry (``_retry_unread``), to the items it was handed or, if none, to the next pending
+        item: a ready worker sits idle while items wait only when its death came before it
+        could be given one (it died right after ``Ready``, or a send to it failed). So every
+        death either settles an item or uses up a retry, and a call always ends.
+        """
+        in_flight = list(worker.in_flight)
+        if not in_flight and self.pending:
+            in_flight = [self.pending.popleft()]
+        if not in_flight:
+            logger.warning("idle math-verify worker exited (exit code %s); replacing it", exit_code)
+        elif worker.head_started:
             self.pool.errors += 1
-            self.results[worker.in_flight[0]] = ERROR_RESULT
+            self.results[in_flight[0]] = error_result(
+                f"the math-verify worker died while checking this item (exit code {exit_code})"
+            )
             logger.warning(
                 "math-verify worker died on item %d (exit code %s); replacing it",
-                worker.in_flight[0],
-                code,
+                in_flight[0],
+                exit_code,
             )
+            self._requeue(in_flight[1:])
         else:
-            logger.warning("idle math-verify worker exited (exit code %s); replacing it", code)
-        self._replace(position)
+            logger.warning(
+                "math-verify worker exited (exit code %s) before reading items %s; retrying them",
+                exit_code,
+                in_flight,
+            )
+            self._retry_unread(in_flight, exit_code)
+        worker.in_flight.clear()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -372,4 +451,6 @@ class _Batch:
                 self.pool.timeout_s,
                 worker.process.pid,
             )
+            self._requeue(list(worker.in_flight)[1:])
+            worker.in_flight.clear()
             self._replace(position)

@@ -1,9 +1,12 @@
 """The math-verify worker process: the only place untrusted text meets SymPy (docs/algorithm.md s1).
 
 Runs inside a process spawned by ``reward.math_verify_pool.MathVerifyPool``. It caps its own
-address space, imports math-verify, says ``Ready`` and then answers one ``Job`` at a time with
-one ``Outcome``, in order, until it receives ``None`` or its pipe closes. The parent owns the
-clock: math-verify's own ``signal.alarm`` timeouts are switched off here on purpose.
+address space, imports math-verify, says ``Ready`` and then takes one ``Job`` at a time: it
+says ``Started`` as soon as it has read the job, checks it and answers with one ``Outcome``, in
+order, until it receives ``None`` or its pipe closes. ``Started`` tells the parent whether a
+worker that died had read the job in hand (the job is then charged with the death) or not (the
+job is sent to another worker). The parent owns the clock: math-verify's own ``signal.alarm``
+timeouts are switched off here on purpose.
 
 The messages are small frozen dataclasses pickled over a private pipe between two processes
 of the same program; nothing from outside ever reaches ``recv``.
@@ -16,14 +19,11 @@ import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import Final
 
-from reward.result import INVALID
+from reward.result import ERROR_PRED, INVALID
 from reward.text import clean_text
 
 logger = logging.getLogger(__name__)
-
-ERROR_PRED: Final = "[ERROR]"
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class StartFailed:
     """Sent instead of ``Ready`` when math-verify cannot be imported."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Started:
+    """Sent when the worker has read a ``Job`` and starts checking it (before its ``Outcome``)."""
 
 
 @dataclass(frozen=True)
@@ -122,4 +127,5 @@ def worker_main(conn: Connection, memory_limit_bytes: int | None) -> None:
             return
         if job is None:
             return
+        conn.send(Started())
         conn.send(check_pair(math_verify, job.response, job.ground_truth))

@@ -3,7 +3,9 @@
 The prediction and the ground truth go through the same ``normalize_answer``; the verifier then
 compares the two strings for exact equality. Each step is one small function below, applied in
 the order of ``normalize_answer``; the order is part of the behaviour (for instance units are
-removed after spaces, so ``"5 cm"`` becomes ``"5cm"`` and then ``"5"``).
+removed after spaces, so ``"5 cm"`` becomes ``"5cm"`` and then ``"5"``). Every step takes time
+linear in the input: the reference's wrapper regexes, quadratic on some inputs, are replaced by
+patterns with the same results (see ``unwrap_wrappers``).
 
 Departures from the reference code, both deliberate:
 
@@ -88,9 +90,26 @@ MARKUP_TO_DROP: Final[tuple[str, ...]] = (
 #: Commands whose braces are unwrapped, keeping the (shortest) content: ``\\text{cm}`` -> ``cm``.
 UNWRAPPED_COMMANDS: Final[tuple[str, ...]] = ("text", "textbf", "overline")
 
-_INLINE_MATH = re.compile(r".*?\$(.*?)\$.*")
-_UNWRAP = tuple(re.compile(r"\\" + name + r"\{(.*?)\}") for name in UNWRAPPED_COMMANDS)
-_BOXED = re.compile(r"\\boxed\{(.*)\}")
+# The three wrapper patterns below give the results of Minerva's ``.*?\$(.*?)\$.*``,
+# ``\\text\{(.*?)\}`` and ``\\boxed\{(.*)\}`` (``.`` never matches a newline, so each works
+# within one line) in time linear in the input. The reference patterns rescan the rest of the
+# line from every position where a match could start and fail there, which is quadratic in the
+# line length: 16k characters without ``$`` took 2 s, 64k took 35 s. tests/reward/
+# test_normalize_linear.py checks the results against the reference patterns.
+
+#: A line with two ``$``: the reference match can only start at a line start (its ``.*?``
+#: absorbs any later start), so one anchored attempt per line is enough.
+_INLINE_MATH = re.compile(r"^[^$\n]*\$([^$\n]*)\$.*", re.MULTILINE)
+
+#: ``\\name{`` then the content up to the first ``}`` of the line (group 1), or, when the line
+#: has no ``}`` after it, the rest of the line, left as it is (group 1 is ``None``). Consuming
+#: that rest is safe, as no later ``\\name{`` of the line has a ``}`` after it either, and it
+#: is what stops the rescans.
+_UNWRAP = tuple(re.compile(r"\\" + name + r"\{(?:([^}\n]*)\}|.*)") for name in UNWRAPPED_COMMANDS)
+
+#: ``\\boxed{`` then the content up to the LAST ``}`` of the line (group 1), or the rest of the
+#: line, left as it is, when it has no ``}`` after it (same reasoning as ``_UNWRAP``).
+_BOXED = re.compile(r"\\boxed\{(?:(.*)\}|.*)")
 _FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
 _SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
 _GROUPED_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
@@ -121,14 +140,22 @@ def drop_units_and_markup(answer: str) -> str:
 def unwrap_wrappers(answer: str) -> str:
     """Strip wrappers (docs/algorithm.md s1: "drop ... `\\text{..}` ... `\\boxed{}` wrappers").
 
-    In order: keep only the first inline ``$..$`` block (re-wrapped in ``$`` so that the final
-    ``$`` removal is uniform); unwrap ``\\text{}``, ``\\textbf{}`` and ``\\overline{}``; unwrap
-    ``\\boxed{..}`` up to its LAST closing brace, so ``\\boxed{\\frac{1}{2}}`` keeps its braces.
+    In order: keep only the first inline ``$..$`` block of a line (re-wrapped in ``$`` so that
+    the final ``$`` removal is uniform); unwrap ``\\text{}``, ``\\textbf{}`` and ``\\overline{}``;
+    unwrap ``\\boxed{..}`` up to the LAST closing brace of its line, so
+    ``\\boxed{\\frac{1}{2}}`` keeps its braces. As in the reference, no wrapper spans a newline
+    (an answer line has none; a ground truth may). Linear time in ``len(answer)``.
     """
     answer = _INLINE_MATH.sub(r"$\1$", answer)
     for pattern in _UNWRAP:
-        answer = pattern.sub(r"\1", answer)
-    return _BOXED.sub(r"\1", answer)
+        answer = pattern.sub(_content_or_unchanged, answer)
+    return _BOXED.sub(_content_or_unchanged, answer)
+
+
+def _content_or_unchanged(match: re.Match[str]) -> str:
+    """The wrapper's content (group 1), or the matched text itself when nothing was unwrapped."""
+    content = match.group(1)
+    return match.group(0) if content is None else content
 
 
 def fix_shorthand_tex(answer: str) -> str:

@@ -2,9 +2,11 @@
 
 Import them from ``reward.verifiers`` (or ``reward``), which also holds the registry.
 
-Both are pure string work (regex and a brace scan over at most 300 characters), safe on any
-input and cheap enough to score thousands of responses per second. The symbolic verifier,
-which is not safe in-process, lives in ``reward.math_verify_pool``.
+Both are pure string work, linear in their input, on at most 300 characters of the response
+and ``GROUND_TRUTH_MAX_CHARS`` (1024) of the ground truth; a longer ground truth is an
+``[ERROR]`` result. Safe on any input and cheap enough to score thousands of responses per
+second. The symbolic verifier, which is not safe in-process, lives in
+``reward.math_verify_pool``.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import re
 from typing import Final
 
 from reward.normalize import normalize_answer
-from reward.result import CORRECT_SCORE, INVALID, WRONG_SCORE, VerifyResult
-from reward.text import clean_text, tail
+from reward.result import CORRECT_SCORE, INVALID, WRONG_SCORE, VerifyResult, error_result
+from reward.text import GroundTruthTooLong, ground_truth_text, tail
 
 #: The dapo verifier looks only at this many trailing characters of the response (docs/algorithm.md s1).
 DAPO_TAIL_CHARS: Final = 300
@@ -49,18 +51,23 @@ def verify_dapo(
 
     The last ``Answer: ...`` line of the last 300 characters and the ground truth are both
     normalised by ``reward.normalize.normalize_answer``; exact equality is correct (+1.0),
-    anything else, including no answer line (pred ``[INVALID]``), is wrong (-1.0).
+    anything else, including no answer line (pred ``[INVALID]``), is wrong (-1.0). A ground
+    truth over ``GROUND_TRUTH_MAX_CHARS`` characters gives pred ``[ERROR]`` (-1.0) and a reason.
 
     Args:
         response: the decoded response (special tokens and trailing EOS text already removed).
         ground_truth: the data set's answer; integers are converted with ``str``.
         strip_period: see ``normalize_answer``; ``False`` is the reference behaviour.
     """
+    try:
+        truth_text = ground_truth_text(ground_truth)
+    except GroundTruthTooLong as exc:
+        return error_result(str(exc))
     extracted = extract_answer_line(response)
     if extracted is None:
         return _result(False, INVALID)
     pred = normalize_answer(extracted, strip_period=strip_period)
-    truth = normalize_answer(clean_text(str(ground_truth)), strip_period=strip_period)
+    truth = normalize_answer(truth_text, strip_period=strip_period)
     return _result(pred == truth, pred)
 
 
@@ -90,10 +97,15 @@ def verify_strict_box(response: str, ground_truth: str | int) -> VerifyResult:
 
     The content of the last brace-matched ``\\boxed{...}`` in the last 100 characters must
     equal ``str(ground_truth)`` as a raw string; only surrounding whitespace is stripped from
-    both sides. No box -> pred ``[INVALID]``, score -1.0.
+    both sides. No box -> pred ``[INVALID]``, score -1.0. A ground truth over
+    ``GROUND_TRUTH_MAX_CHARS`` characters gives pred ``[ERROR]`` (-1.0) and a reason.
     """
+    try:
+        truth = ground_truth_text(ground_truth).strip()
+    except GroundTruthTooLong as exc:
+        return error_result(str(exc))
     boxed = last_boxed_content(tail(response, STRICT_BOX_TAIL_CHARS))
     if boxed is None:
         return _result(False, INVALID)
     pred = boxed.strip()
-    return _result(pred == clean_text(str(ground_truth)).strip(), pred)
+    return _result(pred == truth, pred)

@@ -46,15 +46,23 @@ class RewardWorker:
                 self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
                 continue
             longest = max(len(r.token_ids) for r in group.responses)
-            if longest > max_len:  # no sampler produces this; the overlong penalty is unbounded past it
-                self.bus.dead_letter(stage, entry_id, fields, f"reward: a response of {longest} tokens exceeds "
-                                     f"rollout.max_response_len={max_len} (services running with different configs?)")
+            # No sampler produces this; the overlong penalty is unbounded past it.
+            if longest > max_len:
+                self.bus.dead_letter(
+                    stage,
+                    entry_id,
+                    fields,
+                    f"reward: a response of {longest} tokens exceeds "
+                    f"rollout.max_response_len={max_len} (services running with different configs?)",
+                )
                 continue
             score_group(group, self.tokenizer, self.scorer, self.cfg)
             self.timeouts += group.reward_timeouts
             if group.reward_timeouts:
                 self.bus.incr(Counter.REWARD_TIMEOUTS, group.reward_timeouts)
-            self.groups += self.bus.hop(stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(group))
+            self.groups += self.bus.hop(
+                stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(group)
+            )
 
 
 def score_group(group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoConfig) -> None:
@@ -66,12 +74,27 @@ def score_group(group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoCo
     group.acc = [r.acc for r in results]
     group.preds = [r.pred for r in results]
     group.rewards = [
-        shaped_reward(r.score, len(resp.token_ids), max_len=max_len, buffer_len=ov.buffer_len, factor=ov.penalty_factor, enabled=ov.enabled)
+        shaped_reward(
+            r.score,
+            len(resp.token_ids),
+            max_len=max_len,
+            buffer_len=ov.buffer_len,
+            factor=ov.penalty_factor,
+            enabled=ov.enabled,
+        )
         for r, resp in zip(results, group.responses, strict=True)
     ]
     for resp, text in zip(group.responses, texts, strict=True):
         resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
     group.reward_timeouts = sum(r.timeout for r in results)
+    unverified = [r.reason for r in results if r.reason is not None]
+    if unverified:  # pred says only "[ERROR]"; the reason (an over-long ground truth...) goes here
+        log.warning(
+            "group %s: %d responses not verified: %s",
+            group.job.group_id,
+            len(unverified),
+            "; ".join(sorted(set(unverified))),
+        )
 
 
 def main(cfg: DapoConfig) -> int:
@@ -81,7 +104,14 @@ def main(cfg: DapoConfig) -> int:
     worker = RewardWorker(cfg, ctx.bus, AutoTokenizer.from_pretrained(cfg.model.path))
     hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)
     try:
-        run_stage_loop(ctx.bus, ctx.bus.keys.rollouts, worker.handle, queue=cfg.queue, stop=ctx.stop, batch=REWARD_BATCH)
+        run_stage_loop(
+            ctx.bus,
+            ctx.bus.keys.rollouts,
+            worker.handle,
+            queue=cfg.queue,
+            stop=ctx.stop,
+            batch=REWARD_BATCH,
+        )
     finally:
         ctx.write_final_stats(worker.status())
         hb.stop()

@@ -144,8 +144,9 @@ class RolloutWorker:
                     entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
                 if not entries:
                     entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=None)
-                if entries:
-                    self.handle(entries)
+                if entries:  # a batch may outlast claim_idle_s: keep its claims while generating
+                    with self.bus.claims_kept(self.bus.keys.prompts, [e for e, _ in entries], every_s=q.claim_idle_s / 3):
+                        self.handle(entries)
                 else:  # idle: sleep until a job or a weight announcement is appended
                     self.weights.activity.wait(IDLE_WAIT_S)
             except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed

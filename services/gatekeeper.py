@@ -5,6 +5,10 @@ differs across the group's responses, and forwards kept groups to the train stre
 group is counted `filtered` in the ledger; the learner's feeder sees the shortfall and issues
 replacement prompts, so a high filter rate slows the run down but never stops it.
 
+A group that does not decode, arrives unscored, or carries numbers no model could train on (NaN
+or infinite rewards or log-probs, positive log-probs, negative token ids: the schema's decode
+checks them) is dead-lettered with the reason (counted `dead` in the ledger) and never forwarded.
+
 Evaluation groups (`PromptJob.eval`) are never gated or trained: the gatekeeper reduces each to
 an `EvalResult` (counts only) and forwards it to the evaluation lane, where learner rank 0 adds
 up each round.

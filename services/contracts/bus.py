@@ -36,7 +36,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,17 +63,44 @@ log = logging.getLogger(__name__)
 Fields = dict[bytes, bytes]
 Entry = tuple[str, Fields]
 
+# Every writing script starts with the fence: KEYS[1] is the learner lease key ("" = unfenced),
+# ARGV[1] the token the writer holds and ARGV[2] the lease TTL in ms; they are removed before
+# the script's own arguments. A writer whose token is no longer the lease's (another learner
+# took over after it lost the lease) writes nothing. A vacant lease (Redis lost its data, or
+# the holder was paused past the TTL and nobody took over) is taken back: nobody else wrote
+# meanwhile, so the holder may go on. Checked inside Redis, in the same atomic step as the write.
+_FENCE = """
+local lease = table.remove(KEYS, 1)
+local token = table.remove(ARGV, 1)
+local ttl_ms = table.remove(ARGV, 1)
+if lease ~= '' then
+  local holder = redis.call('GET', lease)
+  if holder == false then
+    redis.call('SET', lease, token, 'PX', ttl_ms)
+  elseif holder ~= token then
+    return redis.error_reply('FENCED this writer no longer holds the learner lease')
+  end
+end
+"""
+
+# One fenced command: ARGV (after the fence) is the command and its arguments.
+_CALL = _FENCE + "return redis.call(unpack(ARGV))\n"
+
 # KEYS: upstream, downstream ("" = none), ledger, counters
-# ARGV: group, entry id, ledger field ("" = none), counter field ("" = none), then field/value
-# pairs for XADD downstream.
-_HOP = """
+# ARGV: group, entry id, ledger field ("" = none), counter field ("" = none), downstream MAXLEN
+# ("" = unbounded), then field/value pairs for XADD downstream.
+_HOP = _FENCE + """
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if acked == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-if KEYS[2] ~= '' and #ARGV > 4 then
+if KEYS[2] ~= '' and #ARGV > 5 then
   local kv = {}
-  for i = 5, #ARGV do kv[#kv + 1] = ARGV[i] end
-  redis.call('XADD', KEYS[2], '*', unpack(kv))
+  for i = 6, #ARGV do kv[#kv + 1] = ARGV[i] end
+  if ARGV[5] ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(kv))
+  else
+    redis.call('XADD', KEYS[2], '*', unpack(kv))
+  end
 end
 if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
 if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
@@ -82,7 +109,7 @@ return 1
 
 # KEYS: prompts stream, ledger. ARGV: ledger field, n_fields, then n_fields*2 values per job,
 # repeated.
-_ISSUE = """
+_ISSUE = _FENCE + """
 local n = tonumber(ARGV[2])
 local count = 0
 local i = 3
@@ -98,6 +125,21 @@ return count
 """
 
 
+# KEYS: stream. ARGV: group, consumer, entry ids. Resets the idle time of each entry still
+# pending under this consumer (XCLAIM JUSTID does not count a delivery); one another consumer
+# took over meanwhile is left alone.
+_RENEW_CLAIMS = """
+local renewed = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    renewed = renewed + 1
+  end
+end
+return renewed
+"""
+
 # Read-only, so Redis runs it even at maxmemory (a MULTI/EXEC would be refused there).
 # KEYS: ledger, then every stage stream. Returns [HGETALL ledger, XLEN stream...].
 _LEDGER = """
@@ -108,8 +150,17 @@ return out
 
 OOM_PAUSE_COUNTER = Counter.REDIS_OOM_PAUSES.value
 
+DEAD_LETTER_MAXLEN = 10_000
+"""Dead-letter records kept (about; trimmed approximately). Older records are dropped; every
+dead letter is still counted in the ledger and the counters."""
+
 OWN_IDLE_MS = 1000
 """A consumer's own pending entry idle this long, while it holds none, is an orphan (reclaim)."""
+
+
+class FencedError(RuntimeError):
+    """A write was refused because this process no longer holds the learner lease: another
+    learner took over (see `services.contracts.lease`). The process must stop writing and exit."""
 
 
 def is_oom(exc: redis.ResponseError) -> bool:
@@ -287,14 +338,42 @@ class StreamBus:
         self.redis = client
         self.keys = keys
         self.consumer = consumer
-        self._hop = client.register_script(_HOP)
-        self._issue = client.register_script(_ISSUE)
+        self._hop_script = client.register_script(_HOP)
+        self._issue_script = client.register_script(_ISSUE)
+        self._call = client.register_script(_CALL)
         self._ledger = client.register_script(_LEDGER)
+        self._renew_claims = client.register_script(_RENEW_CLAIMS)
+        self.fence: tuple[str, str, int] = ("", "", 0)
+        """(lease key, token, TTL ms) once this bus writes for a lease holder (`hold_fence`);
+        every write of the run state then happens only while the token is the lease's."""
 
     def as_consumer(self, consumer: str) -> StreamBus:
         """The same streams and connection, read under another consumer name (the learner's
         drain reads undelivered jobs without taking over its own pending entries)."""
-        return StreamBus(self.redis, self.keys, consumer)
+        other = StreamBus(self.redis, self.keys, consumer)
+        other.fence = self.fence
+        return other
+
+    def hold_fence(self, token: str, ttl_s: float) -> None:
+        """Write only while the learner lease holds `token` (the learner, after taking it)."""
+        self.fence = (self.keys.learner_lease, token, int(ttl_s * 1000))
+
+    def _fenced(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        lease, token, ttl_ms = self.fence
+        try:
+            return script(keys=[lease, *keys], args=[token, ttl_ms, *args])
+        except redis.ResponseError as exc:
+            if "FENCED" in str(exc):
+                raise FencedError(f"refused a write to Redis: this learner's lease token {self.fence[1]!r} was superseded "
+                                  "(another learner holds the lease now)") from None
+            raise
+
+    def write(self, *command: Any) -> Any:
+        """One write command (e.g. `write("HSET", key, field, value)`), fenced when this bus holds
+        a fence; the raw Redis reply (no client-side parsing)."""
+        if not self.fence[0]:
+            return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
+        return self._fenced(self._call, [], list(command))
 
     def ensure_groups(self) -> None:
         """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
@@ -318,7 +397,7 @@ class StreamBus:
                 raise ValueError("every issued job must have the same fields in the same order")
             for name in names:
                 argv += [name, job[name]]
-        return int(self._issue(keys=[self.keys.prompts.stream, self.keys.ledger], args=argv))
+        return int(self._fenced(self._issue_script, [self.keys.prompts.stream, self.keys.ledger], argv))
 
     # --- consuming --------------------------------------------------------------------------
     def read(self, stage: Stage, *, count: int, block_ms: int | None) -> list[Entry]:
@@ -335,6 +414,37 @@ class StreamBus:
             self.ensure_groups()
             return []
         return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
+
+    def renew_claims(self, stage: Stage, entry_ids: list[str]) -> int:
+        """Mark entries this consumer is still working on as fresh (their idle time restarts),
+        so `reclaim` by others only takes a dead consumer's work; returns how many were ours."""
+        if not entry_ids:
+            return 0
+        return int(self._renew_claims(keys=[stage.stream], args=[stage.group, self.consumer, *entry_ids]))
+
+    @contextlib.contextmanager
+    def claims_kept(self, stage: Stage, entry_ids: list[str], every_s: float) -> Iterator[None]:
+        """While the block runs, renew the claims on `entry_ids` every `every_s` (a third of
+        `queue.claim_idle_s`) from a daemon thread: work that takes longer than the claim timeout
+        (a GPU batch of long responses) is not taken over and done twice while it is alive.
+        What this does NOT do: keep a hung worker's claim alive forever (its thread renews as
+        long as the process lives; the heartbeat and the supervisor deal with hung processes)."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(every_s):
+                try:
+                    self.renew_claims(stage, entry_ids)
+                except redis.RedisError as exc:  # a restarting Redis: the next round retries
+                    log.warning("could not renew claims on %s: %s", stage.stream, exc)
+
+        thread = threading.Thread(target=renew, name="claim-renewer", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:
         """Take over entries idle longer than min_idle_s (their consumer presumably died), and
@@ -393,11 +503,14 @@ class StreamBus:
         """
         if outcome is not None and outcome not in LEDGER_OUTCOMES:
             raise ValueError(f"unknown ledger outcome {outcome!r}")
-        argv: list[Any] = [stage.group, entry_id, outcome or "", counter or ""]
+        # The dead-letter stream is bounded (enough poison must not fill Redis); the pipeline's
+        # own streams are bounded by admission control instead, and trimming them would lose work.
+        maxlen = DEAD_LETTER_MAXLEN if downstream == self.keys.dead else ""
+        argv: list[Any] = [stage.group, entry_id, outcome or "", counter or "", maxlen]
         for name, value in (fields or {}).items():
             argv += [name, value]
         keys = [stage.stream, downstream or "", self.keys.ledger, self.keys.counters]
-        return bool(self._hop(keys=keys, args=argv))
+        return bool(self._fenced(self._hop_script, keys, argv))
 
     def hand_back(self, stage: Stage, entry_id: str, fields: Fields) -> bool:
         """Return an unfinished entry to the head of the work queue (used on SIGTERM)."""
@@ -455,8 +568,15 @@ class StreamBus:
         return {stage.group: int(n) for stage, n in zip(self.keys.stages, lengths, strict=True)}
 
     def incr(self, counter: str, amount: int = 1) -> None:
-        """Add to a `Counter` (or `restarts_counter(service)`)."""
-        self.redis.hincrby(self.keys.counters, str(counter), amount)
+        """Add to a `Counter` (or `restarts_counter(service)`). A counter holding garbage (not
+        written by us) starts again from `amount` rather than failing the caller."""
+        try:
+            self.write("HINCRBY", self.keys.counters, str(counter), amount)
+        except redis.ResponseError as exc:
+            if "not an integer" not in str(exc):
+                raise
+            log.warning("counter %s held a non-integer value; restarting it at %d", counter, amount)
+            self.write("HSET", self.keys.counters, str(counter), amount)
 
     def counters(self) -> dict[str, int]:
         """Every counter; a value that is not an integer is skipped."""
@@ -486,7 +606,7 @@ class StreamBus:
         return _int(raw, 0)
 
     def set_policy_version(self, version: int) -> None:
-        self.redis.set(self.keys.policy_version, version)
+        self.write("SET", self.keys.policy_version, version)
 
     def learner_state(self) -> dict[str, str]:
         """`state`, `step`, `policy_version`, `at` as learner rank 0 last wrote them."""
@@ -495,7 +615,7 @@ class StreamBus:
 
     def set_learner_state(self, state: str, *, step: int, policy_version: int) -> None:
         mapping = {"state": state, "step": step, "policy_version": policy_version, "at": time.time()}
-        self.redis.hset(self.keys.learner_state, mapping=mapping)  # type: ignore[arg-type]
+        self.write("HSET", self.keys.learner_state, *(x for kv in mapping.items() for x in kv))
 
     def run_info(self) -> dict[str, str]:
         """The run-info hash (`RunField` names) as strings."""
@@ -507,10 +627,10 @@ class StreamBus:
         return None if raw is None else raw.decode("utf-8", "replace")
 
     def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
-        self.redis.hset(self.keys.run_info, mapping={str(k): v for k, v in fields.items()})
+        self.write("HSET", self.keys.run_info, *(x for k, v in fields.items() for x in (str(k), v)))
 
     def clear_run_field(self, field: RunField) -> None:
-        self.redis.hdel(self.keys.run_info, field)
+        self.write("HDEL", self.keys.run_info, str(field))
 
     def eval_history(self) -> list[tuple[int, float, float]]:
         """[(step, accuracy, RL seconds)] of every evaluation so far (RL seconds, -1 if unknown: when the
@@ -525,7 +645,7 @@ class StreamBus:
 
     def mark_trained_id(self, group_id: str) -> bool:
         """Record a trained group id; False when it was trained before."""
-        return bool(self.redis.sadd(self.keys.trained_ids, group_id))
+        return bool(self.write("SADD", self.keys.trained_ids, group_id))
 
     # --- operator requests --------------------------------------------------------------------
     def post_control(self, request: ControlRequest) -> None:
@@ -551,14 +671,15 @@ class StreamBus:
         return out
 
     def clear_control(self, kind: str) -> None:
-        self.redis.hdel(self.keys.control, kind)
+        self.write("HDEL", self.keys.control, kind)
 
     # --- metrics history ----------------------------------------------------------------------
     def append_metrics(self, record: Mapping[str, Any]) -> None:
-        self.redis.xadd(self.keys.metrics, {"m": json.dumps(record)}, maxlen=METRICS_MAXLEN, approximate=True)
+        self.write("XADD", self.keys.metrics, "MAXLEN", "~", METRICS_MAXLEN, "*", "m", json.dumps(record))
 
     def recent_metrics(self, count: int | None = None) -> list[dict[str, Any]]:
-        """The last `count` per-step records (all when None), oldest first; bad records skipped."""
+        """The last `count` per-step records (all when None), oldest first; a record that is not
+        a JSON object with an integer `step` is skipped (not counted: readers poll this often)."""
         newest_first: Any = None if count is None else self.redis.xrevrange(self.keys.metrics, count=count)
         rows: Any = self.redis.xrange(self.keys.metrics) if newest_first is None else newest_first[::-1]
         out = []
@@ -567,7 +688,7 @@ class StreamBus:
                 record = json.loads(fields[b"m"])
             except (KeyError, ValueError):
                 continue
-            if isinstance(record, dict):
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
                 out.append(record)
         return out
 
@@ -578,20 +699,35 @@ class StreamBus:
     # --- service instances: heartbeats and final stats ---------------------------------------
     def live_instances(self, kind: str = "*") -> list[dict[str, Any]]:
         """Status of every instance whose heartbeat has not expired, with `age_s` added.
-        A heartbeat that is not a JSON object with a numeric `at` is skipped."""
+
+        A heartbeat that is not a JSON object with a string `id`, a numeric `at` and (when
+        present) an integer `policy_version` is skipped and counted (`bad_redis_values`): one
+        garbage value must not take down the readers (the API, the learner's weight sync)."""
         now = time.time()
         out = []
         for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(kind), count=200):
             raw = self.redis.get(key)
+            if raw is None:  # expired between the scan and the read
+                continue
             try:
-                info = json.loads(raw) if raw is not None else None
-                if not isinstance(info, dict):
-                    continue
+                info = json.loads(raw)
+                if not isinstance(info, dict) or not isinstance(info.get("id"), str):
+                    raise ValueError("not a JSON object with a string id")
                 info["age_s"] = round(now - float(info.get("at", now)), 3)
-            except (ValueError, TypeError):
+                if "policy_version" in info:
+                    info["policy_version"] = int(info["policy_version"])
+            except (ValueError, TypeError, OverflowError) as exc:
+                self.skip_bad_value(key, exc)
                 continue
             out.append(info)
         return sorted(out, key=lambda i: (str(i.get("kind", "")), str(i.get("id", ""))))
+
+    def skip_bad_value(self, key: Any, problem: object) -> None:
+        """Log and count a value read from Redis that does not parse; the reader skips it."""
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+        log.warning("skipping a malformed value in Redis at %s: %s", name, problem)
+        with contextlib.suppress(redis.RedisError, FencedError):  # a count is not worth failing the reader
+            self.incr(Counter.BAD_REDIS_VALUES)
 
     def drop_heartbeat(self, kind: str, instance_id: str) -> None:
         """Declare an instance gone before its heartbeat expires (the supervisor saw it die)."""

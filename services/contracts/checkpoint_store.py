@@ -1,4 +1,4 @@
-"""The checkpoint store's layout: what a committed checkpoint is, listing, retention.
+"""The checkpoint store's layout: what a committed checkpoint is, listing, retention, the manifest.
 
 Shared by the learner (which writes checkpoints, `learner/checkpoint.py`), rollout replicas (which
 catch up from the newest Hugging Face export) and the API (which lists them).
@@ -8,21 +8,49 @@ Layout under the checkpoint store (`checkpoint.dir`, default `<output_dir>/check
     step_<N>/
       state/          torch.distributed.checkpoint: model + optimizer shards (every rank writes)
       trainer.json    step, policy version, data cursor, ledger counters, scheduler, config
-      rng.pt          RNG states of rank 0 (torch, python)
+      rng/rank_<r>.safetensors   RNG states of rank r (torch CPU and CUDA tensors; python's
+                      `random` state as JSON in the file's metadata): nothing in it is pickled
       hf/             safetensors + config + tokenizer: loads with from_pretrained and in vLLM
       keep            optional: retention never deletes this checkpoint
-      COMMITTED       written last; a directory without it is never listed or loaded
+      manifest.json   SHA-256 and size of every other file (not itself, not COMMITTED)
+      COMMITTED       a directory without it is never listed or loaded
+    .tmp-step_<N>/    a checkpoint being written (never listed; removed at the learner's start)
+    .trash-step_<N>-<token>/   a checkpoint being deleted (never listed; removed at start)
+    abandoned/<time>-after-step_<K>/step_<M>/   steps newer than K, set aside by a restore of K
 
-Retention keeps the newest `keep_last` committed checkpoints plus any marked `keep`.
+Atomic and durable: a checkpoint is written whole under `.tmp-step_<N>`, every file and directory
+fsynced, and renamed to `step_<N>` (then the store directory is fsynced), so `step_<N>` appears
+complete or not at all. A committed step is never deleted in place: retention first renames it
+to `.trash-...` (one atomic step that takes it out of the listing), then deletes it; a crash
+during the deletion leaves only a `.trash-` directory, never a half-deleted `step_<N>`.
+
+The manifest (`check_listing`, `verify_files`): loading must refuse a checkpoint whose files
+do not match it before anything is unpickled (torch.distributed.checkpoint's `state/.metadata`
+is a pickle). It detects a tampered, truncated, partially written, missing or added file. What it
+does NOT guarantee: whoever can write the store can also write a consistent manifest, so it is no
+defence against a writer with full access to the store; keep the store writable only by the
+learner (the Kubernetes manifests mount it read-only in every other pod). Nor does it cover a file
+swapped between verification and loading, and rollout replicas load `hf/` (safetensors, no pickle)
+without checking it. A checkpoint written before manifests (with a pickled `rng.pt`) is still
+listed, but the learner refuses to load it.
+
+Retention keeps the newest `keep_last` committed checkpoints plus any marked `keep`; abandoned
+steps are never deleted automatically (they use disk until an operator removes them).
 What this does NOT guarantee: Redis state (queued groups) is not part of the checkpoint; on
 resume, groups still in the streams are used or accounted for by the ledger, not replayed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import secrets
 import shutil
+import stat
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +59,18 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 KEEP = "keep"
+MANIFEST = "manifest.json"
+ABANDONED = "abandoned"
+TMP_PREFIX = ".tmp-step_"
+TRASH_PREFIX = ".trash-step_"
+UNHASHED = frozenset({MANIFEST, MARKER})
+"""The files the manifest does not cover: itself, and the marker written after it."""
+CHUNK = 8 << 20
+"""Bytes read per hashing call: bounded memory for files of any size."""
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint that must not be loaded: no manifest, or files that do not match it."""
 
 
 @dataclass(frozen=True)
@@ -54,26 +94,45 @@ class CheckpointInfo:
         }
 
 
+@dataclass(frozen=True)
+class FileDigest:
+    sha256: str
+    size: int
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step}"
 
 
+def temp_step_dir(root: Path, step: int) -> Path:
+    """Where step `step` is written before it is renamed into place. Deterministic, so every
+    learner rank finds it without being told; only one learner writes a store."""
+    return root / f"{TMP_PREFIX}{step}"
+
+
+# --- listing ---------------------------------------------------------------------------------------
+def _step_of(d: Path) -> int | None:
+    try:
+        return int(d.name.removeprefix("step_"))
+    except ValueError:
+        return None
+
+
 def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     """Committed checkpoints, oldest first. Half-written ones are invisible."""
-    out = []
+    out: list[CheckpointInfo] = []
     root = Path(root)
     if not root.is_dir():
         return out
     for d in root.glob("step_*"):
-        marker = d / MARKER
-        if not marker.exists():
-            continue
-        try:
-            step = int(d.name.removeprefix("step_"))
+        step = _step_of(d)
+        try:  # a directory renamed away meanwhile (retention, a restore) is simply not listed
+            committed_at = (d / MARKER).stat().st_mtime
             meta = json.loads((d / "trainer.json").read_text())
-        except (ValueError, OSError):
+        except (OSError, ValueError):
             continue
-        out.append(CheckpointInfo(step, d, marker.stat().st_mtime, (d / KEEP).exists(), meta))
+        if step is not None:
+            out.append(CheckpointInfo(step, d, committed_at, (d / KEEP).exists(), meta))
     return sorted(out, key=lambda c: c.step)
 
 
@@ -86,13 +145,205 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
+# --- durability --------------------------------------------------------------------------------------
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to stable storage (POSIX; directories included)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write and fsync a file (its directory entry is fsynced with the directory)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every directory under `path`, deepest first, then `path` itself."""
+    dirs = [Path(d) for d, _, _ in os.walk(path)]
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        fsync_path(d)
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Rename a fully written and fsynced `tmp` to `final` and make the rename durable.
+
+    When `final` exists (the same step saved twice), it is first renamed aside and deleted after:
+    a crash between the two renames leaves neither as `final`, so the previous checkpoint is the
+    newest until the next save (the aside copy is removed at start). It is never deleted in place.
+    """
+    aside = _move_to_trash(final) if final.exists() else None
+    tmp.rename(final)
+    fsync_path(final.parent)
+    if aside is not None:
+        _remove(aside)
+
+
+# --- deleting, cleaning, retiring ---------------------------------------------------------------------
+def _move_to_trash(path: Path) -> Path:
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name.removeprefix('step_')}-{secrets.token_hex(4)}")
+    path.rename(trash)
+    fsync_path(path.parent)
+    return trash
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory already out of the listing. A failure (a file held open on a network
+    filesystem, say) is logged, not raised: the checkpoints are consistent either way, and the
+    next start removes what is left (`clean_stale`)."""
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        log.warning("could not delete %s (%s); the next start removes it", path, exc)
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory: rename it out of the listing, then remove it."""
+    _remove(_move_to_trash(path))
+
+
 def apply_retention(root: str | Path, keep_last: int) -> list[int]:
     """Delete committed checkpoints beyond the newest `keep_last` (never those marked keep)."""
     found = list_checkpoints(root)
     doomed = [c for c in found[:-keep_last] if not c.keep] if keep_last > 0 else []
     for c in doomed:
-        (c.path / MARKER).unlink(missing_ok=True)  # invisible first, then gone
-        shutil.rmtree(c.path, ignore_errors=True)
+        discard(c.path)
     return [c.step for c in doomed]
 
 
+def clean_stale(root: str | Path) -> list[str]:
+    """Remove what a crashed learner left: checkpoints half written (`.tmp-`) or half deleted
+    (`.trash-`). Only the learner's rank 0 calls this, at start, before it writes anything."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = [d for d in root.iterdir() if d.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and d.is_dir()]
+    for d in stale:
+        _remove(d)
+    return sorted(d.name for d in stale)
+
+
+def retire_newer(root: str | Path, step: int) -> list[int]:
+    """Move every `step_<M>` with M > `step` into `abandoned/<time>-after-step_<step>/`.
+
+    A restore of `step` abandons the line that continued from it; left in place, its newest step
+    would be the one resumed at the next restart. The steps are moved, not deleted."""
+    root = Path(root)
+    found = [(_step_of(d), d) for d in root.glob("step_*")]
+    newer = sorted((s, d) for s, d in found if s is not None and s > step)
+    if not newer:
+        return []
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    dest = root / ABANDONED / f"{stamp}-after-step_{step}"
+    dest.mkdir(parents=True)
+    for _, d in newer:
+        d.rename(dest / d.name)
+    fsync_path(dest)
+    fsync_path(dest.parent)
+    fsync_path(root)
+    return [s for s, _ in newer]
+
+
+# --- the manifest -------------------------------------------------------------------------------------
+def hashed_files(path: Path) -> tuple[dict[str, int], list[str]]:
+    """(size of every regular file the manifest covers, by path relative to `path`; problems).
+
+    A symlink or any other non-regular entry is a problem, never followed: the manifest speaks
+    for the bytes inside the checkpoint directory only."""
+    sizes: dict[str, int] = {}
+    problems: list[str] = []
+    for d, subdirs, files in os.walk(path):
+        for name in [*files, *subdirs]:
+            p = Path(d) / name
+            rel = p.relative_to(path).as_posix()
+            try:
+                st = p.lstat()
+            except OSError as exc:
+                problems.append(f"{rel} could not be listed ({exc})")
+                continue
+            if stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                problems.append(f"{rel} is not a regular file")
+            elif stat.S_ISREG(st.st_mode) and rel not in UNHASHED:
+                sizes[rel] = st.st_size
+    return sizes, problems
+
+
+def file_digest(path: Path, *, sync: bool = False) -> FileDigest:
+    """SHA-256 and size of one file, read once in CHUNK pieces; `sync` also fsyncs it."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])  # hashlib releases the GIL on large buffers: threads hash in parallel
+            size += n
+        if sync:
+            os.fsync(f.fileno())
+    return FileDigest(h.hexdigest(), size)
+
+
+def assign(sizes: dict[str, int], shares: int) -> list[list[str]]:
+    """Split files into `shares` lists of about equal bytes (largest first, to the lightest
+    share); deterministic, so every rank computes the same split from the same sizes."""
+    out: list[list[str]] = [[] for _ in range(shares)]
+    load = [0] * shares
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        i = load.index(min(load))
+        out[i].append(name)
+        load[i] += sizes[name]
+    return out
+
+
+def write_manifest(path: Path, step: int, digests: dict[str, FileDigest]) -> None:
+    files = {name: {"sha256": d.sha256, "size": d.size} for name, d in sorted(digests.items())}
+    write_durable(path / MANIFEST, json.dumps({"version": 1, "step": step, "files": files}, indent=1).encode())
+
+
+def read_manifest(path: Path) -> tuple[dict[str, FileDigest], str]:
+    """(the manifest's entries, the SHA-256 of its bytes); CheckpointRefused when it is missing or
+    malformed. Parsing JSON executes nothing."""
+    where = path / MANIFEST
+    try:
+        raw = where.read_bytes()
+        doc = json.loads(raw)
+        files = {str(name): FileDigest(str(e["sha256"]), int(e["size"])) for name, e in doc["files"].items()}
+    except FileNotFoundError:
+        raise CheckpointRefused(
+            f"{where} is missing: the checkpoint was written before manifests or not by this learner; "
+            "it cannot be verified, so it is not loaded (move it out of the store to resume from an older one)"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointRefused(f"{where} is unreadable or malformed ({exc!r}); the checkpoint is not loaded") from exc
+    return files, hashlib.sha256(raw).hexdigest()
+
+
+def check_listing(path: Path, manifest: dict[str, FileDigest]) -> tuple[list[str], dict[str, int]]:
+    """(files missing, added, of the wrong size or not regular, against the manifest; the files
+    left to hash, with their sizes). Reads no file's contents."""
+    sizes, problems = hashed_files(path)
+    problems += [f"{n} is listed in {MANIFEST} but missing" for n in sorted(manifest.keys() - sizes.keys())]
+    problems += [f"{n} is not in {MANIFEST}" for n in sorted(sizes.keys() - manifest.keys())]
+    common = sorted(sizes.keys() & manifest.keys())
+    problems += [f"{n} has {sizes[n]} bytes, {MANIFEST} says {manifest[n].size}" for n in common if sizes[n] != manifest[n].size]
+    return problems, {n: sizes[n] for n in common if sizes[n] == manifest[n].size}
+
+
+def verify_files(path: Path, manifest: dict[str, FileDigest], names: Iterable[str], *, threads: int) -> list[str]:
+    """Hash `names` (in `threads` threads) and name each one whose SHA-256 differs from the manifest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(name: str) -> str | None:
+        try:
+            got = file_digest(path / name)
+        except OSError as exc:
+            return f"{name} is unreadable ({exc})"
+        return None if got == manifest[name] else f"{name} does not match its SHA-256 in {MANIFEST}"
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return [p for p in pool.map(check, names) if p is not None]

@@ -14,9 +14,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 Verifier = Literal["dapo", "strict-box", "math-verify"]
@@ -209,6 +217,12 @@ class LearnerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip (paper: 1.0)."""
+    max_nonfinite_steps: PositiveInt = 3
+    """A mini-batch update whose loss or global gradient norm is NaN or infinite is skipped
+    (gradients zeroed, no optimizer step, no warm-up step), so the weights are never poisoned;
+    the learner exits with an error after this many training steps in a row skipped an update
+    (`dapo run` then restarts it from the newest checkpoint, within its restart limit). Not in
+    the paper: a guard; a run that keeps diverging needs a lower `lr` or a look at its data."""
     warmup_steps: Annotated[int, Field(ge=0)] = 20
     """Linear warm-up over rollout steps (paper: 20), then constant."""
     micro_batch_size: PositiveInt = 8
@@ -219,6 +233,12 @@ class LearnerConfig(_Section):
     """auto = nccl when CUDA is available, else gloo."""
     collective_timeout_s: float = Field(120.0, gt=0)
     """Timeout on every collective (training and weight broadcast)."""
+    lease_ttl_s: float = Field(30.0, gt=0)
+    """The learner lease (one learner per run, `services/contracts/lease.py`): renewed every third
+    of this; a learner that stops renewing (killed, paused) loses the lease this long after."""
+    lease_wait_s: float = Field(60.0, ge=0)
+    """How long a starting learner waits for another learner's lease before exiting with an
+    error naming the holder (a restarted pod waits out its predecessor's TTL)."""
     weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Backend of the weight-broadcast group (learner rank 0 + replicas). auto = the training
     backend. Use gloo when the learner and a replica share one GPU: NCCL refuses two ranks on
@@ -263,7 +283,13 @@ class EvalConfig(_Section):
 
 class QueueConfig(_Section):
     redis_url: str | None = None
-    """redis://host:port/db. None: `DAPO_REDIS_URL`, else `dapo run` embeds a server."""
+    """redis://[user:password@]host:port/db. None: `DAPO_REDIS_URL`, else `dapo run` embeds a
+    server with a generated password. Prefer the environment variable for credentials: a dump of
+    the config (config.yaml, trainer.json, trackers) shows this URL with the password masked."""
+
+    @field_serializer("redis_url")
+    def _without_password(self, url: str | None) -> str | None:
+        return None if url is None else redact_url(url)
     namespace: str = "dapo"
     """Prefix of every Redis key, so several runs can share a server."""
     block_ms: PositiveInt = 1000
@@ -430,6 +456,17 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoCon
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping, got {type(tree).__name__}")
     return build_config(tree, overrides, source=str(path))
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`: what logs, dumps and status show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def dump_config(cfg: DapoConfig) -> str:

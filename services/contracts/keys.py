@@ -40,10 +40,15 @@ class Counter(StrEnum):
     """Entries that were never issued by the feeder (garbage in a stream), dead-lettered."""
     BAD_CONTROL_REQUESTS = "bad_control_requests"
     """Operator requests in the control hash that did not parse; skipped."""
+    BAD_REDIS_VALUES = "bad_redis_values"
+    """Other values read from Redis that did not parse (heartbeats, weight announcements); skipped."""
     REWARD_TIMEOUTS = "reward_timeouts"
     """Responses whose verifier ran past `reward.timeout_s` (scored -1)."""
     TRAINED_TWICE = "trained_twice"
     """A group id trained a second time (must stay 0)."""
+    NONFINITE_STEPS = "nonfinite_steps"
+    """Training steps that skipped an update because its loss or gradient norm was not finite
+    (`learner.max_nonfinite_steps` in a row stop the learner)."""
     RESTORES = "restores"
     """Operator restores of a checkpoint."""
     REDIS_DATA_LOSS = "redis_data_loss"
@@ -168,6 +173,17 @@ class Keys:
     def policy_version(self) -> str:
         """The learner's current policy version (string int)."""
         return self._k("policy_version")
+
+    @property
+    def learner_lease(self) -> str:
+        """The learner lease: the holder's fencing token, with a TTL the holder keeps renewing
+        (`services.contracts.lease`). Only the learner whose token it holds may write."""
+        return self._k("learner", "lease")
+
+    @property
+    def learner_fence(self) -> str:
+        """Counter from which each lease takes its fencing token (tokens only grow)."""
+        return self._k("learner", "fence")
 
     @property
     def learner_state(self) -> str:

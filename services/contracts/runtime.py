@@ -129,7 +129,8 @@ def run_stage_loop(
     reclaim_every_s: float = 5.0,
     idle: Callable[[], None] | None = None,
 ) -> None:
-    """Consume `stage` until stopped. `handle` finishes each entry with a hop (or dead letter)."""
+    """Consume `stage` until stopped. `handle` finishes each entry with a hop (or dead letter);
+    while it works, its claims are renewed, so only a dead consumer's entries are reclaimed."""
     last_reclaim = 0.0
     while not stop.stopping:
         entries: list[Entry] = []
@@ -140,7 +141,8 @@ def run_stage_loop(
             if not entries:
                 entries = bus.read(stage, count=batch, block_ms=queue.block_ms)
             if entries:
-                handle(entries)
+                with bus.claims_kept(stage, [entry_id for entry_id, _ in entries], every_s=queue.claim_idle_s / 3):
+                    handle(entries)
             elif idle is not None:
                 idle()
         except redis.ConnectionError as exc:

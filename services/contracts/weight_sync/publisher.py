@@ -28,7 +28,6 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from services.contracts.keys import Counter
 from services.contracts.weight_sync.transport import (
     Announcement,
     Bucket,
+    bound_store,
     broadcast_bucket,
     empty_bucket,
     make_group_on_store,
@@ -65,7 +65,8 @@ class WeightPublisher:
     ) -> None:
         self.bus, self.host, self.backend, self.dtype = bus, host, backend, dtype
         self.timeout_s, self.bucket_mb = timeout_s, bucket_mb
-        self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        # Listens on `host` only (the configured weights host), not on every interface.
+        self.store, self._listener = bound_store(host, port, timeout_s)
         self.port = self.store.port
         self.token = secrets.token_hex(4)  # tells this learner's groups from a restarted one's
         self.generation = 0
@@ -147,7 +148,7 @@ class WeightPublisher:
 
     # --- the join protocol (learner half) --------------------------------------------------------
     def _announce(self, ann: Announcement) -> None:
-        self.bus.redis.xadd(self.bus.keys.weights, {"ann": json.dumps(ann.to_json())}, maxlen=1000, approximate=True)
+        self.bus.write("XADD", self.bus.keys.weights, "MAXLEN", "~", 1000, "*", "ann", json.dumps(ann.to_json()))
 
     def _await_joins(self, ann: Announcement) -> set[str]:
         key, deadline = self.bus.keys.weight_join(ann.group_key), time.monotonic() + self.join_timeout_s
@@ -159,7 +160,7 @@ class WeightPublisher:
             time.sleep(0.005)
 
     def _decide(self, ann: Announcement, decision: str) -> None:
-        self.bus.redis.set(self.bus.keys.weight_decision(ann.group_key), decision, ex=int(self.timeout_s * 4) + 60)
+        self.bus.write("SET", self.bus.keys.weight_decision(ann.group_key), decision, "EX", int(self.timeout_s * 4) + 60)
 
     def _form_group(self, ann: Announcement) -> set[str] | None:
         """Phase one for a new group: announce, wait for joins, say go or abort.

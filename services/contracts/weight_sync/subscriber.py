@@ -204,7 +204,11 @@ class WeightSubscriber:
         still be open (joining an abandoned one would just time out)."""
         newest: tuple[Announcement, float] | None = None
         for eid, fields in entries:
-            ann = Announcement.from_json(json.loads(fields[b"ann"]))
+            try:
+                ann = Announcement.from_json(json.loads(fields[b"ann"]))
+            except (KeyError, ValueError, TypeError, AttributeError) as exc:  # not the learner's: skip it
+                self.bus.skip_bad_value(f"{self.bus.keys.weights} {eid.decode()}", exc)
+                continue
             announced_at = int(eid.decode().split("-")[0]) / 1000
             if self.replica_id in ann.replicas and time.time() - announced_at < ann.timeout_s / 2:
                 newest = ann, announced_at

@@ -19,6 +19,7 @@ in the rollout process (transformers engine) and inside vLLM's worker process.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -91,6 +92,14 @@ class Announcement:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Announcement:
+        """Parse an announcement; ValueError/TypeError/KeyError when it is not one (a replica
+        skips such an entry instead of joining a rendezvous it describes)."""
+        if not isinstance(data, dict) or not isinstance(data.get("replicas"), list) or not all(
+            isinstance(r, str) for r in data["replicas"]
+        ):
+            raise ValueError("an announcement is a JSON object whose replicas are a list of ids")
+        if data["backend"] not in ("gloo", "nccl") or not isinstance(data["store_host"], str):
+            raise ValueError(f"announcement backend {data['backend']!r} / store host {data['store_host']!r}")
         buckets = tuple(
             tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in bucket) for bucket in data["buckets"]
         )
@@ -134,6 +143,20 @@ def unflatten(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tenso
         out.append((p.name, flat[offset : offset + p.numel].view(p.shape)))
         offset += p.numel
     return out
+
+
+def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+    """A TCPStore server that listens on `host` only (torch's own listens on every interface):
+    the socket is bound here and handed to the store. Keep the socket object alive as long as
+    the store (it owns the descriptor)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(512)
+    store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    return store, sock
 
 
 def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:

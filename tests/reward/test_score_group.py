@@ -1,0 +1,71 @@
+"""``score_group``, the reward worker's scoring of one group (docs/algorithm.md s1 and s2)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from reward.service import score_group
+from reward.text import GROUND_TRUTH_MAX_CHARS
+from reward.verifiers import make_scorer
+from services.contracts.config import DapoConfig, load_config
+from services.contracts.schemas import PromptJob, Response, RolloutGroup
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class CharTokenizer:
+    """Token id = code point, so a test writes responses as text."""
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return ["".join(map(chr, row)) for row in ids]
+
+
+def group_of(ground_truth: str, texts: list[str]) -> RolloutGroup:
+    job = PromptJob(
+        group_id="g-1",
+        prompt_index=0,
+        prompt_ids=[1, 2],
+        ground_truth=ground_truth,
+        policy_version=0,
+        issued_at=0.0,
+    )
+    responses = [
+        Response(
+            token_ids=[ord(c) for c in text], logprobs=[-1.0] * len(text), finish_reason="stop"
+        )
+        for text in texts
+    ]
+    return RolloutGroup(job=job, policy_version=0, replica_id="r0", responses=responses)
+
+
+@pytest.fixture(scope="module")
+def cfg() -> DapoConfig:
+    return load_config(REPO / "configs" / "tiny.yaml")
+
+
+def test_a_group_is_scored(cfg: DapoConfig, caplog: pytest.LogCaptureFixture) -> None:
+    group = group_of("42", ["Answer: 42", "no answer"])
+    with caplog.at_level(logging.WARNING, logger="reward.service"):
+        score_group(group, CharTokenizer(), make_scorer("dapo"), cfg)
+    assert (group.preds, group.scores, group.acc) == (
+        ["42", "[INVALID]"],
+        [1.0, -1.0],
+        [True, False],
+    )
+    assert "not verified" not in caplog.text
+
+
+def test_an_over_long_ground_truth_is_an_error_logged_with_its_reason(
+    cfg: DapoConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    group = group_of("4" * (GROUND_TRUTH_MAX_CHARS + 1), ["Answer: 42", "no answer"])
+    with caplog.at_level(logging.WARNING, logger="reward.service"):
+        score_group(group, CharTokenizer(), make_scorer("dapo"), cfg)
+    assert (group.preds, group.scores, group.acc) == (["[ERROR]"] * 2, [-1.0] * 2, [False] * 2)
+    assert (
+        "group g-1: 2 responses not verified: ground truth is 1025 characters long, "
+        "over GROUND_TRUTH_MAX_CHARS=1024"
+    ) in caplog.text
