@@ -115,10 +115,12 @@ class EvalLane:
 
     def __init__(
         self, bus: StreamBus, prompts: list[tuple[list[int], str, str]], *, run_name: str, samples: int,
-        max_deliveries: int, catch_up: Callable[[], None],
+        max_deliveries: int, catch_up: Callable[[], None], extra_infos: list[dict[str, Any]] | None = None,
     ) -> None:
-        """prompts: (prompt ids, ground truth, data source) per distinct problem."""
+        """prompts: (prompt ids, ground truth, data source) per distinct problem; extra_infos: each
+        problem's data-row `extra_info` (for a `reward.function`), or None for none."""
         self.bus, self.prompts, self.run_name, self.samples, self.catch_up = bus, prompts, run_name, samples, catch_up
+        self.extra_infos = extra_infos
         # Rounds are keyed by the policy version they evaluate: versions never repeat, while a
         # step can (a learner that resumes from an older checkpoint retrains it).
         self.rounds: dict[int, _Round] = {}
@@ -140,6 +142,7 @@ class EvalLane:
             encode_job(PromptJob(
                 group_id=f"{self.run_name}-eval{progress.step}-{i}", prompt_index=i, prompt_ids=ids, ground_truth=truth,
                 data_source=source, policy_version=progress.policy_version, issued_at=now,
+                extra_info=self.extra_infos[i] if self.extra_infos is not None else {},
                 eval=EvalTag(round_step=progress.step, policy_version=progress.policy_version, problem=i, problems=n,
                              samples=self.samples, rl_seconds=rl_seconds),
             ))
@@ -208,7 +211,7 @@ def eval_lane(bus: StreamBus, cfg: DapoConfig, tokenizer: Any, catch_up: Callabl
     """Rank 0's lane over `data.eval_path`'s distinct problems, or none without an eval set."""
     if not cfg.data.eval_path:
         return NullEvaluations()
-    problems = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems)
+    problems = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns)
     prompts = [(encode_prompt(tokenizer, p.messages, cfg.data.max_prompt_len), p.ground_truth, p.data_source) for p in problems]
     return EvalLane(bus, prompts, run_name=cfg.run_name, samples=cfg.eval.samples_per_problem,
-                    max_deliveries=cfg.queue.max_deliveries, catch_up=catch_up)
+                    max_deliveries=cfg.queue.max_deliveries, catch_up=catch_up, extra_infos=[p.extra_info for p in problems])

@@ -98,7 +98,7 @@ class PromptFeeder:
             job = PromptJob(
                 group_id=f"{self.run_name}-{self.cursor}", prompt_index=index, prompt_ids=self._prompt_ids(index),
                 ground_truth=rec.ground_truth, data_source=rec.data_source, policy_version=policy_version,
-                issued_at=time.time(),
+                issued_at=time.time(), extra_info=rec.extra_info,
             )
             jobs.append(encode_job(job))
             self.cursor += 1

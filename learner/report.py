@@ -1,5 +1,6 @@
 """What the learner reports each step: the metrics record in Redis (read by the API and `dapo
-run`), the trackers (TensorBoard, W&B), one log line, and the evaluation history.
+run`), the trackers (TensorBoard, W&B), one log line, and the evaluation history; every
+`tracking.log_completions_every` steps, a sample of the step's completions, decoded.
 
 Metric names follow verl's where one exists (`critic/rewards/mean`, `response_length/mean`,
 `timing_s/update_actor`, ...). Other ranks hold `NullReporter`.
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from learner.commands import Progress
-from learner.tracking import Trackers
+from learner.tracking import Completion, Tracker
 from services.contracts.bus import StreamBus
+from services.contracts.config import TrackingConfig
 from services.contracts.keys import RunField
 from services.contracts.schemas import RolloutGroup
 
@@ -94,13 +96,46 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-class RunReporter:
-    """Rank 0: metrics stream, trackers, log line, evaluation history."""
+class CompletionSampler:
+    """Every `every` steps, `count` of the step's completions, decoded: one response from each of
+    the first groups, then a second from each, and so on. The sample is what was trained on, so
+    it shows only groups the gatekeeper kept (never the all-correct or all-wrong ones)."""
 
-    def __init__(self, bus: StreamBus, trackers: Trackers) -> None:
-        self.bus, self.trackers = bus, trackers
+    def __init__(self, decode: Callable[[list[int]], str], *, every: int, count: int) -> None:
+        self.decode, self.every, self.count = decode, every, count
+
+    @classmethod
+    def from_config(cls, tracking: TrackingConfig, decode: Callable[[list[int]], str]) -> CompletionSampler:
+        return cls(decode, every=tracking.log_completions_every, count=tracking.completions_per_log)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def sample(self, groups: Sequence[RolloutGroup]) -> list[Completion]:
+        picked: list[Completion] = []
+        for i in range(min(self.count, sum(len(g.responses) for g in groups))):
+            group = groups[i % len(groups)]
+            k = i // len(groups)
+            if k >= len(group.responses):  # groups of unequal size: this one has run out
+                continue
+            response = group.responses[k]
+            picked.append(Completion(
+                prompt=self.decode(group.job.prompt_ids), response=self.decode(response.token_ids),
+                reward=group.rewards[k] if group.rewards else float("nan"),
+                acc=group.acc[k] if group.acc else None, finish_reason=response.finish_reason,
+            ))
+        return picked
+
+
+class RunReporter:
+    """Rank 0: metrics stream, trackers, log line, evaluation history, completion samples."""
+
+    def __init__(self, bus: StreamBus, trackers: Tracker, completions: CompletionSampler | None = None) -> None:
+        self.bus, self.trackers, self.completions = bus, trackers, completions
         self.evals: list[tuple[int, float, float]] = bus.eval_history()
         self.lags: list[float] = []
+        self.step_groups: Sequence[RolloutGroup] = ()
+        """The groups of the step being reported: `rollout_metrics` sees them, `report` samples them."""
 
     @property
     def has_evals(self) -> bool:
@@ -113,6 +148,7 @@ class RunReporter:
     def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
         """The batch's statistics plus the pipeline's: gatekeeper, ledger, stream depths."""
         metrics = group_metrics(groups, trained_on)
+        self.step_groups = groups
         self.lags.append(metrics["rollout/version_lag_mean"])  # every step trains the same number of groups
         ledger = self.bus.ledger()
         rate = self.bus.pass_rate(ledger.filtered)
@@ -138,6 +174,9 @@ class RunReporter:
         record = {"step": progress.step, "policy_version": progress.policy_version, "time": time.time(), **metrics}
         self.bus.append_metrics(record)
         self.trackers.log(progress.step, metrics)
+        if self.completions is not None and self.completions.due(progress.step) and self.step_groups:
+            self.trackers.log_completions(progress.step, self.completions.sample(self.step_groups))
+        self.step_groups = ()
         log.info(
             "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f",
             progress.step, progress.policy_version, metrics.get("critic/rewards/mean", 0),

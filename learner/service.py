@@ -27,7 +27,7 @@ from learner.export import HFExporter, NullExporter
 from learner.feeder import PromptFeeder
 from learner.loop import LearnerLoop, Share
 from learner.publish import NullPublisher
-from learner.report import NullReporter, RunReporter
+from learner.report import CompletionSampler, NullReporter, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
 from services.contracts.bus import FencedError, open_bus
@@ -95,7 +95,7 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[s
     alg, le = cfg.algorithm, cfg.learner
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     feeder = PromptFeeder(
-        bus, load_prompts(cfg.data.train_path), tokenizer, run_name=cfg.run_name,
+        bus, load_prompts(cfg.data.train_path, columns=cfg.data.columns), tokenizer, run_name=cfg.run_name,
         limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
         kept_ahead=(alg.max_staleness + 1) * alg.train_batch_groups,
         max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
@@ -110,7 +110,7 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[s
         max_deliveries=cfg.queue.max_deliveries, stop=stop, catch_up=publisher.catch_up,
         vocab_size=AutoConfig.from_pretrained(cfg.model.path).vocab_size,  # the model's embedding rows
     )
-    reporter = RunReporter(bus, Trackers(cfg))
+    reporter = RunReporter(bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode))
     evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up)
     return {
         "source": source, "publisher": publisher, "evaluations": evaluations,

@@ -23,7 +23,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-from reward.verifiers import VERIFIERS, Scorer, VerifyResult, WorkerStartError, make_scorer
+from reward.verifiers import (
+    VERIFIER_ALIASES,
+    VERIFIERS,
+    Scorer,
+    VerifyResult,
+    WorkerStartError,
+    make_scorer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     score.add_argument(
-        "--verifier", choices=VERIFIERS, default="dapo", help="verifier (default: dapo)"
+        "--verifier",
+        choices=(*VERIFIERS, *VERIFIER_ALIASES),
+        default=VERIFIERS[0],
+        help=f"verifier (default: {VERIFIERS[0]}, the reference rule; 'dapo' means 'dapo-strict')",
     )
     score.add_argument(
         "--timeout",

@@ -2,123 +2,32 @@
 
 math-verify parses untrusted text into SymPy. Some inputs never finish (a power tower such as
 ``10^{10^{10^{10}}}`` hangs in the comparison; 5000 nested ``\\frac{`` hang the parser) and some
-could eat memory. So every item runs in a spawned worker process (``reward.math_verify_worker``)
-with:
-
-* a hard per-item wall-clock timeout, enforced by this parent: a worker that overruns is killed
-  with SIGKILL and replaced, the item scores -1.0 with pred ``[TIMEOUT]`` and ``timeout=True``,
-  and ``MathVerifyPool.timeouts`` counts it (a timeout is never hidden);
-* an address-space cap (``RLIMIT_AS``, 2 GiB by default) set inside the worker, so a memory bomb
-  fails with ``MemoryError`` (pred ``[ERROR]``) instead of exhausting the machine. Best effort:
-  it bounds virtual memory, not RSS, and is not enforced on every OS;
-* an exception inside a check, or a worker that dies while it checks an item, scores that item
-  -1.0 with pred ``[ERROR]`` and a ``reason``, counted in ``MathVerifyPool.errors``; the pool
-  carries on. A worker says ``Started`` when it reads an item, so the parent knows which item
-  was in hand when it died; a death cannot be told apart from an outside kill (OOM killer,
-  operator) during the same check, which is charged to the item too;
-* an item handed to a worker that was already dead (it died while idle, or between two items,
-  before reading this one) is not charged: it is sent again, to a live or a replacement
-  worker, up to ``MAX_ITEM_RETRIES`` times. After that it scores ``[ERROR]`` with a reason
-  saying so, so a pool whose workers keep dying ends every call instead of looping.
-
-Only the last 300 characters of a response are parsed, like the "dapo" verifier, so a 1 MB
-response costs what a 300-character one does (and travels cheaply to the worker). An answer
-that starts earlier is not seen. The ground truth is parsed whole (one over
-``GROUND_TRUTH_MAX_CHARS`` characters is an ``[ERROR]`` that never reaches a worker); without
-``$`` or ``\\boxed`` it is wrapped in ``$...$`` because math-verify only reads LaTeX inside a
-math environment (a bare ``\\sqrt{2}`` parses to nothing).
-
-Untrusted text reaches only ``math_verify.parse`` and ``math_verify.verify``; nothing here
-evals it, and only ``str`` values, never SymPy objects, travel back to the parent. (Inside
-math-verify, plain expressions such as ``1/2`` go to SymPy's ``parse_expr``, which does use
-``eval``, but only after a regex has limited them to digits, dots, spaces and ``+-*/^()×÷``;
-such expressions can still be slow, e.g. ``9^9^9^9``, which the hard timeout covers.)
-
-Each worker is sent up to ``PIPELINE_DEPTH`` items at once and answers them in order, so it
-never idles waiting for the parent; an item's clock starts when the worker finishes the item
-before it (as seen by the parent, which can only make the limit more lenient, never stricter).
-When a worker is killed, the items queued behind the stuck one are handed to other workers.
-
-Workers are started with the "spawn" method: a script that creates a pool must guard its entry
-point with ``if __name__ == "__main__":``, as for any spawned multiprocessing code.
+could eat memory. So every item runs in a ``reward.sandbox_pool.SandboxPool`` worker, with its
+hard per-item timeout, address-space cap and dead-worker handling (see that module); what a
+worker does with an item is ``reward.math_verify_worker.MathVerifyChecker``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import multiprocessing
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
-from types import TracebackType
-from typing import Final, TypeVar
+from reward.math_verify_worker import MATH_VERIFY_TAIL_CHARS, MathVerifyChecker
+from reward.sandbox_pool import (
+    DEFAULT_MEMORY_LIMIT_BYTES,
+    MAX_ITEM_RETRIES,
+    SandboxPool,
+    WorkerStartError,
+)
 
-from reward.math_verify_worker import Job, Outcome, Ready, Started, StartFailed, worker_main
-from reward.result import CORRECT_SCORE, WRONG_SCORE, VerifyResult, error_result
-from reward.text import GroundTruthTooLong, ground_truth_text, tail
-
-logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
-
-#: Characters of the response handed to math-verify (same window as the dapo verifier).
-MATH_VERIFY_TAIL_CHARS: Final = 300
-#: Default address-space cap of a worker: 2 GiB.
-DEFAULT_MEMORY_LIMIT_BYTES: Final = 2 << 30
-#: Items queued per worker: 2 hides the pipe round trip while at most one item waits behind a
-#: stuck one (it is requeued when the stuck worker is killed).
-PIPELINE_DEPTH: Final = 2
-#: Consecutive start-up deaths tolerated before ``WorkerStartError``.
-MAX_START_FAILURES: Final = 3
-#: Times an item is sent again after the worker it was handed to died before reading it. Bounds
-#: the work of a pool whose workers keep dying (each retry may wait for a replacement to start);
-#: it does not make such a pool useful, only makes it end each call with ``[ERROR]`` results.
-MAX_ITEM_RETRIES: Final = 2
-TIMEOUT_PRED: Final = "[TIMEOUT]"
-
-TIMEOUT_RESULT: Final = VerifyResult(score=WRONG_SCORE, acc=False, pred=TIMEOUT_PRED, timeout=True)
+__all__ = [
+    "DEFAULT_MEMORY_LIMIT_BYTES",
+    "MATH_VERIFY_TAIL_CHARS",
+    "MAX_ITEM_RETRIES",
+    "MathVerifyPool",
+    "WorkerStartError",
+]
 
 
-class WorkerStartError(RuntimeError):
-    """A worker could not start (math-verify missing, or it died before it was ready)."""
-
-
-@dataclass
-class _Worker:
-    """Parent-side view of one worker process."""
-
-    process: BaseProcess
-    conn: Connection
-    started_at: float
-    ready: bool = False
-    in_flight: deque[int] = field(default_factory=deque)  # item indices, in send order
-    head_started: bool = False  # the worker said ``Started`` for the first in-flight item
-    head_deadline: float = 0.0  # when the first in-flight item runs out of time
-
-
-def _kill(worker: _Worker) -> None:
-    if worker.process.is_alive():
-        worker.process.kill()  # SIGKILL: code stuck inside SymPy cannot be interrupted
-    worker.process.join(timeout=5.0)
-    worker.conn.close()
-
-
-class MathVerifyPool:
-    """A pool of math-verify worker processes with a hard per-item timeout.
-
-    Use as a context manager, or call ``close()``. A lock serialises concurrent calls
-    (``close()`` from another thread waits for a running ``verify_many`` to finish).
-
-    Attributes:
-        timeouts: items that ran out of time (each one cost a killed and replaced worker).
-        errors: items scored ``[ERROR]``: the check raised, the worker died while checking the
-            item, or the item met more than ``MAX_ITEM_RETRIES`` dead workers. Over-long ground
-            truths are not counted here (they never reach a worker).
-    """
+class MathVerifyPool(SandboxPool):
+    """A ``SandboxPool`` whose workers run math-verify (``label`` "math-verify")."""
 
     def __init__(
         self,
@@ -130,327 +39,16 @@ class MathVerifyPool:
     ) -> None:
         """Start ``workers`` processes (they import math-verify in the background).
 
-        Args:
-            workers: number of worker processes, >= 1.
-            timeout_s: hard wall-clock limit per item, seconds, > 0. Start-up time of a worker
-                does not count against it.
-            memory_limit_bytes: ``RLIMIT_AS`` of each worker; ``None`` for no cap.
-            start_timeout_s: how long a worker may take to import math-verify.
+        Args: as ``SandboxPool``; ``start_timeout_s`` bounds the import of math-verify.
         """
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got workers={workers}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got timeout_s={timeout_s}")
-        if start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s must be > 0, got start_timeout_s={start_timeout_s}")
-        self.timeout_s = timeout_s
-        self.memory_limit_bytes = memory_limit_bytes
-        self.start_timeout_s = start_timeout_s
-        self.timeouts = 0
-        self.errors = 0
-        self._context = multiprocessing.get_context("spawn")
-        self._lock = threading.RLock()  # re-entered by close() after a start-up failure
-        self._closed = False
-        self._start_failures = 0  # consecutive start-up deaths, reset by a ready worker
-        self._workers = [self._spawn() for _ in range(workers)]
-
-    # -- lifecycle --
-
-    def _spawn(self) -> _Worker:
-        parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(
-            target=worker_main,
-            args=(child_conn, self.memory_limit_bytes),
-            name="math-verify-worker",
-            daemon=True,
+        super().__init__(
+            MathVerifyChecker(),
+            label="math-verify",
+            workers=workers,
+            timeout_s=timeout_s,
+            memory_limit_bytes=memory_limit_bytes,
+            start_timeout_s=start_timeout_s,
         )
-        process.start()
-        child_conn.close()
-        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
-
-    def close(self) -> None:
-        """Stop every worker (politely, then with SIGKILL). Idempotent."""
-        with self._lock:
-            self._close_locked()
-
-    def _close_locked(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self._workers:
-            # A pipe already gone is fine: _kill below still reaps the process.
-            with contextlib.suppress(OSError, ValueError):
-                worker.conn.send(None)
-        deadline = time.monotonic() + 1.0
-        for worker in self._workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            _kill(worker)
-        self._workers.clear()
 
     def __enter__(self) -> MathVerifyPool:
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    @property
-    def pids(self) -> list[int | None]:
-        """Process ids of the current workers (they change when a worker is replaced)."""
-        return [worker.process.pid for worker in self._workers]
-
-    # -- scoring --
-
-    def wait_ready(self) -> None:
-        """Block until every worker has imported math-verify (optional: scoring waits too).
-
-        Raises:
-            WorkerStartError: a worker could not start; the pool is closed.
-        """
-        self._locked(_Batch(self, []).wait_ready)
-
-    def verify(self, response: str, ground_truth: str | int) -> VerifyResult:
-        """Score one pair; see ``verify_many``."""
-        return self.verify_many([(response, ground_truth)])[0]
-
-    def score_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]:
-        """``Scorer`` interface: same as ``verify_many``."""
-        return self.verify_many(pairs)
-
-    def verify_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]:
-        """Score ``(response, ground_truth)`` pairs in parallel; results in input order.
-
-        Each response is cut to its last 300 characters before it is sent. A ground truth over
-        ``GROUND_TRUTH_MAX_CHARS`` characters gives ``[ERROR]`` with a reason, unsent.
-
-        Raises:
-            WorkerStartError: a worker could not start; the pool is closed.
-            RuntimeError: the pool was closed before the call.
-        """
-        refused: dict[int, VerifyResult] = {}
-        jobs: list[Job] = []
-        for index, (response, truth) in enumerate(pairs):
-            try:
-                jobs.append(Job(tail(response, MATH_VERIFY_TAIL_CHARS), ground_truth_text(truth)))
-            except GroundTruthTooLong as exc:
-                refused[index] = error_result(str(exc))
-        checked = iter(self._locked(_Batch(self, jobs).run))
-        return [
-            refused[index] if index in refused else next(checked) for index in range(len(pairs))
-        ]
-
-    def _locked(self, action: Callable[[], _T]) -> _T:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("MathVerifyPool is closed")
-            try:
-                return action()
-            except WorkerStartError:
-                self.close()  # the workers' state is unknown now; the pool cannot be reused
-                raise
-
-
-class _Batch:
-    """One ``verify_many`` call: hands items to workers and collects results by index."""
-
-    def __init__(self, pool: MathVerifyPool, jobs: list[Job]) -> None:
-        self.pool = pool
-        self.workers = pool._workers  # replaced in place, so the pool sees new workers
-        self.jobs = jobs
-        self.pending: deque[int] = deque(range(len(jobs)))
-        self.results: list[VerifyResult | None] = [None] * len(jobs)
-        # Per item: deaths of workers it was handed to (or next in line for) before they read it.
-        self.unread_deaths: list[int] = [0] * len(jobs)
-
-    def run(self) -> list[VerifyResult]:
-        """Score every job; return the results in job order."""
-        while self.pending or any(worker.in_flight for worker in self.workers):
-            self._dispatch()
-            self._step()
-        # Every item leaves ``pending`` for a worker and comes back with a result or to
-        # ``pending``; the fallback only keeps a bug from turning into a crash.
-        missing = error_result("no result was recorded for this item (a MathVerifyPool bug)")
-        return [result if result is not None else missing for result in self.results]
-
-    def wait_ready(self) -> None:
-        """Return once every worker has started (or raise ``WorkerStartError``)."""
-        while not all(worker.ready for worker in self.workers):
-            self._step()
-
-    def _step(self) -> None:
-        """Wait for messages or the nearest deadline, read the messages, enforce deadlines."""
-        ready = wait([worker.conn for worker in self.workers], self._wait_budget())
-        for position, worker in enumerate(self.workers):
-            if worker.conn in ready:
-                self._drain(position)
-        self._expire()
-
-    def _dispatch(self) -> None:
-        for worker in self.workers:
-            while self.pending and worker.ready and len(worker.in_flight) < PIPELINE_DEPTH:
-                index = self.pending.popleft()
-                try:
-                    worker.conn.send(self.jobs[index])
-                except OSError:
-                    # The worker died while idle. ``wait`` sees its pipe close, and the death
-                    # is charged to this item, back at the front (``_settle_in_flight``).
-                    self.pending.appendleft(index)
-                    break
-                if not worker.in_flight:
-                    worker.head_deadline = time.monotonic() + self.pool.timeout_s
-                worker.in_flight.append(index)
-
-    def _wait_budget(self) -> float:
-        """Seconds until the nearest item or start-up deadline (never negative)."""
-        deadlines = [
-            worker.head_deadline for worker in self.workers if worker.ready and worker.in_flight
-        ] + [
-            worker.started_at + self.pool.start_timeout_s
-            for worker in self.workers
-            if not worker.ready
-        ]
-        now = time.monotonic()
-        return max(0.0, min(deadlines, default=now + self.pool.timeout_s) - now)
-
-    def _drain(self, position: int) -> None:
-        """Read every message waiting on worker ``position``'s pipe.
-
-        Messages the worker sent before it died are read before its end of file, so a
-        ``Started`` or ``Outcome`` is never lost to a death that follows it.
-        """
-        worker = self.workers[position]
-        while True:
-            try:
-                if not worker.conn.poll():
-                    return
-                message = worker.conn.recv()
-            except (EOFError, OSError):
-                self._on_worker_death(position)
-                return
-            if isinstance(message, Ready):
-                worker.ready = True
-                self.pool._start_failures = 0
-            elif isinstance(message, StartFailed):
-                raise WorkerStartError(message.reason)
-            elif isinstance(message, Started) and worker.in_flight:
-                worker.head_started = True
-            elif isinstance(message, Outcome) and worker.in_flight:
-                self.results[worker.in_flight.popleft()] = self._to_result(message)
-                worker.head_started = False
-                worker.head_deadline = time.monotonic() + self.pool.timeout_s
-
-    def _to_result(self, outcome: Outcome) -> VerifyResult:
-        if outcome.error is not None:
-            self.pool.errors += 1
-            logger.warning("math-verify check failed: %s", outcome.error)
-            return error_result(f"math-verify raised {outcome.error}")
-        score = CORRECT_SCORE if outcome.acc else WRONG_SCORE
-        return VerifyResult(score=score, acc=outcome.acc, pred=outcome.pred)
-
-    def _requeue(self, indices: list[int]) -> None:
-        """Put unread items back at the front of ``pending``, in their order."""
-        self.pending.extendleft(reversed(indices))
-
-    def _retry_unread(self, indices: list[int], exit_code: int | None) -> None:
-        """Requeue items a worker died before reading (see ``_settle_in_flight``), within the bound.
-
-        An item past ``MAX_ITEM_RETRIES`` scores ``[ERROR]`` instead: without the bound, workers
-        that die as soon as they are ready would keep a call looping.
-        """
-        retry: list[int] = []
-        for index in indices:
-            self.unread_deaths[index] += 1
-            if self.unread_deaths[index] <= MAX_ITEM_RETRIES:
-                retry.append(index)
-                continue
-            self.pool.errors += 1
-            self.results[index] = error_result(
-                f"not checked: {self.unread_deaths[index]} math-verify workers died before "
-                f"reading it (last exit code {exit_code})"
-            )
-            logger.error("math-verify item %d given up: its workers kept dying", index)
-        self._requeue(retry)
-
-    def _replace(self, position: int) -> None:
-        """Kill worker ``position`` and start a new one (the caller has settled its items)."""
-        _kill(self.workers[position])
-        self.workers[position] = self.pool._spawn()
-
-    def _on_worker_death(self, position: int) -> None:
-        worker = self.workers[position]
-        worker.process.join(timeout=1.0)
-        code = worker.process.exitcode
-        if not worker.ready:
-            # Killed from outside while importing (OOM killer, an operator): retry a few times.
-            self.pool._start_failures += 1
-            if self.pool._start_failures > MAX_START_FAILURES:
-                raise WorkerStartError(
-                    f"math-verify workers exited during start-up {self.pool._start_failures} "
-                    f"times in a row (last exit code {code})"
-                )
-            logger.warning("math-verify worker exited during start-up (exit code %s)", code)
-        else:
-            self._settle_in_flight(worker, code)
-        self._replace(position)
-
-    def _settle_in_flight(self, worker: _Worker, exit_code: int | None) -> None:
-        """Deal with the items of a worker that died after start-up.
-
-        The item it had said ``Started`` for is charged with the death (``[ERROR]``) and the
-        items queued behind it are requeued. A death before it read anything is charged, as a
-        retry (``_retry_unread``), to the items it was handed or, if none, to the next pending
-        item: a ready worker sits idle while items wait only when its death came before it
-        could be given one (it died right after ``Ready``, or a send to it failed). So every
-        death either settles an item or uses up a retry, and a call always ends.
-        """
-        in_flight = list(worker.in_flight)
-        if not in_flight and self.pending:
-            in_flight = [self.pending.popleft()]
-        if not in_flight:
-            logger.warning("idle math-verify worker exited (exit code %s); replacing it", exit_code)
-        elif worker.head_started:
-            self.pool.errors += 1
-            self.results[in_flight[0]] = error_result(
-                f"the math-verify worker died while checking this item (exit code {exit_code})"
-            )
-            logger.warning(
-                "math-verify worker died on item %d (exit code %s); replacing it",
-                in_flight[0],
-                exit_code,
-            )
-            self._requeue(in_flight[1:])
-        else:
-            logger.warning(
-                "math-verify worker exited (exit code %s) before reading items %s; retrying them",
-                exit_code,
-                in_flight,
-            )
-            self._retry_unread(in_flight, exit_code)
-        worker.in_flight.clear()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for position, worker in enumerate(self.workers):
-            if not worker.ready and now > worker.started_at + self.pool.start_timeout_s:
-                raise WorkerStartError(
-                    f"math-verify worker not ready after {self.pool.start_timeout_s} s"
-                )
-            if not worker.in_flight or now < worker.head_deadline:
-                continue
-            if worker.conn.poll():
-                continue  # the answer arrived just in time; the next pass reads it
-            self.pool.timeouts += 1
-            self.results[worker.in_flight[0]] = TIMEOUT_RESULT
-            logger.warning(
-                "math-verify item %d exceeded %.2f s; killing worker pid %s",
-                worker.in_flight[0],
-                self.pool.timeout_s,
-                worker.process.pid,
-            )
-            self._requeue(list(worker.in_flight)[1:])
-            worker.in_flight.clear()
-            self._replace(position)

@@ -1,63 +1,28 @@
-"""The math-verify worker process: the only place untrusted text meets SymPy (docs/algorithm.md s1).
+"""The math-verify checker: the only place untrusted text meets SymPy (docs/algorithm.md s1).
 
-Runs inside a process spawned by ``reward.math_verify_pool.MathVerifyPool``. It caps its own
-address space, imports math-verify, says ``Ready`` and then takes one ``Job`` at a time: it
-says ``Started`` as soon as it has read the job, checks it and answers with one ``Outcome``, in
-order, until it receives ``None`` or its pipe closes. ``Started`` tells the parent whether a
-worker that died had read the job in hand (the job is then charged with the death) or not (the
-job is sent to another worker). The parent owns the clock: math-verify's own ``signal.alarm``
+``MathVerifyChecker`` is the ``CheckerSpec`` a ``reward.math_verify_pool.MathVerifyPool`` hands
+to its workers (``reward.sandbox_worker``): in the parent it cuts each response to its tail and
+checks the ground truth's length; in a worker it imports math-verify, warms it up and checks
+pairs with ``check_pair``. The parent owns the clock: math-verify's own ``signal.alarm``
 timeouts are switched off here on purpose.
-
-The messages are small frozen dataclasses pickled over a private pipe between two processes
-of the same program; nothing from outside ever reaches ``recv``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import signal
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from types import ModuleType
+from typing import Any, Final
 
 from reward.result import ERROR_PRED, INVALID
-from reward.text import clean_text
+from reward.sandbox_worker import Checker, CheckerLoadError, Job, Outcome
+from reward.text import clean_text, ground_truth_text, tail
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Job:
-    """One pair to check; ``response`` already cut to its tail and cleaned."""
-
-    response: str
-    ground_truth: str
-
-
-@dataclass(frozen=True)
-class Ready:
-    """Sent once the worker has imported math-verify; only then does it get jobs."""
-
-
-@dataclass(frozen=True)
-class StartFailed:
-    """Sent instead of ``Ready`` when math-verify cannot be imported."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Started:
-    """Sent when the worker has read a ``Job`` and starts checking it (before its ``Outcome``)."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The answer to one ``Job``; ``error`` set means the check raised (pred ``[ERROR]``)."""
-
-    acc: bool
-    pred: str
-    error: str | None = None
+#: Characters of the response handed to math-verify (same window as the dapo verifiers).
+MATH_VERIFY_TAIL_CHARS: Final = 300
 
 
 def _gold_text(ground_truth: str) -> str:
@@ -83,49 +48,47 @@ def check_pair(math_verify: ModuleType, response: str, ground_truth: str) -> Out
         acc = bool(math_verify.verify(gold, answer, timeout_seconds=None, raise_on_error=True))
         return Outcome(acc=acc, pred=clean_text(pred))
     except Exception as exc:  # worker loop boundary: report, never crash the worker
-        return Outcome(acc=False, pred=ERROR_PRED, error=f"{type(exc).__name__}: {exc}"[:500])
+        return Outcome(
+            acc=False, pred=ERROR_PRED, error=f"raised {type(exc).__name__}: {exc}"[:500]
+        )
 
 
-def _limit_memory(limit_bytes: int) -> None:
-    """Cap this process's address space so a memory bomb raises ``MemoryError``.
+def _check_job(math_verify: ModuleType, job: Job) -> Outcome:
+    return check_pair(math_verify, job.response, job.ground_truth)
 
-    Best effort: ``RLIMIT_AS`` bounds virtual memory, not resident memory, and not every OS
-    enforces it; a failure to set it is logged, not fatal.
+
+@dataclass(frozen=True)
+class MathVerifyChecker:
+    """``CheckerSpec`` of the "math-verify" verifier.
+
+    Only the last 300 characters of a response are parsed, like the "dapo" verifiers, so a 1 MB
+    response costs what a 300-character one does (and travels cheaply to the worker). An
+    answer that starts earlier is not seen. The ground truth is parsed whole (one over
+    ``GROUND_TRUTH_MAX_CHARS`` characters is refused unsent); without ``$`` or ``\\boxed`` it is
+    wrapped in ``$...$`` because math-verify only reads LaTeX inside a math environment (a bare
+    ``\\sqrt{2}`` parses to nothing). ``extra_info`` is not used.
+
+    Untrusted text reaches only ``math_verify.parse`` and ``math_verify.verify``; nothing here
+    evals it, and only ``str`` values, never SymPy objects, travel back to the parent. (Inside
+    math-verify, plain expressions such as ``1/2`` go to SymPy's ``parse_expr``, which does use
+    ``eval``, but only after a regex has limited them to digits, dots, spaces and
+    ``+-*/^()×÷``; such expressions can still be slow, e.g. ``9^9^9^9``, which the hard timeout
+    covers.)
     """
-    try:
-        import resource
 
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            limit_bytes = min(limit_bytes, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, hard))
-    except (ImportError, ValueError, OSError):
-        logger.warning("could not cap worker memory at %d bytes", limit_bytes)
+    def make_job(self, response: str, ground_truth: str | int, extra_info: dict[str, Any]) -> Job:
+        return Job(tail(response, MATH_VERIFY_TAIL_CHARS), ground_truth_text(ground_truth))
 
-
-def worker_main(conn: Connection, memory_limit_bytes: int | None) -> None:
-    """Entry point of a worker process: import math-verify, then answer jobs until ``None``."""
-    # Ctrl-C goes to the parent, which kills the workers; tracebacks from each are noise.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if memory_limit_bytes is not None:
-        _limit_memory(memory_limit_bytes)
-    # math-verify warns once that its own timeouts are off; they are off on purpose.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    try:
-        import math_verify
-    except Exception as exc:  # worker boundary: tell the parent why, then stop
-        conn.send(StartFailed(f"cannot import math_verify: {type(exc).__name__}: {exc}"))
-        return
-    # Warm up (regex compilation, parser set-up: tens of ms) so a first item is not charged
-    # for it against its timeout.
-    check_pair(math_verify, "Answer: $\\frac{1}{2}$", "0.5")
-    conn.send(Ready())
-    while True:
+    def load(self) -> Checker:
+        # math-verify warns once that its own timeouts are off; they are off on purpose.
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
         try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        conn.send(Started())
-        conn.send(check_pair(math_verify, job.response, job.ground_truth))
+            import math_verify
+        except Exception as exc:  # an import may fail any way (MemoryError under the cap)
+            raise CheckerLoadError(
+                f"cannot import math_verify: {type(exc).__name__}: {exc}"
+            ) from exc
+        # Warm up (regex compilation, parser set-up: tens of ms) so a first item is not charged
+        # for it against its timeout.
+        check_pair(math_verify, "Answer: $\\frac{1}{2}$", "0.5")
+        return functools.partial(_check_job, math_verify)

@@ -1,19 +1,21 @@
-"""Minerva-style answer normalisation used by the "dapo" verifier (docs/algorithm.md s1).
+"""Minerva-style answer normalisation of the "dapo" verifiers (docs/algorithm.md s1).
 
-The prediction and the ground truth go through the same ``normalize_answer``; the verifier then
+The prediction and the ground truth go through the same normalisation; the verifier then
 compares the two strings for exact equality. Each step is one small function below, applied in
-the order of ``normalize_answer``; the order is part of the behaviour (for instance units are
+the order of ``minerva_steps``; the order is part of the behaviour (for instance units are
 removed after spaces, so ``"5 cm"`` becomes ``"5cm"`` and then ``"5"``). Every step takes time
 linear in the input: the reference's wrapper regexes, quadratic on some inputs, are replaced by
 patterns with the same results (see ``unwrap_wrappers``).
 
-Departures from the reference code, both deliberate:
+Two normalisations share those steps and differ only in how they end:
 
-* a single trailing ``"."`` is stripped (``"42."`` equals ``"42"``); the reference keeps it.
-  Pass ``strip_period=False`` for the reference behaviour.
-* thousands commas are dropped only from properly grouped numbers (``"1,000"``,
-  ``"-12,345.5"``); the reference deletes every comma of a string that is digits once commas
-  are gone, so it also turns the list ``"1,2,3"`` into the number ``"123"``.
+* ``normalize_answer_reference`` ends as the reference code does: every comma goes when the
+  string is digits once the commas are gone (``str.isdigit``, so ``"1,2,3"`` becomes ``"123"``
+  while ``"-1,000"`` and ``"1,000.5"`` keep theirs), then surrounding whitespace is stripped.
+* ``normalize_answer`` (the "dapo-strict" verifier) departs from it on purpose: one trailing
+  ``"."`` is stripped (``"42."`` equals ``"42"``), and thousands commas are dropped from, and
+  only from, properly grouped numbers (``"1,000"``, ``"-12,345.5"``), so the list ``"1,2,3"``
+  keeps its commas.
 """
 
 from __future__ import annotations
@@ -189,23 +191,48 @@ def drop_thousands_commas(answer: str) -> str:
     return answer
 
 
-def normalize_answer(answer: str, *, strip_period: bool = True) -> str:
-    """Normalise an extracted answer or a ground truth, Minerva style (docs/algorithm.md s1).
+def drop_digit_commas_reference(answer: str) -> str:
+    """The reference's comma rule: drop every comma when the rest is digits (``str.isdigit``).
 
-    Args:
-        answer: the text captured after ``Answer:``, or the ground truth.
-        strip_period: drop one trailing ``.`` (default); ``False`` matches the reference code.
-
-    Returns:
-        The normalised string, with surrounding whitespace stripped.
+    ``"1,2,3"`` -> ``"123"``, ``"1,000"`` -> ``"1000"``; ``"-1,000"`` (the sign), ``"1,000.5"``
+    (the point) and ``" 1,000"`` (the whitespace, stripped only afterwards) keep their commas.
+    ``isdigit`` also accepts other digits, such as ``"²"`` and ``"١٢"``.
     """
+    if answer.replace(",", "").isdigit():
+        return answer.replace(",", "")
+    return answer
+
+
+def minerva_steps(answer: str) -> str:
+    """The steps both normalisations share, in order: ``=``, substitutions, units, wrappers, TeX."""
     answer = keep_after_last_equals(answer)
     answer = apply_substitutions(answer)
     answer = drop_units_and_markup(answer)
     answer = unwrap_wrappers(answer)
     answer = fix_shorthand_tex(answer)
-    answer = drop_dollars(answer)
-    if strip_period:
-        answer = strip_trailing_period(answer)
-    answer = drop_thousands_commas(answer.strip())
-    return answer.strip()
+    return drop_dollars(answer)
+
+
+def normalize_answer(answer: str) -> str:
+    """Normalise an answer or a ground truth for the "dapo-strict" verifier (docs/algorithm.md s1).
+
+    ``minerva_steps``, then one trailing ``.`` stripped and thousands commas dropped from a
+    grouped number: the two departures from ``normalize_answer_reference`` (module docstring).
+
+    Args:
+        answer: the text captured after ``Answer:``, or the ground truth.
+
+    Returns:
+        The normalised string, with surrounding whitespace stripped.
+    """
+    answer = strip_trailing_period(minerva_steps(answer))
+    return drop_thousands_commas(answer.strip()).strip()
+
+
+def normalize_answer_reference(answer: str) -> str:
+    """Normalise an answer or a ground truth exactly as the reference code does (docs/algorithm.md s1).
+
+    ``minerva_steps``, then ``drop_digit_commas_reference``, then surrounding whitespace
+    stripped. A trailing ``.`` is kept: ``"42."`` does not equal ``"42"``.
+    """
+    return drop_digit_commas_reference(minerva_steps(answer)).strip()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
+#: Scores of the built-in verifiers; an item that could not be verified scores ``WRONG_SCORE``
+#: under every verifier, a ``reward.function`` included.
 CORRECT_SCORE: Final = 1.0
 WRONG_SCORE: Final = -1.0
 
@@ -21,11 +23,14 @@ class VerifyResult:
     Attributes:
         score: +1.0 when correct, -1.0 otherwise (before overlong shaping, docs/algorithm.md s2).
         acc: whether the prediction matched the ground truth.
-        pred: the extracted (normalised, for "dapo") prediction, or a bracketed marker:
-            ``[INVALID]`` (no answer found), ``[TIMEOUT]`` (math-verify) or ``[ERROR]``.
-        timeout: the verifier ran out of time on this item (math-verify only).
+        pred: the extracted (normalised, for the "dapo" verifiers) prediction, or a bracketed
+            marker: ``[INVALID]`` (no answer found), ``[TIMEOUT]`` or ``[ERROR]``.
+        timeout: the verifier ran out of time on this item (math-verify, ``reward.function``).
         reason: why the item could not be verified, set with pred ``[ERROR]`` (an over-long
-            ground truth, a math-verify check that raised, a worker that died); else ``None``.
+            ground truth, a check that raised, a worker that died) or ``[TIMEOUT]``; else
+            ``None``.
+        metrics: extra named values a ``reward.function`` returned (finite floats); empty for
+            the built-in verifiers.
     """
 
     score: float
@@ -33,6 +38,7 @@ class VerifyResult:
     pred: str
     timeout: bool = False
     reason: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 def error_result(reason: str) -> VerifyResult:

@@ -1,10 +1,17 @@
-"""Rule-based verifiers that run in-process: "dapo" (Minerva) and "strict-box" (docs/algorithm.md s1).
+"""Rule-based verifiers that run in-process (docs/algorithm.md s1).
+
+* ``verify_dapo_reference`` ("dapo-reference"): the reference code's rule, quirks included, so
+  training rewards and evaluation numbers compare with the paper's.
+* ``verify_dapo_strict`` ("dapo-strict", alias "dapo"): the same rule with four deliberate
+  departures, listed in its docstring.
+* ``verify_strict_box`` ("strict-box").
 
 Import them from ``reward.verifiers`` (or ``reward``), which also holds the registry.
 
-Both are pure string work, linear in their input, on at most 300 characters of the response
+All are pure string work, linear in their input, on at most 300 characters of the response
 and ``GROUND_TRUTH_MAX_CHARS`` (1024) of the ground truth; a longer ground truth is an
-``[ERROR]`` result. Safe on any input and cheap enough to score thousands of responses per
+``[ERROR]`` result (the reference has no cap: a data error there is a slow comparison here an
+error with its reason). Safe on any input and cheap enough to score thousands of responses per
 second. The symbolic verifier, which is not safe in-process, lives in
 ``reward.math_verify_pool``.
 """
@@ -14,9 +21,9 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from reward.normalize import normalize_answer
+from reward.normalize import normalize_answer, normalize_answer_reference
 from reward.result import CORRECT_SCORE, INVALID, WRONG_SCORE, VerifyResult, error_result
-from reward.text import GroundTruthTooLong, ground_truth_text, tail
+from reward.text import GroundTruthTooLong, clean_text, ground_truth_text, tail
 
 #: The dapo verifier looks only at this many trailing characters of the response (docs/algorithm.md s1).
 DAPO_TAIL_CHARS: Final = 300
@@ -44,20 +51,34 @@ def extract_answer_line(response: str) -> str | None:
     return matches[-1] if matches else None
 
 
-def verify_dapo(
-    response: str, ground_truth: str | int, *, strip_period: bool = True
-) -> VerifyResult:
-    """Score ``response`` with the default DAPO verifier (docs/algorithm.md s1).
+def verify_dapo_strict(response: str, ground_truth: str | int) -> VerifyResult:
+    """Score ``response`` with the "dapo-strict" verifier (alias "dapo"; docs/algorithm.md s1).
 
     The last ``Answer: ...`` line of the last 300 characters and the ground truth are both
     normalised by ``reward.normalize.normalize_answer``; exact equality is correct (+1.0),
     anything else, including no answer line (pred ``[INVALID]``), is wrong (-1.0). A ground
     truth over ``GROUND_TRUTH_MAX_CHARS`` characters gives pred ``[ERROR]`` (-1.0) and a reason.
 
+    Departures from the reference rule (``verify_dapo_reference``), each deliberate:
+
+    1. one trailing ``"."`` is stripped: ``"Answer: 42."`` is correct for 42 (the reference
+       counts the sentence's full stop as part of the answer);
+    2. commas are dropped from, and only from, correctly grouped numbers, after surrounding
+       whitespace is stripped: ``"-1,000"``, ``"1,000.5"`` and ``"1,000\\r"`` lose theirs
+       (the reference keeps them, so ``"-1,000"`` never equals ``"-1000"``), the list
+       ``"1,2"`` keeps its (the reference reads it as ``"12"``);
+    3. no answer line is never correct: the reference compares the marker ``[INVALID]`` with
+       the normalised ground truth, so a ground truth spelled ``[INVALID]`` matches it;
+    4. the text is cleaned (``reward.text.clean_text``: NUL bytes removed, lone surrogates
+       replaced) before it is read, so ``"4\\x002"`` reads as ``"42"``; the reference reads
+       it raw.
+
+    tests/reward/test_dapo_reference.py checks that these, and only these, change a score on
+    the reference cases (51 of 481).
+
     Args:
         response: the decoded response (special tokens and trailing EOS text already removed).
         ground_truth: the data set's answer; integers are converted with ``str``.
-        strip_period: see ``normalize_answer``; ``False`` is the reference behaviour.
     """
     try:
         truth_text = ground_truth_text(ground_truth)
@@ -66,9 +87,33 @@ def verify_dapo(
     extracted = extract_answer_line(response)
     if extracted is None:
         return _result(False, INVALID)
-    pred = normalize_answer(extracted, strip_period=strip_period)
-    truth = normalize_answer(truth_text, strip_period=strip_period)
-    return _result(pred == truth, pred)
+    pred = normalize_answer(extracted)
+    return _result(pred == normalize_answer(truth_text), pred)
+
+
+def verify_dapo_reference(response: str, ground_truth: str | int) -> VerifyResult:
+    """Score ``response`` exactly as the reference code does ("dapo-reference"; docs/algorithm.md s1).
+
+    In the raw last 300 characters, the text after the LAST ``Answer:`` (case-insensitive, to
+    the end of its line), or the marker ``[INVALID]`` when there is none, is normalised by
+    ``normalize_answer_reference``, as is the ground truth; string equality is correct (+1.0).
+    Every quirk is kept: ``"42."`` is wrong for 42, ``"1,2"`` is right for 12, ``"-1,000"`` is
+    wrong for -1000, and a ground truth spelled ``[INVALID]`` is matched by a response with no
+    answer line. tests/reward/dapo_reference_cases.jsonl holds the cases it is checked on.
+
+    Two things are not the reference's, and neither changes an ``acc`` the reference computes:
+    a ground truth over ``GROUND_TRUTH_MAX_CHARS`` is an ``[ERROR]`` result (the reference
+    would compare it), and the reported ``pred`` is cleaned (NUL bytes removed, lone
+    surrogates replaced) after the comparison, so it can travel as JSON. Integer ground truths
+    are converted with ``str`` (the reference takes only strings).
+    """
+    try:
+        truth_text = ground_truth_text(ground_truth, clean=False)
+    except GroundTruthTooLong as exc:
+        return error_result(str(exc))
+    matches = ANSWER_PATTERN.findall(response[-DAPO_TAIL_CHARS:])
+    pred = normalize_answer_reference(matches[-1] if matches else INVALID)
+    return _result(pred == normalize_answer_reference(truth_text), clean_text(pred))
 
 
 def last_boxed_content(text: str) -> str | None:

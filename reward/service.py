@@ -1,20 +1,28 @@
 """`dapo reward`: one reward worker. Many can run; each takes whole groups.
 
 For every response of a group: decode the response tokens (special tokens skipped), score them
-against the prompt's ground truth with the configured verifier (+1 / -1), add the overlong
-penalty (docs/algorithm.md s2) and forward the scored group. The scalar reward is per response; the learner
-places it on the response's last token. Verifier timeouts are counted, never hidden.
+against the prompt's ground truth with the configured verifier (+1 / -1) or the user's
+`reward.function` (its own score; `reward.custom`), add the overlong penalty (docs/algorithm.md
+s2) and forward the scored group. The scalar reward is per response; the learner places it on
+the response's last token. Verifier timeouts are counted, never hidden.
+
+A `reward.function` is loaded at start, in the sandbox workers that will run it: one that
+cannot be loaded stops the service with a `ConfigError` naming the setting (`dapo run` checks
+it the same way, with `check_reward_function`, before it starts anything).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from typing import Any
 
+from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
-from reward.verifiers import Scorer, make_scorer
+from reward.result import VerifyResult
+from reward.verifiers import SandboxPool, Scorer, WorkerStartError, make_scorer
 from services.contracts.bus import Entry, StreamBus
-from services.contracts.config import DapoConfig
+from services.contracts.config import ConfigError, DapoConfig, RewardConfig
 from services.contracts.keys import Counter
 from services.contracts.runtime import run_stage_loop, service_context
 from services.contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
@@ -25,16 +33,77 @@ REWARD_BATCH = 8
 """Groups a reward worker takes per read."""
 
 
+def open_scorer(rw: RewardConfig, *, workers: int | None = None) -> Scorer:
+    """The scorer the reward config asks for, ready to score.
+
+    A `reward.function` is loaded before this returns, so a setting that cannot be used fails
+    here, not on the first group.
+
+    Raises:
+        ConfigError: `reward.function` cannot be loaded; the message names the setting.
+    """
+    n = rw.sandbox_workers if workers is None else workers
+    try:
+        scorer = make_scorer(rw.verifier, timeout_s=rw.timeout_s, workers=n, function=rw.function)
+    except RewardFunctionError as exc:  # malformed; caught before any process starts
+        raise ConfigError(str(exc)) from None
+    if rw.function is None or not isinstance(scorer, SandboxPool):
+        return scorer
+    log.info("scoring with reward.function=%r (reward.verifier is not used)", rw.function)
+    try:
+        scorer.wait_ready()
+    except WorkerStartError as exc:
+        scorer.close()
+        message = str(exc)
+        if "reward.function" not in message:
+            message = f"reward.function={rw.function!r}: {message}"
+        raise ConfigError(message) from None
+    return scorer
+
+
+def check_reward_function(cfg: DapoConfig) -> None:
+    """Load `reward.function` once in a throw-away sandbox worker (nothing when it is unset).
+
+    Raises:
+        ConfigError: it cannot be loaded; the message names the setting and what is wrong.
+    """
+    if cfg.reward.function is not None:
+        open_scorer(cfg.reward, workers=1).close()
+
+
+class MetricMeans:
+    """Running means of the `metrics` a `reward.function` returns, by name."""
+
+    def __init__(self) -> None:
+        self.sums: defaultdict[str, float] = defaultdict(float)
+        self.counts: defaultdict[str, int] = defaultdict(int)
+
+    def add(self, results: list[VerifyResult]) -> None:
+        for result in results:
+            for name, value in result.metrics.items():
+                self.sums[name] += value
+                self.counts[name] += 1
+
+    def means(self) -> dict[str, float]:
+        return {name: self.sums[name] / self.counts[name] for name in sorted(self.sums)}
+
+
 class RewardWorker:
     def __init__(self, cfg: DapoConfig, bus: StreamBus, tokenizer: Any) -> None:
         self.cfg, self.bus, self.tokenizer = cfg, bus, tokenizer
-        rw = cfg.reward
-        self.scorer = make_scorer(rw.verifier, timeout_s=rw.timeout_s, workers=rw.sandbox_workers)
+        self.scorer = open_scorer(cfg.reward)
         self.groups = 0
         self.timeouts = 0
+        self.unverified = 0
+        self.metrics = MetricMeans()
 
     def status(self) -> dict[str, Any]:
-        return {"groups": self.groups, "timeouts": self.timeouts}
+        return {
+            "groups": self.groups,
+            "timeouts": self.timeouts,
+            "unverified": self.unverified,
+            "metrics": self.metrics.means(),
+        }
 
     def handle(self, entries: list[Entry]) -> None:
         stage = self.bus.keys.rollouts
@@ -56,7 +125,9 @@ class RewardWorker:
                     f"rollout.max_response_len={max_len} (services running with different configs?)",
                 )
                 continue
-            score_group(group, self.tokenizer, self.scorer, self.cfg)
+            results = score_group(group, self.tokenizer, self.scorer, self.cfg)
+            self.metrics.add(results)
+            self.unverified += sum(r.reason is not None for r in results)
             self.timeouts += group.reward_timeouts
             if group.reward_timeouts:
                 self.bus.incr(Counter.REWARD_TIMEOUTS, group.reward_timeouts)
@@ -65,11 +136,18 @@ class RewardWorker:
             )
 
 
-def score_group(group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoConfig) -> None:
-    """Fill in a group's scores, accuracies, predictions and shaped rewards (in place)."""
+def score_group(
+    group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoConfig
+) -> list[VerifyResult]:
+    """Fill in a group's scores, accuracies, predictions and shaped rewards (in place).
+
+    Returns the verifier's results, one per response (for their reasons and metrics).
+    """
     ov, max_len = cfg.reward.overlong, cfg.rollout.max_response_len
     texts = tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
-    results = scorer.score_many([(t, group.job.ground_truth) for t in texts])
+    results = scorer.score_many(
+        [(t, group.job.ground_truth) for t in texts], [group.job.extra_info] * len(texts)
+    )
     group.scores = [r.score for r in results]
     group.acc = [r.acc for r in results]
     group.preds = [r.pred for r in results]
@@ -88,13 +166,14 @@ def score_group(group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoCo
         resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
     group.reward_timeouts = sum(r.timeout for r in results)
     unverified = [r.reason for r in results if r.reason is not None]
-    if unverified:  # pred says only "[ERROR]"; the reason (an over-long ground truth...) goes here
+    if unverified:  # pred says only "[ERROR]" / "[TIMEOUT]"; the reason goes here
         log.warning(
             "group %s: %d responses not verified: %s",
             group.job.group_id,
             len(unverified),
             "; ".join(sorted(set(unverified))),
         )
+    return results
 
 
 def main(cfg: DapoConfig) -> int:

@@ -55,8 +55,11 @@ def tail(text: str, n_chars: int) -> str:
     return clean_text(text[-n_chars:])
 
 
-def ground_truth_text(ground_truth: str | int) -> str:
-    """Return ``ground_truth`` as cleaned text (integers via ``str``).
+def ground_truth_text(ground_truth: str | int, *, clean: bool = True) -> str:
+    """Return ``ground_truth`` as text (integers via ``str``), cleaned unless ``clean=False``.
+
+    ``clean=False`` is for the "dapo-reference" verifier, which compares the raw text as the
+    reference does (a NUL byte is part of the value there); the length cap applies either way.
 
     Raises:
         GroundTruthTooLong: it is longer than ``GROUND_TRUTH_MAX_CHARS`` characters.
@@ -72,4 +75,4 @@ def ground_truth_text(ground_truth: str | int) -> str:
             f"ground truth is {len(text)} characters long, over "
             f"GROUND_TRUTH_MAX_CHARS={GROUND_TRUTH_MAX_CHARS}"
         )
-    return clean_text(text)
+    return clean_text(text) if clean else text

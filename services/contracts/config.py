@@ -12,6 +12,7 @@ reference 32B run; see docs/algorithm.md section 7) where there is one.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -23,11 +24,14 @@ from pydantic import (
     Field,
     ValidationError,
     field_serializer,
+    field_validator,
     model_validator,
 )
 
+from services.contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
+
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-Verifier = Literal["dapo", "strict-box", "math-verify"]
+Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -78,11 +82,42 @@ class TinyModelSpec(_Section):
 
 class ModelConfig(_Section):
     path: str
-    """Hugging Face model directory (weights + config + tokenizer). Nothing is downloaded."""
+    """The base model: a local Hugging Face model directory (safetensors weights + config +
+    tokenizer), or a Hugging Face Hub model written `hf://OWNER/NAME` (`hf://Qwen/Qwen2.5-7B`; the
+    scheme of `data.train_path`, so a missing local directory is never mistaken for a model
+    id). `dapo run` downloads a Hub model once, before any service starts, into the Hugging Face
+    cache (`HF_HOME`, by default `~/.cache/huggingface`; safetensors, config and tokenizer files
+    only), then hands every service the local snapshot directory with `HF_HUB_OFFLINE=1`, so no
+    service downloads anything. A service started on its own (docker-compose, Kubernetes) needs
+    a local directory: download the model into the shared volume first
+    (`huggingface-cli download OWNER/NAME --local-dir DIR`)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit hash) of an `hf://` model; None = the default
+    branch. A commit hash makes the run's base model reproducible."""
     build_tiny: TinyModelSpec | None = None
     """If set and `path` does not exist, build a tiny Qwen2 model there (the CPU demo)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for generation; the learner keeps fp32 master weights."""
+    """Serving dtype: the rollout engines' weights and KV cache, and the dtype in which the learner
+    broadcasts each new policy version to them (half the bytes of fp32 in bf16). The learner
+    keeps fp32 master weights and optimizer state whatever this says (its compute dtype is
+    `learner.mixed_precision`). The paper's GPU runs: bfloat16; CPU: float32."""
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        model_hub_id(value)  # a malformed hf:// id fails here, not in a service
+        return value
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelConfig:
+        if self.build_tiny is not None and self.hub_id is not None:
+            raise ValueError(f"model.build_tiny builds a local model: model.path={self.path!r} must be a directory")
+        return self
+
+    @property
+    def hub_id(self) -> str | None:
+        """`OWNER/NAME` when `path` is an `hf://` model, else None (a local directory)."""
+        return model_hub_id(self.path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,15 +136,65 @@ class SynthDataSpec(_Section):
 
 class DataConfig(_Section):
     train_path: str
-    """Parquet or JSON-lines file of DAPO-Math-17K-style rows."""
+    """Training prompts: a .parquet, .jsonl or .json file, a directory written by `datasets`
+    `save_to_disk`, or a Hugging Face Hub dataset `hf://OWNER/NAME[?split=SPLIT&name=CONFIG]`
+    (split defaults to train; these two need the `data` extra). Rows in the verl /
+    DAPO-Math-17K format or with flat columns (README "Your own data"). The presets read
+    data/dapo-math-17k.parquet, which `dapo data fetch dapo-math-17k` writes."""
     eval_path: str | None = None
-    """AIME-style eval set (paper: AIME 2024, 30 problems). None disables evaluation."""
+    """Eval set, from any source `train_path` takes (paper: AIME 2024, 30 problems; `dapo data
+    fetch aime-2024`). Duplicate rows are merged. None disables evaluation."""
+    prompt_key: str | None = None
+    """Column holding the prompt: chat messages (verl format) or plain text (one user message).
+    None = per row, the first of `prompt`, `problem`, `question` it has. Applies to both sets."""
+    answer_key: str | None = None
+    """Column holding the verifier's ground truth; a dotted path reads inside an object column.
+    None = per row, `reward_model.ground_truth`, then `answer`. A GSM8K-style answer (a worked
+    solution whose last line is `#### 42`) yields `42`. Applies to both sets."""
+    extra_keys: tuple[str, ...] = ()
+    """Columns copied into each prompt's `extra_info` (e.g. `level`); every row must have them."""
+    prompt_template: str | None = None
+    """Wraps plain-text prompts so the policy is told the answer format: `{problem}` is replaced
+    by the text; `dapo` = DAPO-Math-17K's instruction, whose `Answer:` line the `dapo` verifier
+    reads. Chat-message prompts are never wrapped. None = the text alone."""
     synth: SynthDataSpec | None = None
     """If set, missing train/eval files are generated with this spec."""
     max_prompt_len: PositiveInt = 2048
     """Prompt tokens; longer prompts are left-truncated (paper: 2048)."""
     shuffle: bool = True
     seed: int = 0
+
+    @field_validator("train_path", "eval_path")
+    @classmethod
+    def _check_source(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_hub_id(value)  # a malformed hf:// id fails here, not in the learner
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, value: str | None) -> str | None:
+        if value is not None and value != "dapo" and "{problem}" not in value:
+            raise ValueError("must contain '{problem}' (where the text goes) or be 'dapo'")
+        return value
+
+    @field_validator("prompt_key", "answer_key", "extra_keys")
+    @classmethod
+    def _check_keys(cls, value: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+        keys = (value,) if isinstance(value, str) else value or ()
+        ColumnMap(extra_keys=keys)  # rejects an empty key or an empty dotted part
+        return value
+
+    @property
+    def columns(self) -> ColumnMap:
+        """The column mapping `services.contracts.data` reads both sets with."""
+        template = DAPO_PROMPT_TEMPLATE if self.prompt_template == "dapo" else self.prompt_template
+        return ColumnMap(
+            prompt_key=self.prompt_key,
+            answer_key=self.answer_key,
+            extra_keys=self.extra_keys,
+            prompt_template=template,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,12 +244,33 @@ class OverlongConfig(_Section):
 
 
 class RewardConfig(_Section):
-    verifier: Verifier = "dapo"
-    """`dapo` (Answer: line, Minerva normalisation), `strict-box`, or `math-verify`."""
+    verifier: Verifier = "dapo-reference"
+    """`dapo-reference` (the reference code's Answer: line rule, quirks included: the one whose
+    numbers compare with the paper's), `dapo-strict` (the same rule with three deliberate
+    departures, listed in `reward.rules.verify_dapo_strict`; `dapo` is its alias, kept so
+    older configs score as before), `strict-box`, or `math-verify`."""
+    function: str | None = None
+    """Your own reward instead of the verifier: `package.module:function` or
+    `path/to/file.py:function`, called as f(response, ground_truth, extra_info) and returning
+    `reward.RewardOutput(score, acc, pred, metrics)` or a dict of those keys (`reward.custom`
+    documents it). Runs in the sandbox workers under `timeout_s`; one that cannot be loaded
+    stops `dapo run` and `dapo reward` at start. None = the verifier."""
     timeout_s: float = Field(5.0, gt=0)
-    """Hard per-response limit for the math-verify sandbox; a timeout scores -1 and is counted."""
+    """Hard per-response limit for the sandbox workers (math-verify or `function`); a timeout
+    scores -1 and is counted."""
     sandbox_workers: PositiveInt = 2
+    """Killable worker processes of math-verify or `function`."""
     overlong: OverlongConfig = OverlongConfig()
+
+    @field_validator("function")
+    @classmethod
+    def _check_function(cls, value: str | None) -> str | None:
+        # Form only: loading runs the user's code, which the reward service does in a sandbox.
+        if value is not None:
+            location, colon, name = value.rpartition(":")
+            if not colon or not location.strip() or not name.strip():
+                raise ValueError("expected 'package.module:function' or 'path/to/file.py:function'")
+        return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,7 +432,14 @@ class TrackingConfig(_Section):
     tensorboard: bool = True
     """Write per-step metrics as TensorBoard event files under `<output_dir>/tensorboard`."""
     wandb_project: str | None = None
-    """Also log to Weights & Biases under this project (needs `wandb` installed and logged in)."""
+    """Also log to Weights & Biases under this project (`pip install '.[wandb]'`, and
+    `WANDB_API_KEY` in the environment or `wandb login`)."""
+    log_completions_every: Annotated[int, Field(ge=0)] = 10
+    """Every N training steps, log a sample of the step's completions (prompt, response, reward)
+    as a text table (TensorBoard's Text tab, a W&B table); 0 = never."""
+    completions_per_log: PositiveInt = 4
+    """Completions in each sample, one per group, taken from different groups where there are
+    enough."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,6 +569,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoCon
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping, got {type(tree).__name__}")
     return build_config(tree, overrides, source=str(path))
+
+
+_HUB_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def model_hub_id(path: str) -> str | None:
+    """`OWNER/NAME` of a model path written `hf://OWNER/NAME`; None for any other path.
+
+    Raises:
+        ValueError: an `hf://` path that is not a Hub model id.
+    """
+    if not path.startswith(HUB_SCHEME):
+        return None
+    repo_id = path.removeprefix(HUB_SCHEME)
+    if not _HUB_MODEL_ID.fullmatch(repo_id) or ".." in repo_id or repo_id.endswith((".", "-")):
+        raise ValueError(f"{path}: expected hf://OWNER/NAME (a Hugging Face Hub model id)")
+    return repo_id
 
 
 def redact_url(url: str) -> str:

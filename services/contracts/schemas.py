@@ -22,7 +22,7 @@ import math
 from array import array
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
 SCHEMA_VERSION = 3
 """2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
@@ -74,6 +74,17 @@ class PromptJob(_Msg):
     issued_at: float
     eval: EvalTag | None = None
     """Set on evaluation jobs only."""
+    extra_info: dict[str, JsonValue] = Field(default_factory=dict)
+    """The data row's `extra_info`, for a `reward.function` (training and evaluation jobs).
+    Optional with a default, so jobs encoded before it existed still decode.
+    Values JSON cannot hold (a parquet timestamp, say) travel as their `str()`."""
+
+    @field_validator("extra_info", mode="before")
+    @classmethod
+    def _json_safe(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return json.loads(json.dumps(value, default=str))
+        return value
 
 
 class Response(_Msg):

@@ -9,6 +9,7 @@
     dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
     dapo status     --config FILE [--json]                             the run's status as a table
     dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
+    dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k, aime-2024, ...
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
 config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
@@ -107,6 +108,20 @@ def _cmd_data_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_fetch(args: argparse.Namespace) -> int:
+    from services.contracts.data import DataError
+    from services.shell.data_fetch import fetch
+
+    try:
+        for name in args.names:
+            for path in fetch(name, args.out):
+                log.info("wrote %s", path)
+    except DataError as exc:
+        sys.stderr.write(f"dapo data fetch: {exc}\n")
+        return 1
+    return 0
+
+
 def _service_parser(sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = sub.add_parser(name, help=help_, description=help_)
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
@@ -152,6 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(fn=_cmd_data_synth)
+    from services.shell.data_fetch import describe
+
+    fetch = dsub.add_parser(
+        "fetch",
+        help="download public prompt sets from the Hugging Face Hub as verl-format parquet",
+        description="Download public prompt sets and write them as verl-format parquet files\n"
+        "(duplicates merged) where the presets look for them. Known sets:\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fetch.add_argument("names", nargs="+", metavar="NAME", help="a known set (see above)")
+    fetch.add_argument("--out", default="data", help="output directory (default: data, as in configs/)")
+    fetch.set_defaults(fn=_cmd_data_fetch)
     return parser
 
 

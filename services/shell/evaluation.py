@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from reward.verifiers import make_scorer
+from reward.service import open_scorer
 from rollout.engine import Engine
 from services.contracts.config import DapoConfig
 from services.contracts.data import PromptRecord, encode_prompt, load_eval_problems
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def eval_prompts(cfg: DapoConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[list[int]]]:
     if not cfg.data.eval_path:
         return [], []
-    records = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems)
+    records = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns)
     return records, [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in records]
 
 
@@ -37,7 +37,7 @@ def evaluate(
     if not records:
         return {}
     k, start = cfg.eval.samples_per_problem, time.monotonic()
-    scorer = make_scorer(cfg.reward.verifier, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.sandbox_workers)
+    scorer = open_scorer(cfg.reward)  # the verifier, or reward.function
     correct = lengths = total = 0
     try:
         for lo in range(0, len(prompts), batch):
@@ -47,7 +47,7 @@ def evaluate(
             )
             for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
                 texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-                results = scorer.score_many([(t, rec.ground_truth) for t in texts])
+                results = scorer.score_many([(t, rec.ground_truth) for t in texts], [rec.extra_info] * len(texts))
                 correct += sum(r.acc for r in results)
                 lengths += sum(len(s.token_ids) for s in samples)
                 total += len(samples)

@@ -1,11 +1,15 @@
 """`dapo run`: the whole system on one machine, every service its own OS process.
 
-Prepares what the config asks for (synthetic data, the tiny base model), starts an embedded
+Prepares what the config asks for (synthetic data, the tiny base model, or the download of an
+`hf://` model into the Hugging Face cache, once, so that no service downloads), starts an embedded
 redis-server when no URL is configured, then the learner (under torchrun when
 `learner.nproc > 1`), the gatekeeper, a reward worker and `rollout.replicas` rollout replicas,
 exactly as docker-compose or Kubernetes would start them. It supervises them (a service that
 dies is restarted with back-off, a bounded number of times), shows a live progress line, stops
 everything cleanly at the end or on Ctrl-C, and writes `<output_dir>/summary.json`.
+
+The services' output goes to their log files under `<output_dir>/logs`, never to this console;
+the console shows this process's own log lines, each once, and the progress line.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import redis
+from tqdm import tqdm
 
+from reward.service import check_reward_function
 from services.contracts.bus import StreamBus, open_bus
-from services.contracts.config import DapoConfig, dump_config
+from services.contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
 from services.contracts.keys import RunField, restarts_counter
 from services.contracts.runtime import instance_id
 from services.shell.capacity import ModelShape, budget
@@ -36,6 +44,12 @@ from services.shell.plots import write_curves_svg
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+"""What a Hub download fetches: config, generation config, safetensors weights and tokenizer
+files. Repositories often hold the same weights again as PyTorch pickles (`*.bin`, `*.pth`) or
+GGUF files; nothing here loads those (no pickles, ARCHITECTURE.md), so they are not downloaded."""
+RATE_WINDOW_S = 120.0
+"""The progress line's steps/s is measured over the steps of about the last two minutes."""
 
 
 @dataclass
@@ -75,33 +89,104 @@ class Service:
             return False
 
 
-def prepare(cfg: DapoConfig, progress: Any = None) -> None:
-    """Create the synthetic data and the tiny base model if the config asks for them."""
+@dataclass(frozen=True)
+class Prepared:
+    """What the services start from once `prepare` ran."""
+
+    cfg: DapoConfig
+    """The run's config with `model.path` a local directory (a Hub model's snapshot in the cache)."""
+    env: dict[str, str]
+    """Environment the services get on top of this process's."""
+
+
+def prepare(cfg: DapoConfig, *, download: Callable[..., str] | None = None) -> Prepared:
+    """Create the synthetic data and the tiny base model if the config asks for them, check that
+    a local model exists, or download an `hf://` model (`download`:
+    `huggingface_hub.snapshot_download` unless injected).
+
+    Build progress is logged (once: the console shows this process's log lines)."""
+    _prepare_data(cfg)
+    if cfg.model.hub_id is None:
+        _local_model(cfg)
+        return Prepared(cfg, {})
+    local = fetch_model(cfg, download)
+    model = cfg.model.model_copy(update={"path": local})
+    # Every service now reads the same files from the cache; offline, none of them can start a
+    # second download (or ask the Hub whether the id moved) if a library looks the id up again.
+    return Prepared(cfg.model_copy(update={"model": model}), {"HF_HUB_OFFLINE": "1"})
+
+
+def _local_model(cfg: DapoConfig) -> None:
+    """Build the tiny base model if the config asks for it and it is not there yet; otherwise
+    the model directory must exist (a ConfigError now, not one in every service later)."""
+    spec, path = cfg.model.build_tiny, Path(cfg.model.path).expanduser()
+    if spec is not None and not (path / "config.json").exists():
+        _build_tiny(cfg, spec)
+    elif not path.is_dir():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: no such model directory (a Hugging Face Hub model is written hf://OWNER/NAME)"
+        )
+
+
+def fetch_model(cfg: DapoConfig, download: Callable[..., str] | None = None) -> str:
+    """The local snapshot directory of an `hf://OWNER/NAME` `model.path`, downloaded into the
+    Hugging Face cache (`HF_HOME`) if it is not there yet. A path that is neither a directory nor
+    `hf://` is a ConfigError, as is a failed download (the error says which)."""
+    path, repo_id, revision = cfg.model.path, cfg.model.hub_id, cfg.model.revision
+    if repo_id is None:
+        raise ConfigError(f"model.path={path!r} is not an hf://OWNER/NAME model")
+    download = download or _hub_download
+    log.info("fetching %s%s from the Hugging Face Hub into its cache (once; services read it offline)",
+             repo_id, f"@{revision}" if revision else "")
+    try:
+        local = str(download(repo_id=repo_id, revision=revision, allow_patterns=MODEL_FILES))
+    except (OSError, ValueError) as exc:  # the Hub's errors: not found, gated, offline, network
+        raise ConfigError(
+            f"model.path={path!r}: downloading {repo_id} (revision {revision or 'default'}) from the Hugging "
+            f"Face Hub failed ({type(exc).__name__}: {exc}). Check the id and model.revision, the network, "
+            "and for a gated model HF_TOKEN"
+        ) from None
+    if not (Path(local) / "config.json").exists():
+        raise ConfigError(f"model.path={path!r}: the Hub snapshot {local} has no config.json (not a transformers model)")
+    log.info("model %s is in %s", path, local)
+    return local
+
+
+def _hub_download(**kwargs: Any) -> str:
+    from huggingface_hub import snapshot_download
+
+    return str(snapshot_download(**kwargs))
+
+
+def _prepare_data(cfg: DapoConfig) -> None:
     from services.contracts.data import write_rows
     from services.demo.synthetic import synth_rows
 
     d = cfg.data
-    if d.synth is not None:
-        if not Path(d.train_path).exists():
-            write_rows(d.train_path, synth_rows(d.synth.num_train, difficulty=d.synth.difficulty, seed=d.seed, template=d.synth.template))
-        if d.eval_path and not Path(d.eval_path).exists():
-            write_rows(d.eval_path, synth_rows(d.synth.num_eval, difficulty=d.synth.difficulty, seed=d.seed + 1_000_003, template=d.synth.template, start_index=10_000_000))
-    spec = cfg.model.build_tiny
-    if spec is not None and not (Path(cfg.model.path) / "config.json").exists():
-        from services.contracts.data import load_prompts
-        from services.demo.tiny_base import ensure_tiny_base
+    if d.synth is None:
+        return
+    if not Path(d.train_path).exists():
+        write_rows(d.train_path, synth_rows(d.synth.num_train, difficulty=d.synth.difficulty, seed=d.seed, template=d.synth.template))
+    if d.eval_path and not Path(d.eval_path).exists():
+        write_rows(d.eval_path, synth_rows(d.synth.num_eval, difficulty=d.synth.difficulty, seed=d.seed + 1_000_003, template=d.synth.template, start_index=10_000_000))
 
-        log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
-        train = [_as_row(r) for r in load_prompts(d.train_path)[:20000]]
-        evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path)[:128]]
-        info = ensure_tiny_base(
-            Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
-            batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, eval_every=spec.sft_eval_every,
-            progress=progress, vocab_size=spec.vocab_size,
-            model_kwargs={"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "num_heads": spec.num_heads,
-                          "num_kv_heads": spec.num_heads, "intermediate_size": spec.intermediate_size},
-        )
-        log.info("tiny base model ready: %s", info)
+
+def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
+    from services.contracts.data import load_prompts
+    from services.demo.tiny_base import ensure_tiny_base
+
+    d = cfg.data
+    log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
+    train = [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:20000]]
+    evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path, columns=d.columns)[:128]]
+    info = ensure_tiny_base(
+        Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
+        batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, eval_every=spec.sft_eval_every,
+        vocab_size=spec.vocab_size,
+        model_kwargs={"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "num_heads": spec.num_heads,
+                      "num_kv_heads": spec.num_heads, "intermediate_size": spec.intermediate_size},
+    )
+    log.info("tiny base model ready: %s", info)
 
 
 def _as_row(rec: Any) -> dict[str, Any]:
@@ -112,13 +197,25 @@ def _as_row(rec: Any) -> dict[str, Any]:
 
 
 class Progress:
-    """One live line: step, reward, eval accuracy, pass rate, version lag, ledger."""
+    """One live line: step, pace (steps/s and the time left, as tqdm formats them), reward, eval
+    accuracy, pass rate, version lag, ledger. On a terminal it is redrawn in place every poll,
+    otherwise written as a new line every 10 s; `quiet` writes nothing.
 
-    def __init__(self, bus: StreamBus, total_steps: int, quiet: bool) -> None:
-        self.bus, self.total, self.quiet = bus, total_steps, quiet
-        self.tty = sys.stderr.isatty()
-        self.last_print = 0.0
-        self.last_eval = float("nan")
+    The pace counts training steps only: the time left leaves out the final evaluation and the
+    drain at the end of the run. It is measured between steps, so a pause (or a stalled learner)
+    shows only when the next step comes, as a slower rate."""
+
+    def __init__(self, bus: StreamBus, total_steps: int, quiet: bool, *, clock: Callable[[], float] = time.monotonic,
+                 stream: TextIO | None = None) -> None:
+        self.bus, self.total, self.quiet, self.clock = bus, total_steps, quiet, clock
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.last_print = -float("inf")
+        self.last_step: int | None = None
+        self.seen: deque[tuple[float, int]] = deque()
+        """(when first seen, step) of the steps reached while watching, within about
+        RATE_WINDOW_S, oldest first. The step shown at start is not among them: the time before
+        the next one holds start-up and the base evaluation, not a training step."""
 
     def line(self) -> str:
         state = self.bus.learner_state()
@@ -126,31 +223,54 @@ class Progress:
         evals = self.bus.eval_history()
         acc = f"{evals[-1][1]:.3f}" if evals else "-"
         led = self.bus.ledger()
+        raw = state.get("step", "0")
+        step = int(raw) if raw.isdigit() else 0  # Redis values are parsed defensively
         return (
-            f"step {state.get('step', 0)}/{self.total} [{state.get('state', 'starting')}] "
+            f"step {step}/{self.total} [{state.get('state', 'starting')}] {self.pace(step)} "
             f"reward {m.get('critic/rewards/mean', float('nan')):.3f} acc {m.get('rollout/acc_mean', float('nan')):.3f} "
             f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
             f"| issued {led.issued} trained {led.trained} filtered {led.filtered} stale {led.stale} evaluated {led.evaluated}/{led.eval_issued} in-flight {led.in_flight}"
         )
 
+    def pace(self, step: int) -> str:
+        """`1.52step/s eta 03:07` (`12.40s/step` when slower than a step a second), measured
+        between the steps reached in about the last RATE_WINDOW_S; `?step/s eta ?` until two
+        steps were reached while watching."""
+        now = self.clock()
+        last, self.last_step = self.last_step, step
+        if last is not None and step < last:  # an operator restore went back: measure afresh
+            self.seen.clear()
+        elif last is not None and step > last:
+            self.seen.append((now, step))
+        while len(self.seen) > 2 and now - self.seen[1][0] > RATE_WINDOW_S:
+            self.seen.popleft()
+        if len(self.seen) < 2:
+            return "?step/s eta ?"
+        (t0, s0), (t1, s1) = self.seen[0], self.seen[-1]
+        if t1 <= t0:
+            return "?step/s eta ?"
+        pace = tqdm.format_meter(s1, self.total, t1 - t0, unit="step", rate=(s1 - s0) / (t1 - t0),
+                                 bar_format="{rate_fmt} eta {remaining}")
+        return str(pace).strip()
+
     def show(self) -> None:
         if self.quiet:
             return
-        now = time.monotonic()
+        now = self.clock()
         try:
             text = self.line()
         except redis.RedisError:
             return
         if self.tty:
-            sys.stderr.write("\r\x1b[2K" + text)
-            sys.stderr.flush()
+            self.stream.write("\r\x1b[2K" + text)
+            self.stream.flush()
         elif now - self.last_print > 10:
-            sys.stderr.write(text + "\n")
+            self.stream.write(text + "\n")
             self.last_print = now
 
     def close(self) -> None:
         if self.tty and not self.quiet:
-            sys.stderr.write("\n")
+            self.stream.write("\n")
 
 
 def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> list[Service]:
@@ -238,11 +358,13 @@ def run_local(
     if dry_run:
         sys.stdout.write(placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n")
         return 0
+    check_reward_function(cfg)  # a reward.function that cannot be loaded fails before anything starts
     started = time.monotonic()
     out = Path(cfg.output_dir)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    prepare(cfg, progress=None if quiet else (lambda msg: sys.stderr.write(f"  {msg}\n")))
+    prepared = prepare(cfg)
+    cfg = prepared.cfg  # model.path: a local directory from here on
     config_path = out / "config.yaml"
     # The services read the Redis URL (and its credentials) from their environment, never from
     # a file: the config they are given has none.
@@ -253,7 +375,7 @@ def run_local(
     if url is None:
         server = RedisServer(out / "redis", appendonly=True, password=secrets.token_urlsafe(24)).start()
         url = server.url
-    env = {**os.environ, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **prepared.env, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
     bus.check_memory_policy()

@@ -116,7 +116,13 @@ def test_math_verify_through_the_cli() -> None:
     assert proc.returncode == 1, proc.stderr.decode()
     records = output_records(proc)
     assert records[0] == {"score": 1.0, "acc": True, "pred": "0.5", "timeout": False}
-    assert records[1] == {"score": -1.0, "acc": False, "pred": "[TIMEOUT]", "timeout": True}
+    assert records[1] == {
+        "score": -1.0,
+        "acc": False,
+        "pred": "[TIMEOUT]",
+        "timeout": True,
+        "reason": "math-verify ran past the 1 s timeout",
+    }
     assert records[2]["error"].startswith("line 3: invalid JSON")
     assert records[3]["acc"] is True
 

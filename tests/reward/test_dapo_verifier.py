@@ -1,10 +1,13 @@
-"""The default "dapo" verifier (docs/algorithm.md s1): answer extraction and Minerva normalisation."""
+"""The "dapo-strict" verifier (alias "dapo"; docs/algorithm.md s1): extraction and Minerva normalisation.
+
+Its departures from the reference rule are checked case by case in test_dapo_reference.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from reward import VerifyResult, normalize_answer, verify_dapo
+from reward import VerifyResult, normalize_answer, verify_dapo_reference, verify_dapo_strict
 
 FILLER = "x" * 400  # longer than the 300-character window
 
@@ -63,36 +66,36 @@ FILLER = "x" * 400  # longer than the 300-character window
     ],
 )
 def test_dapo_table(response: str, ground_truth: str | int, acc: bool, pred: str) -> None:
-    result = verify_dapo(response, ground_truth)
+    result = verify_dapo_strict(response, ground_truth)
     assert result == VerifyResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
 
 
 def test_only_the_last_300_characters_are_seen() -> None:
     inside = "Answer: 42\n" + "y" * (300 - len("Answer: 42\n"))
     assert len(inside) == 300
-    assert verify_dapo("z" * 1000 + inside, 42).acc
+    assert verify_dapo_strict("z" * 1000 + inside, 42).acc
     # One more character pushes the "A" of "Answer" out of the window.
     outside = "Answer: 42\n" + "y" * (301 - len("Answer: 42\n"))
-    assert verify_dapo(outside, 42).pred == "[INVALID]"
-    assert verify_dapo("Answer: 42\n" + FILLER, 42).pred == "[INVALID]"
+    assert verify_dapo_strict(outside, 42).pred == "[INVALID]"
+    assert verify_dapo_strict("Answer: 42\n" + FILLER, 42).pred == "[INVALID]"
 
 
 def test_an_answer_outside_the_window_does_not_shadow_the_last_one() -> None:
     response = "Answer: 1\n" + FILLER + "\nAnswer: 42"
-    assert verify_dapo(response, 42).acc
+    assert verify_dapo_strict(response, 42).acc
 
 
 def test_integer_ground_truth_equals_its_string() -> None:
-    assert verify_dapo("Answer: 17", 17) == verify_dapo("Answer: 17", "17")
+    assert verify_dapo_strict("Answer: 17", 17) == verify_dapo_strict("Answer: 17", "17")
 
 
 def test_invalid_never_matches_a_ground_truth_spelled_invalid() -> None:
-    assert not verify_dapo("no answer", "[INVALID]").acc
+    assert not verify_dapo_strict("no answer", "[INVALID]").acc
 
 
-def test_reference_period_behaviour_is_an_option() -> None:
-    assert verify_dapo("Answer: 42.", 42).acc
-    assert not verify_dapo("Answer: 42.", 42, strip_period=False).acc
+def test_a_trailing_period_is_a_departure_from_the_reference() -> None:
+    assert verify_dapo_strict("Answer: 42.", 42).acc
+    assert not verify_dapo_reference("Answer: 42.", 42).acc
 
 
 @pytest.mark.parametrize(
@@ -106,18 +109,18 @@ def test_reference_period_behaviour_is_an_option() -> None:
     ],
 )
 def test_surrogates_and_nul_bytes_never_crash(response: str) -> None:
-    result = verify_dapo(response, 42)
+    result = verify_dapo_strict(response, 42)
     assert result.score in (1.0, -1.0)
     result.pred.encode("utf-8")  # always encodable
 
 
 def test_nul_bytes_are_dropped_and_lone_surrogates_replaced() -> None:
-    assert verify_dapo("Answer: 4\x002", 42).acc
-    assert verify_dapo("Answer: 42 \ud800", 42).pred == "42\ufffd"
+    assert verify_dapo_strict("Answer: 4\x002", 42).acc
+    assert verify_dapo_strict("Answer: 42 \ud800", 42).pred == "42\ufffd"
 
 
 def test_one_megabyte_is_cheap_and_correct() -> None:
-    assert verify_dapo("Answer: 1\n" * 100_000 + "Answer: 42", 42).acc
+    assert verify_dapo_strict("Answer: 1\n" * 100_000 + "Answer: 42", 42).acc
 
 
 @pytest.mark.parametrize(

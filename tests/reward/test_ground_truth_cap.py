@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reward import VerifyResult, verify_dapo, verify_strict_box
+from reward import VerifyResult, verify_dapo_reference, verify_dapo_strict, verify_strict_box
 from reward.text import GROUND_TRUTH_MAX_CHARS, GroundTruthTooLong, ground_truth_text
 from reward.verifiers import VerifyFn
 
@@ -26,7 +26,11 @@ def test_the_cap_is_1024_characters() -> None:
 
 @pytest.mark.parametrize(
     ("verify", "response"),
-    [(verify_dapo, "Answer: 7"), (verify_strict_box, "\\boxed{7}")],
+    [
+        (verify_dapo_strict, "Answer: 7"),
+        (verify_dapo_reference, "Answer: 7"),
+        (verify_strict_box, "\\boxed{7}"),
+    ],
 )
 def test_in_process_verifiers_refuse_an_over_long_ground_truth(
     verify: VerifyFn, response: str
@@ -40,7 +44,7 @@ def test_in_process_verifiers_refuse_an_over_long_ground_truth(
 
 def test_a_huge_integer_ground_truth_is_refused_without_converting_it() -> None:
     # str() of this integer raises ValueError (Python's 4300-digit limit); it must not be reached.
-    result = verify_dapo("Answer: 1", 10**5000)
+    result = verify_dapo_strict("Answer: 1", 10**5000)
     assert (result.pred, result.score) == ("[ERROR]", -1.0)
     assert (
         result.reason

@@ -149,7 +149,13 @@ def test_no_answer_is_invalid(pool: MathVerifyPool) -> None:
 def test_power_tower_times_out_and_is_counted(pool: MathVerifyPool) -> None:
     before_timeouts, before_pids = pool.timeouts, set(pool.pids)
     result, elapsed = _timed(pool, POWER_TOWER, 42)
-    assert result == VerifyResult(score=-1.0, acc=False, pred="[TIMEOUT]", timeout=True)
+    assert result == VerifyResult(
+        score=-1.0,
+        acc=False,
+        pred="[TIMEOUT]",
+        timeout=True,
+        reason="math-verify ran past the 1 s timeout",
+    )
     assert elapsed < TIMEOUT_S + 2.0
     assert pool.timeouts == before_timeouts + 1
     killed = before_pids - set(pool.pids)
@@ -181,7 +187,13 @@ def test_tiny_timeout_on_expensive_input() -> None:
         tiny.wait_ready()
         before = tiny.pids
         result = tiny.verify(POWER_TOWER, 1)
-        assert result == VerifyResult(score=-1.0, acc=False, pred="[TIMEOUT]", timeout=True)
+        assert (result.score, result.acc, result.pred, result.timeout) == (
+            -1.0,
+            False,
+            "[TIMEOUT]",
+            True,
+        )
+        assert result.reason == "math-verify ran past the 0.05 s timeout"
         assert tiny.timeouts == 1
         assert tiny.pids != before
 

@@ -5,42 +5,74 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
-from reward import VERIFIERS, InProcessScorer, make_scorer, verify_dapo
+from reward import (
+    VERIFIER_ALIASES,
+    VERIFIERS,
+    InProcessScorer,
+    make_scorer,
+    verify_dapo_reference,
+    verify_dapo_strict,
+)
 from reward.text import clean_text, tail
+from reward.verifiers import VerifyFn
+from services.contracts.config import RewardConfig, Verifier
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_names() -> None:
-    assert VERIFIERS == ("dapo", "strict-box", "math-verify")
+    assert VERIFIERS == ("dapo-reference", "dapo-strict", "strict-box", "math-verify")
+    assert VERIFIER_ALIASES == {"dapo": "dapo-strict"}
+
+
+def test_the_config_accepts_exactly_the_registered_names() -> None:
+    assert set(get_args(Verifier)) == {*VERIFIERS, *VERIFIER_ALIASES}
+    assert RewardConfig().verifier == VERIFIERS[0]  # the default is the reference rule
 
 
 @pytest.mark.parametrize(
     ("name", "acc"),
-    [("dapo", [True, False, False]), ("strict-box", [False, True, False])],
+    [
+        ("dapo-reference", [True, False, False, False]),
+        ("dapo-strict", [True, False, False, True]),
+        ("dapo", [True, False, False, True]),
+        ("strict-box", [False, True, False, False]),
+    ],
 )
 def test_in_process_scorers(name: str, acc: list[bool]) -> None:
     pairs: list[tuple[str, str | int]] = [
         ("Answer: 3", 3),
         ("\\boxed{3}", "3"),
         ("nothing", 3),
+        ("Answer: 3.", 3),  # a trailing period: only dapo-strict strips it
     ]
     with make_scorer(name) as scorer:
         assert isinstance(scorer, InProcessScorer)
         assert [result.acc for result in scorer.score_many(pairs)] == acc
 
 
-def test_dapo_scorer_matches_the_function() -> None:
-    scorer = make_scorer("dapo")
-    assert scorer.score_many([("Answer: 5 cm", "5")]) == [verify_dapo("Answer: 5 cm", "5")]
-    scorer.close()
+@pytest.mark.parametrize(
+    ("name", "verify"),
+    [
+        ("dapo", verify_dapo_strict),
+        ("dapo-strict", verify_dapo_strict),
+        ("dapo-reference", verify_dapo_reference),
+    ],
+)
+def test_dapo_scorers_match_their_functions(name: str, verify: VerifyFn) -> None:
+    pairs: list[tuple[str, str | int]] = [("Answer: 5 cm", "5"), ("Answer: 1,2", "12")]
+    with make_scorer(name) as scorer:
+        assert scorer.score_many(pairs) == [verify(*pair) for pair in pairs]
 
 
 def test_unknown_name_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="dapo, strict-box, math-verify"):
+    with pytest.raises(
+        ValueError, match="dapo-reference, dapo-strict, strict-box, math-verify, dapo"
+    ):
         make_scorer("sympy")
 
 

@@ -1,0 +1,90 @@
+"""Reward functions for the `reward.function` tests: one that works, and ones that misbehave.
+
+`answer_digit` is the one `tests/e2e/test_custom_reward.py` trains with: a response is right
+when it contains the last digit of the ground truth, which a tiny model hits often but not
+always, so groups keep a spread of rewards. Its scores (0.5 and -0.25) are not the built-in
+verifiers' (+1 and -1), so a run's logged rewards show which function scored them, and its
+`has_expression` metric shows whether the data row's `extra_info` reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from reward import RewardOutput
+
+RIGHT_SCORE = 0.5
+WRONG_SCORE = -0.25
+
+
+def answer_digit(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    """Right when the response contains the ground truth's last digit."""
+    digit = ground_truth.strip()[-1:]
+    acc = bool(digit) and digit in response
+    return RewardOutput(
+        score=RIGHT_SCORE if acc else WRONG_SCORE,
+        acc=acc,
+        pred=digit if acc else "",
+        metrics={
+            "response_chars": float(len(response)),
+            # The synthetic task's rows carry the sum in extra_info: 1.0 shows it arrived.
+            "has_expression": float("expression" in extra_info),
+        },
+    )
+
+
+def weighted_by_extra_info(
+    response: str, ground_truth: str, extra_info: dict[str, Any]
+) -> dict[str, Any]:
+    """A dict result whose score comes from the row's extra_info."""
+    acc = response.strip() == ground_truth
+    return {"score": float(extra_info.get("weight", 0.0)) if acc else 0.0, "acc": acc}
+
+
+def raises(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    raise ValueError(f"cannot score {response!r}")
+
+
+def hangs(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    if response == "hang":
+        time.sleep(3600)
+    return RewardOutput(score=1.0, acc=True)
+
+
+def exits(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    os._exit(3)
+
+
+def returns_text(response: str, ground_truth: str, extra_info: dict[str, Any]) -> str:
+    return "yes"
+
+
+def returns_nan(response: str, ground_truth: str, extra_info: dict[str, Any]) -> dict[str, Any]:
+    return {"score": float("nan"), "acc": False}
+
+
+def returns_unknown_key(
+    response: str, ground_truth: str, extra_info: dict[str, Any]
+) -> dict[str, Any]:
+    return {"score": 1.0, "acc": True, "bonus": 2}
+
+
+def returns_int_acc(response: str, ground_truth: str, extra_info: dict[str, Any]) -> dict[str, Any]:
+    return {"score": 1.0, "acc": 1}
+
+
+def two_arguments(response: str, ground_truth: str) -> RewardOutput:
+    return RewardOutput(score=1.0, acc=True)
+
+
+async def asynchronous(
+    response: str, ground_truth: str, extra_info: dict[str, Any]
+) -> RewardOutput:
+    await asyncio.sleep(0)
+    return RewardOutput(score=1.0, acc=True)
+
+
+NOT_CALLABLE = 42
