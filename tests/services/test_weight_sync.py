@@ -258,3 +258,9 @@ def test_buckets_can_be_planned_in_the_serving_dtype() -> None:
     [bucket] = plan_buckets(layout, bucket_mb=1, dtype="bfloat16")
     assert [p.dtype for p in bucket] == ["bfloat16", "bfloat16"]
     assert [p.dtype for p in plan_buckets(layout, bucket_mb=1)[0]] == ["float32", "float32"]
+
+
+def test_an_announcement_round_trips_without_json_too() -> None:
+    """`to_json` output handed over directly (a spawned receiver's arguments) keeps tuples."""
+    ann = Announcement(1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1), publisher="p")
+    assert Announcement.from_json(ann.to_json()) == ann

@@ -94,7 +94,7 @@ class Announcement:
     def from_json(cls, data: dict[str, Any]) -> Announcement:
         """Parse an announcement; ValueError/TypeError/KeyError when it is not one (a replica
         skips such an entry instead of joining a rendezvous it describes)."""
-        if not isinstance(data, dict) or not isinstance(data.get("replicas"), list) or not all(
+        if not isinstance(data, dict) or not isinstance(data.get("replicas"), (list, tuple)) or not all(
             isinstance(r, str) for r in data["replicas"]
         ):
             raise ValueError("an announcement is a JSON object whose replicas are a list of ids")
