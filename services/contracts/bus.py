@@ -150,6 +150,9 @@ return out
 
 OOM_PAUSE_COUNTER = Counter.REDIS_OOM_PAUSES.value
 
+BAD_VALUES_REMEMBERED = 1000
+"""Malformed (key, value) pairs a process remembers so it logs and counts each once."""
+
 DEAD_LETTER_MAXLEN = 10_000
 """Dead-letter records kept (about; trimmed approximately). Older records are dropped; every
 dead letter is still counted in the ledger and the counters."""
@@ -343,6 +346,7 @@ class StreamBus:
         self._call = client.register_script(_CALL)
         self._ledger = client.register_script(_LEDGER)
         self._renew_claims = client.register_script(_RENEW_CLAIMS)
+        self._bad_seen: set[tuple[str, bytes]] = set()  # see skip_bad_value
         self.fence: tuple[str, str, int] = ("", "", 0)
         """(lease key, token, TTL ms) once this bus writes for a lease holder (`hold_fence`);
         every write of the run state then happens only while the token is the lease's."""
@@ -444,7 +448,7 @@ class StreamBus:
             yield
         finally:
             done.set()
-            thread.join()
+            thread.join(timeout=5.0)  # a renewal stuck on an unresponsive Redis must not hold the worker
 
     def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:
         """Take over entries idle longer than min_idle_s (their consumer presumably died), and
@@ -717,14 +721,22 @@ class StreamBus:
                 if "policy_version" in info:
                     info["policy_version"] = int(info["policy_version"])
             except (ValueError, TypeError, OverflowError) as exc:
-                self.skip_bad_value(key, exc)
+                self.skip_bad_value(key, exc, raw)
                 continue
             out.append(info)
         return sorted(out, key=lambda i: (str(i.get("kind", "")), str(i.get("id", ""))))
 
-    def skip_bad_value(self, key: Any, problem: object) -> None:
-        """Log and count a value read from Redis that does not parse; the reader skips it."""
+    def skip_bad_value(self, key: Any, problem: object, raw: bytes = b"") -> None:
+        """Log and count a value read from Redis that does not parse; the reader skips it.
+
+        Each (key, value) is logged and counted once per process: readers poll (the API every
+        few seconds, the learner every step), and one planted value must not read as thousands."""
         name = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+        if (name, raw) in self._bad_seen:
+            return
+        if len(self._bad_seen) >= BAD_VALUES_REMEMBERED:
+            self._bad_seen.clear()
+        self._bad_seen.add((name, raw))
         log.warning("skipping a malformed value in Redis at %s: %s", name, problem)
         with contextlib.suppress(redis.RedisError, FencedError):  # a count is not worth failing the reader
             self.incr(Counter.BAD_REDIS_VALUES)

@@ -18,6 +18,7 @@ from services.contracts.bus import StreamBus, connect
 from services.contracts.keys import Counter, Keys
 from services.contracts.runtime import StopFlag
 from services.contracts.weight_sync import WeightPublisher, WeightSubscriber
+from tests.helpers import wait_for
 
 
 @pytest.fixture()
@@ -44,6 +45,10 @@ def test_malformed_heartbeats_are_skipped_and_counted(bus: StreamBus) -> None:
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)
     publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1)
     assert publisher.replica_versions() == {"r0": 4}  # the learner's weight sync reads the same
+    assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)  # each counted once, not per read
+    bus.redis.set(bus.keys.heartbeat("rollout", "bad0"), b"other garbage")  # a new value is news
+    bus.live_instances("rollout")
+    assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS) + 1
 
 
 class Engine:
@@ -74,9 +79,7 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(bus: StreamB
         publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1)
         publisher.stage(1, iter(named), named)
         assert publisher.publish()
-        deadline = time.monotonic() + 30
-        while sub.between_steps() != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("version 1 applied", lambda: sub.between_steps() == 1, timeout_s=30, every_s=0.01)
         assert sub.policy_version == 1 and torch.equal(engine.weights["w"], torch.ones(3))
         assert bus.counters()[Counter.BAD_REDIS_VALUES] == 5
     finally:

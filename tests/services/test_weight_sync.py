@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from services.contracts.weight_sync import (
     WeightSubscriber,
     plan_buckets,
 )
+from tests.helpers import wait_for
 
 
 def params() -> list[tuple[str, torch.Tensor]]:
@@ -87,6 +88,15 @@ def subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r
     )
 
 
+def started_subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path) -> WeightSubscriber:
+    """Replica r0, started and heartbeating, with no store catch-up (broadcasts only)."""
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9
+    sub.start()
+    beat(bus, "r0")
+    return sub
+
+
 def test_plan_buckets_splits_by_dtype_and_size() -> None:
     buckets = plan_buckets(params(), bucket_mb=1)
     assert [[p.name for p in b] for b in buckets] == [["a", "b"], ["c"], ["d"], ["e"]]
@@ -129,10 +139,7 @@ def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_pa
     pub = publisher(bus)
     pub.join_timeout_s = 1.0
     engine = FakeEngine(on_host=on_host)
-    sub = subscriber(bus, engine, tmp_path)
-    sub.lost_contact_s = 1e9  # no store catch-up here
-    sub.start()
-    beat(bus, "r0")
+    sub = started_subscriber(bus, engine, tmp_path)
     beat(bus, "silent")  # heartbeat alive, loop stuck: never joins
     done = threading.Event()
 
@@ -163,14 +170,11 @@ def test_background_receive_does_not_wait_for_the_engine(bus: StreamBus, tmp_pat
     named = params()
     pub = publisher(bus)
     engine = FakeEngine(on_host=True)
-    sub = subscriber(bus, engine, tmp_path)
-    sub.lost_contact_s = 1e9
-    sub.start()
-    beat(bus, "r0")
+    sub = started_subscriber(bus, engine, tmp_path)
     for version in (1, 2):
         pub.stage(version, iter([(n, t + version) for n, t in named]), named)
         assert pub.publish()  # returns although the owner thread never looked
-        assert wait_until(lambda: sub.announced.is_set())  # raised once the version is staged
+        wait_for("the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01)  # raised once staged
         sub.announced.clear()
     assert engine.weights == {} and sub.policy_version == 0
     sub.announced.set()  # as the watcher left it
@@ -187,10 +191,7 @@ def test_a_failed_background_receive_leaves_the_engine_untouched(
     pub = publisher(bus)
     pub.timeout_s = 2.0
     engine = FakeEngine(on_host=True)
-    sub = subscriber(bus, engine, tmp_path)
-    sub.lost_contact_s = 1e9
-    sub.start()
-    beat(bus, "r0")
+    sub = started_subscriber(bus, engine, tmp_path)
     real_iter = WeightStream.__iter__
 
     def dies_after_one_bucket(self: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
@@ -206,16 +207,8 @@ def test_a_failed_background_receive_leaves_the_engine_untouched(
     assert engine.weights == {} and engine.loaded == [] and sub.policy_version == 0
     monkeypatch.setattr(WeightStream, "__iter__", real_iter)
     assert pub.publish()  # a fresh group; this one lands
-    assert wait_until(lambda: sub.announced.is_set()) and sub.between_steps() == 1
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    wait_for("the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01)
+    assert sub.between_steps() == 1
 
 
 def test_failed_receive_falls_back_to_published_weights(bus: StreamBus, tmp_path: Path) -> None:
@@ -223,10 +216,7 @@ def test_failed_receive_falls_back_to_published_weights(bus: StreamBus, tmp_path
     pub = publisher(bus)
     pub.timeout_s = 2.0
     engine = FakeEngine(fail=True)
-    sub = subscriber(bus, engine, tmp_path)
-    sub.lost_contact_s = 1e9
-    sub.start()
-    beat(bus, "r0")
+    sub = started_subscriber(bus, engine, tmp_path)
     thread = threading.Thread(target=lambda: sub.poll(block_ms=5000), daemon=True)
     thread.start()
     pub.stage(1, iter(named), named)
