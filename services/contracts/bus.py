@@ -346,7 +346,7 @@ class StreamBus:
         self._call = client.register_script(_CALL)
         self._ledger = client.register_script(_LEDGER)
         self._renew_claims = client.register_script(_RENEW_CLAIMS)
-        self._bad_seen: set[tuple[str, bytes]] = set()  # see skip_bad_value
+        self._bad_seen: set[tuple[str, bytes | str]] = set()  # see skip_bad_value
         self.fence: tuple[str, str, int] = ("", "", 0)
         """(lease key, token, TTL ms) once this bus writes for a lease holder (`hold_fence`);
         every write of the run state then happens only while the token is the lease's."""
@@ -726,7 +726,7 @@ class StreamBus:
             out.append(info)
         return sorted(out, key=lambda i: (str(i.get("kind", "")), str(i.get("id", ""))))
 
-    def skip_bad_value(self, key: Any, problem: object, raw: bytes = b"") -> None:
+    def skip_bad_value(self, key: Any, problem: object, raw: bytes | str = b"") -> None:
         """Log and count a value read from Redis that does not parse; the reader skips it.
 
         Each (key, value) is logged and counted once per process: readers poll (the API every
