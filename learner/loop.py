@@ -12,7 +12,7 @@ learner's own process group; each rank then carries it out:
 - `Wait`: data still arriving, or Redis unreachable (the client already retried with back-off),
   so a Redis restart costs time, not the run. `Pause`: an operator paused training.
 - `SaveCheckpoint(keep)`, `Restore(step)`: operator requests (and the periodic checkpoint).
-- `Stop`: `total_steps` done, or SIGTERM.
+- `Stop`: `total_steps` done or `sample_budget` spent (the run's end), or SIGTERM.
 
 Everything rank 0 does beyond training goes through injected collaborators (batch source, weight
 publisher, evaluation lane, exporter, run control, reporter); the other ranks get null ones, so the
@@ -93,6 +93,8 @@ class LearnerLoop:
         self.state = "starting"
         self.started = time.monotonic()
         self.waited_s = 0.0
+        self.waited_before_step_s = 0.0
+        """`waited_s` when the last step was reported: the difference is the step's own wait."""
         self.rl_clock: tuple[float, float] | None = None
         """(RL seconds before this process, when its first training step began); RL seconds are
         training time since the run's first step, evaluation and start-up excluded."""
@@ -158,9 +160,16 @@ class LearnerLoop:
             return Wait()
 
     def _next_command(self) -> Command:
-        if self.stop.stopping or self.progress.step >= self.cfg.learner.total_steps:
+        if self.stop.stopping or self._reached_end():
             return Stop()
         return self.control.take_request() or self._collect()
+
+    def _reached_end(self) -> bool:
+        """`total_steps` trained, or the sample budget spent. Only rank 0 knows what was issued
+        (the others hold a null source): share the answer where every rank acts on it."""
+        budget = self.cfg.learner.sample_budget
+        spent = budget is not None and self.source.cursor * self.cfg.rollout.group_size >= budget
+        return self.progress.step >= self.cfg.learner.total_steps or spent
 
     def _collect(self) -> Train | Wait:
         self._set_state("waiting for data")
@@ -230,9 +239,10 @@ class LearnerLoop:
 
     def _timing(self, update_s: float, step_s: float) -> dict[str, float]:
         wall = max(time.monotonic() - self.started, 1e-9)
+        wait_s, self.waited_before_step_s = self.waited_s - self.waited_before_step_s, self.waited_s
         return {
             "timing_s/update_actor": update_s, "timing_s/sync_weights": self.publisher.last_sync_s,
-            "timing_s/step": step_s, "perf/learner_idle_fraction": self.waited_s / wall,
+            "timing_s/step": step_s, "timing_s/wait_data": wait_s, "perf/learner_idle_fraction": self.waited_s / wall,
         }
 
     def _publish(self) -> None:
@@ -245,7 +255,7 @@ class LearnerLoop:
 
     def _evaluate_if_due(self) -> None:
         every, step = self.cfg.eval.every_steps, self.progress.step
-        if every and step % every == 0 and step != self.cfg.learner.total_steps:  # the last: in finish
+        if every and step % every == 0 and not self._reached_end():  # the last step's: in finish
             self.evaluations.issue(self.progress, self.rl_seconds)
 
     def _record_evaluations(self, reports: list[RoundReport]) -> dict[int, dict[str, float]]:
@@ -290,7 +300,7 @@ class LearnerLoop:
         step, every = self.progress.step, self.cfg.checkpoint.every_steps
         if step and (every == 0 or step % every):
             self._checkpoint(keep=False)
-        completed = step >= self.cfg.learner.total_steps and not self.stop.stopping
+        completed = self.share(self._reached_end()) and not self.stop.stopping
         summary = self._summary(completed)
         if completed:
             summary |= self._complete()

@@ -129,7 +129,7 @@ class SynthDataSpec(_Section):
 
     num_train: PositiveInt = 20000
     num_eval: PositiveInt = 128
-    difficulty: Annotated[int, Field(ge=1, le=4)] = 1
+    difficulty: Annotated[int, Field(ge=1, le=6)] = 1
     template: Literal["short", "dapo"] = "short"
     """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast."""
 
@@ -316,6 +316,11 @@ class AlgorithmConfig(_Section):
 class LearnerConfig(_Section):
     total_steps: PositiveInt = 300
     """Training steps (policy versions) in the run."""
+    sample_budget: PositiveInt | None = None
+    """End the run, before `total_steps` if need be, once this many responses were requested for
+    training (issued prompt jobs x `rollout.group_size`; evaluation not counted). Groups the
+    gatekeeper filters count: runs with and without dynamic sampling then compare at equal
+    generation cost (`dapo ablate`). None = `total_steps` alone."""
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate (paper: 1e-6 for 32B)."""
     weight_decay: float = Field(0.1, ge=0)

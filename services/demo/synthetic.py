@@ -27,6 +27,8 @@ DIFFICULTY_LEVELS: dict[int, str] = {
     3: "a * k + b, 3-digit a and b (100-999) and a 1-digit multiplier k (2-9)",
     4: "a * k + b - c, 3-digit a, b, c and a 1-digit k; the result is never negative",
     5: "a * b + c, 2-digit a and b and a 3-digit c",
+    6: "a sum of 2 to 4 two-digit numbers, solved step by step: each row has a worked `solution` "
+    "(one running sum per line, then `Answer: N`), so useful responses are long (the ablation task)",
 }
 """What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
 in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits."""
@@ -71,7 +73,15 @@ _TEMPLATES: dict[int, tuple[str, ...]] = {
         "A club orders {a} packs of {b} {item} and already owns {c} {item}. "
         "How many {item} does the club have?",
     ),
+    6: (
+        "{name} counts {item} in {count} boxes: {numbers}. How many {item} are there in total?",
+        "{name} collects {item} on {count} days: {numbers}. How many {item} does {name} collect?",
+    ),
 }
+
+CHAIN_TERMS = (2, 3, 4)
+"""Level 6: how many numbers a problem adds, drawn uniformly. Two-term problems are easy (one
+addition), four-term ones are three chained additions and the longest responses."""
 
 
 
@@ -98,7 +108,8 @@ def synth_rows(
         start_index: `extra_info.index` of the first row.
 
     `extra_info` also holds `difficulty`, `expression` (e.g. "23 + 45") and `numbers` (the
-    operands in the expression's order), so the answer can be checked independently.
+    operands in the expression's order), so the answer can be checked independently; level 6
+    adds `solution`, the worked solution the tiny base model is warm-started on.
     """
     if difficulty not in DIFFICULTY_LEVELS:
         raise ValueError(f"difficulty must be one of {sorted(DIFFICULTY_LEVELS)}, got {difficulty}")
@@ -126,6 +137,7 @@ def synth_rows(
                     "difficulty": difficulty,
                     "expression": expression,
                     "numbers": numbers,
+                    **({"solution": worked_solution(numbers)} if difficulty == 6 else {}),
                 },
             }
         )
@@ -148,13 +160,35 @@ def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str, 
         a, k, b = rng.randint(100, 999), rng.randint(2, 9), rng.randint(100, 999)
         c = rng.randint(100, min(999, a * k + b))
         return [a, k, b, c], f"{a} * {k} + {b} - {c}", a * k + b - c
-    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(100, 999)
-    return [a, b, c], f"{a} * {b} + {c}", a * b + c
+    if difficulty == 5:
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(100, 999)
+        return [a, b, c], f"{a} * {b} + {c}", a * b + c
+    numbers = [rng.randint(10, 99) for _ in range(rng.choice(CHAIN_TERMS))]
+    return numbers, " + ".join(map(str, numbers)), sum(numbers)
+
+
+def worked_solution(numbers: list[int]) -> str:
+    """Level 6's solution: one running sum per line, then the answer line the verifier reads.
+
+    >>> print(worked_solution([23, 45, 17]))
+    23+45=68
+    68+17=85
+    Answer: 85
+    """
+    lines, total = [], numbers[0]
+    for n in numbers[1:]:
+        lines.append(f"{total}+{n}={total + n}")
+        total += n
+    return "\n".join([*lines, f"Answer: {total}"])
 
 
 def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> str:
     sentence = rng.choice(_TEMPLATES[difficulty])
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if difficulty == 6:
+        listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
+        count = {2: "two", 3: "three", 4: "four"}[len(numbers)]  # in words: the only digits are the operands
+        return sentence.format(name=name, item=item, count=count, numbers=listed)
     # Placeholder names in the order `_draw_problem` lists the operands.
     keys = {1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
     return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))

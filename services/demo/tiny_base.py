@@ -140,20 +140,23 @@ def answer_correct(response: str, ground_truth: str) -> bool:
     return bool(pred == ground_truth.strip().replace(" ", "").replace(",", ""))
 
 
-def _completion_text(ground_truth: str) -> str:
-    return f"Answer: {ground_truth}"
+def _completion_text(record: PromptRecord) -> str:
+    """The warm start's target: the row's worked solution when it has one (`extra_info.solution`,
+    synthetic level 6), else the bare answer line."""
+    solution = record.extra_info.get("solution")
+    return solution if isinstance(solution, str) and solution else f"Answer: {record.ground_truth}"
 
 
 def _encode_sft(
     tokenizer: PreTrainedTokenizerFast, records: list[PromptRecord], max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, labels, lengths) for prompt + "Answer: N" + EOS.
+    """Right-padded (input_ids, labels, lengths) for prompt + completion + EOS.
 
     Labels are -100 on the prompt and the padding, so the loss is on the completion only.
     Returns tensors of shape (N, T), (N, T), (N,).
     """
     prompts = tokenizer([render_prompt(tokenizer, r.messages) for r in records])["input_ids"]
-    answers = tokenizer([_completion_text(r.ground_truth) for r in records])["input_ids"]
+    answers = tokenizer([_completion_text(r) for r in records])["input_ids"]
     seqs = [(p, [*a, tokenizer.eos_token_id]) for p, a in zip(prompts, answers, strict=True)]
     width = max(len(p) + len(c) for p, c in seqs)
     if width > max_len:
@@ -254,6 +257,7 @@ def build_tiny_base(
     progress: Callable[[str], None] | None = None,
     vocab_size: int = 512,
     model_kwargs: dict[str, int] | None = None,
+    max_new_tokens: int = 12,
 ) -> dict[str, Any]:
     """Train tokenizer + tiny Qwen2 and warm-start it until sampling accuracy is in `target_acc`.
 
@@ -269,6 +273,9 @@ def build_tiny_base(
     steps (~0.7 s each) keep the build from jumping over the band. Seeds 0/1/2 landed in
     (0.15, 0.45) at steps 375/425/375 in 60-68 s. Other processes on the machine can make a
     build several times slower.
+
+    `max_new_tokens` bounds each sampled completion of the accuracy check: the run's
+    `rollout.max_response_len`, so a worked solution is judged at the length RL will allow.
 
     Returns the build info written to `out_dir/build_info.json`.
     """
@@ -296,7 +303,7 @@ def build_tiny_base(
         torch.manual_seed(seed)
         # No chat template yet, so render_prompt's plain join is the prompt text.
         corpus = [render_prompt(None, r.messages) for r in train]
-        corpus += [_completion_text(r.ground_truth) for r in train]
+        corpus += [_completion_text(r) for r in train]
         tokenizer = train_tokenizer(corpus, vocab_size=vocab_size)
         config = tiny_qwen2_config(len(tokenizer), **(model_kwargs or {}))
         model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
@@ -319,6 +326,7 @@ def build_tiny_base(
             band=(low, high),
             eval_every=eval_every,
             report=report,
+            max_new_tokens=max_new_tokens,
         )
     finally:
         torch.set_num_threads(threads_before)
@@ -351,6 +359,7 @@ def _warm_start(
     band: tuple[float, float],
     eval_every: int,
     report: Callable[[str], None],
+    max_new_tokens: int,
 ) -> dict[str, Any]:
     """The supervised loop; leaves `model` holding the chosen checkpoint's weights."""
     gen = torch.Generator().manual_seed(seed)
@@ -375,7 +384,7 @@ def _warm_start(
         losses.append(loss.item())
         if step % eval_every != 0 and step != max_steps:
             continue
-        acc = sampling_accuracy(model, tokenizer, evals)
+        acc = sampling_accuracy(model, tokenizer, evals, max_new_tokens=max_new_tokens)
         recent = sum(losses[-eval_every:]) / len(losses[-eval_every:])
         history.append({"step": step, "accuracy": acc, "loss": round(recent, 4)})
         report(f"tiny base: step {step} loss {recent:.3f} sampling accuracy {acc:.3f}")

@@ -8,6 +8,7 @@
     dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
     dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
     dapo status     --config FILE [--json]                             the run's status as a table
+    dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
     dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
     dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k, aime-2024, ...
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,6 +124,20 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    from services.shell.ablation import ablate
+
+    command = "dapo ablate " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else "dapo ablate"
+    try:
+        report = ablate(Path(args.config), seeds=args.seeds, budget=args.budget_samples, out=Path(args.out) if args.out else None,
+                        quick=args.quick, gain=args.gain, overrides=args.overrides, command=command, rungs=args.rungs)
+    except ValueError as exc:
+        sys.stderr.write(f"dapo ablate: {exc}\n")
+        return 2
+    sys.stdout.write(report.markdown.read_text() + f"\ntable: {report.markdown}\ndata: {report.data}\nplot: {report.figure}\n")
+    return 0
+
+
 def _service_parser(sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = sub.add_parser(name, help=help_, description=help_)
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
@@ -156,13 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     st = _service_parser(sub, "status", "print the run's status as a table", _cmd_status)
     st.add_argument("--json", action="store_true", help="the raw status JSON instead of a table")
 
+    abl = _service_parser(sub, "ablate", "the DAPO ablation ladder: naive GRPO plus one technique per rung, N seeds each", _cmd_ablate)
+    abl.add_argument("--seeds", type=int, default=3, help="runs per rung (default 3)")
+    abl.add_argument("--budget-samples", type=int, help="generated responses per run (default: learner.sample_budget)")
+    abl.add_argument("--quick", action="store_true", help="a quarter of the budget, for trying the ladder out")
+    abl.add_argument("--out", help="where the runs and the report go (default: <output_dir>/ablation)")
+    abl.add_argument("--gain", type=float, default=0.25, help="accuracy gain over base that counts as reached (default 0.25)")
+    abl.add_argument("--rungs", type=lambda v: v.split(","), metavar="A,B",
+                     help="only these rungs, comma-separated: grpo,overlong_filter,clip_higher,soft_overlong,token_loss,dapo")
+
     data = sub.add_parser("data", help="data utilities")
     dsub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     synth = dsub.add_parser("synth", help="write a synthetic arithmetic task in the DAPO-Math-17K schema")
     synth.add_argument("--out", required=True, help="output directory (train.* and eval.*)")
     synth.add_argument("--num-train", type=int, default=20000)
     synth.add_argument("--num-eval", type=int, default=128)
-    synth.add_argument("--difficulty", type=int, default=1, choices=[1, 2, 3, 4])
+    synth.add_argument("--difficulty", type=int, default=1, choices=[1, 2, 3, 4, 5, 6])
     synth.add_argument("--template", choices=["short", "dapo"], default="short")
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)

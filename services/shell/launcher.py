@@ -182,7 +182,7 @@ def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
     info = ensure_tiny_base(
         Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
         batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, eval_every=spec.sft_eval_every,
-        vocab_size=spec.vocab_size,
+        vocab_size=spec.vocab_size, max_new_tokens=cfg.rollout.max_response_len,
         model_kwargs={"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "num_heads": spec.num_heads,
                       "num_kv_heads": spec.num_heads, "intermediate_size": spec.intermediate_size},
     )
@@ -328,6 +328,17 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
     }
 
 
+def write_metrics_jsonl(bus: StreamBus, path: Path) -> None:
+    """Every per-step record of the run (the metrics stream), one JSON object per line: what the
+    TensorBoard curves show, readable without TensorBoard (`dapo ablate` and `dapo plan
+    --calibrate` read it). Written atomically, so a reader never sees half a file."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w") as f:
+        for record in bus.recent_metrics():
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+
+
 def step_timing(metrics: list[dict[str, Any]], warmup: int = 5) -> dict[str, float]:
     """Steady-state pace of the learner from its per-step records (the first `warmup` steps left
     out): steps per hour by the wall clock, and the mean seconds of a step's parts."""
@@ -428,6 +439,7 @@ def run_local(
         _stop_all(services, learner_first=interrupted)
         wall = time.monotonic() - started
         summary = summarize(cfg, bus, wall, services)
+        write_metrics_jsonl(bus, out / "metrics.jsonl")
         summary["interrupted"] = interrupted
         summary["learner_exit_code"] = learner_rc
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -440,7 +452,7 @@ def run_local(
     sys.stderr.write(
         f"done in {summary['wall_seconds']:.0f}s: eval accuracy {summary['base_eval_acc']:.3f} -> "
         f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; ledger {summary['ledger']}\n"
-        f"summary: {out / 'summary.json'}, curves: {out / 'curves.svg'}\n"
+        f"summary: {out / 'summary.json'}, per-step metrics: {out / 'metrics.jsonl'}, curves: {out / 'curves.svg'}\n"
     )
     return 0 if learner_rc == 0 and finished and not interrupted else 1
 

@@ -351,6 +351,31 @@ def test_a_completed_run_evaluates_drains_exports_and_records_the_summary(tmp_pa
     assert "eval/acc" not in p["reporter"].reports[1][1]  # training never waited for an evaluation
 
 
+class IssuingSource(FakeSource):
+    """Issues `per_collect` prompt jobs each time a batch is collected, as the feeder does."""
+
+    def __init__(self, batches: Sequence[list[Picked]], per_collect: int) -> None:
+        super().__init__(batches)
+        self.per_collect = per_collect
+
+    def collect(self, policy_version: int) -> list[Picked] | None:
+        self.cursor += self.per_collect
+        return super().collect(policy_version)
+
+
+def test_the_sample_budget_ends_a_completed_run_before_total_steps(tmp_path: Path) -> None:
+    # tiny.yaml: 8 responses per job, so 2 jobs per collect request 16 responses: 48 after 3 steps.
+    cfg = config(tmp_path, "learner.total_steps=10", "learner.sample_budget=48", "eval.every_steps=1")
+    source = IssuingSource([batch(g) for g in "abcdef"], per_collect=2)
+    loop, p = rank0(cfg, source=source, control=FakeControl([None] * 10))
+    assert loop.run() == 0
+    assert loop.progress == Progress(3, 3)  # stopped at the budget, not at total_steps
+    # The last step's evaluation is the final one, issued once (not also as a periodic round).
+    assert p["evaluations"].issued == [Progress(0, 0), Progress(1, 1), Progress(2, 2), Progress(3, 3)]
+    assert source.drained and p["control"].run_info[RunField.FINISHED] == 1  # a completed run, not a stop
+    assert p["exporter"].outs[-1] == tmp_path / "final_model"
+
+
 def test_stop_finishes_the_step_checkpoints_and_exits_without_draining(tmp_path: Path) -> None:
     source = FakeSource([batch("a"), batch("b")])
     loop, p = rank0(config(tmp_path, "learner.total_steps=10"), source=source, stop=FakeStop(after_collects=1, source=source))
@@ -438,4 +463,5 @@ def test_other_ranks_follow_rank_0_with_null_collaborators(tmp_path: Path) -> No
     assert follower_trainer.gathers == p["trainer"].gathers  # every weight gather matched (a collective)
     assert follower_ckpt.saved == p["checkpoints"].saved
     assert follower.progress == leader.progress
-    assert any(isinstance(c, Restore) for c in share.shared) and isinstance(share.shared[-1], Stop)
+    assert any(isinstance(c, Restore) for c in share.shared) and isinstance(share.shared[-2], Stop)
+    assert share.shared[-1] is True  # rank 0's "the run completed", which only it can know

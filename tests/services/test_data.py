@@ -68,6 +68,21 @@ def test_synth_rows_schema_and_answers(difficulty: int) -> None:
         assert sorted(int(x) for x in re.findall(r"\d+", content)) == sorted(info["numbers"])
 
 
+def test_level_6_rows_carry_a_worked_solution_whose_lines_add_up() -> None:
+    rows = synth_rows(300, difficulty=6, seed=5)
+    assert {len(r["extra_info"]["numbers"]) for r in rows} == {2, 3, 4}  # easy and hard problems mixed
+    for row in rows:
+        numbers, solution = row["extra_info"]["numbers"], row["extra_info"]["solution"]
+        *steps, answer = solution.split("\n")
+        assert answer == f"Answer: {row['reward_model']['ground_truth']}"
+        assert len(steps) == len(numbers) - 1
+        running = numbers[0]
+        for line, n in zip(steps, numbers[1:], strict=True):
+            assert line == f"{running}+{n}={running + n}"
+            running += n
+        assert running == int(row["reward_model"]["ground_truth"])
+
+
 def test_synth_rows_operand_ranges() -> None:
     for row in synth_rows(200, difficulty=1, seed=0):
         assert all(10 <= x <= 99 for x in row["extra_info"]["numbers"])
