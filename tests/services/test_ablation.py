@@ -62,6 +62,7 @@ def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_
              filtered=160, entropy=1.0, clip_ratio=0.25)
     run = read_run(tmp_path, "dapo", 0, group_size=8, gain=0.25)
     assert run.samples_to_target == 20 * 32 * 8  # the first evaluation at >= 0.45: step 20
+    assert run.samples_to_early_target == 10 * 32 * 8  # >= 0.30: step 10
     assert run.acc_curve[0] == (0.0, 0.2) and run.acc_curve[-1] == (30 * 32 * 8, 0.5)
     assert run.samples == 30 * 32 * 8
     assert run.filtered_share == pytest.approx(160 / (480 + 160))
