@@ -21,9 +21,13 @@ mean and standard deviation over seeds).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import logging
 import math
+import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -307,6 +311,17 @@ def plot(results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LA
     plt.close(fig)
 
 
+def provenance() -> dict[str, str]:
+    """When, from which commit and on what machine the ladder ran (the report's header)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = ""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        memory = f", {int(Path('/proc/meminfo').read_text().split()[1]) / 2**20:.0f} GiB memory"
+    return {"date": datetime.date.today().isoformat(), "commit": commit or "unknown",
+            "machine": f"{platform.machine()}, {cpus} CPU cores{memory}, {platform.system()}"}
+
+
 @dataclass
 class Report:
     markdown: Path
@@ -319,9 +334,10 @@ def write_report(results: Sequence[RunResult], out: Path, *, gain: float, comman
     md, data, fig = out / "ablation.md", out / "ablation.json", out / "ablation.svg"
     plot(results, fig, rungs=rungs)
     why = "\n".join(f"- **{r.label}**: {r.why}." for r in rungs)
+    made = provenance()
     md.write_text(
         "# DAPO ablation ladder\n\n"
-        f"Command: `{command}`\n\n"
+        f"Command: `{command}`\n\nDate {made['date']}, commit {made['commit']}, machine: {made['machine']}.\n\n"
         f"{table(results, gain=gain, rungs=rungs)}\n\n"
         "Columns: final accuracy is the last evaluation (avg@k on the eval set); responses to target count the "
         f"training responses requested until the first evaluation at least {gain * 100:.0f} points above the run's "
@@ -329,9 +345,11 @@ def write_report(results: Sequence[RunResult], out: Path, *, gain: float, comman
         "points; groups filtered is the share the gatekeeper dropped; truncated is the share of trained responses cut at max_response_len; entropy is the "
         "mean token entropy of the last tenth of training steps. Every run stops at the same sample budget.\n\n"
         f"What each rung adds:\n\n{why}\n\n"
-        f"Ladder wall time (runs done by this invocation): {wall_s / 60:.1f} min.\n\n![curves](ablation.svg)\n"
+        f"Wall time: {sum(r.wall_s for r in results) / 60:.1f} min for the {len(results)} runs (each `dapo run` from start "
+        f"to exit); this invocation took {wall_s / 60:.1f} min (runs completed earlier are not redone).\n\n"
+        "![curves](ablation.svg)\n"
     )
-    data.write_text(json.dumps({"command": command, "gain": gain, "wall_s": wall_s,
+    data.write_text(json.dumps({**made, "command": command, "gain": gain, "wall_s": wall_s,
                                 "runs": [asdict(r) for r in results]}, indent=1))
     return Report(md, data, fig)
 
