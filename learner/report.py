@@ -78,6 +78,7 @@ def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, 
     lags = [float(trained_on - g.policy_version) for g in groups]
     truncated = sum(r.finish_reason == "length" for g in groups for r in g.responses)
     spans = [r.versions[1] - r.versions[0] for g in groups for r in g.responses if r.versions is not None]
+    gen = [g.gen_seconds for g in groups]
     return {
         "critic/rewards/mean": _mean(rewards),
         "critic/score/mean": _mean(scores),
@@ -89,6 +90,9 @@ def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, 
         "rollout/updated_in_flight": _mean([float(span > 0) for span in spans]),  # sampled by 2+ versions
         "rollout/tokens": float(sum(lengths)),
         "rollout/groups": float(len(groups)),
+        # A replica's generation time for the batch the group came in, per group of that batch:
+        # the generation rate `dapo plan --calibrate` reads back.
+        "timing_s/gen_per_group": _mean(gen),
     }
 
 

@@ -19,6 +19,7 @@ config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the comman
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
@@ -96,6 +97,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return print_status(_config(args), as_json=args.json)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from services.shell.planning.calibration import calibrate_run
+    from services.shell.planning.hardware import gpu_type
+    from services.shell.planning.plan import model_shape, plan_text
+
+    if args.calibrate:
+        result = calibrate_run(args.calibrate)
+        sys.stdout.write(json.dumps({"measured": result.measured.__dict__, "predicted": result.predicted.as_dict(),
+                                     "errors": result.errors()}, indent=1) + "\n")
+        return 0
+    if args.config is None or args.gpus is None or args.gpu is None:
+        sys.stderr.write("dapo plan: --config, --gpus and --gpu are required (or --calibrate RUN_DIR)\n")
+        return 2
+    cfg = _config(args)
+    sys.stdout.write(plan_text(cfg, model_shape(cfg, args.model_config), gpu_type(args.gpu), args.gpus, pass_rate=args.pass_rate) + "\n")
+    return 0
+
+
 def _cmd_data_synth(args: argparse.Namespace) -> int:
     from services.contracts.data import write_rows
     from services.demo.synthetic import synth_rows
@@ -171,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, help="port (default api.port)")
     st = _service_parser(sub, "status", "print the run's status as a table", _cmd_status)
     st.add_argument("--json", action="store_true", help="the raw status JSON instead of a table")
+
+    pl = sub.add_parser("plan", help="size a cluster before renting it: memory, step time, split, staleness, Redis",
+                        description="Predict a config on a cluster (docs/planning.md), or check the prediction against a finished run.")
+    pl.add_argument("--config", help="YAML config file (see configs/)")
+    pl.add_argument("--gpus", type=int, help="GPUs in the cluster")
+    pl.add_argument("--gpu", help="GPU type (services/shell/planning/gpus.toml: h100, h200, a100-80gb, ...)")
+    pl.add_argument("--model-config", help="the model's config.json (default: model.path/config.json or configs/models/)")
+    pl.add_argument("--pass-rate", type=float, default=0.5, help="share of groups the gatekeeper keeps (default 0.5)")
+    pl.add_argument("--calibrate", metavar="RUN_DIR", help="simulate a finished run with its measured rates and print the errors")
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. learner.nproc=8")
+    pl.set_defaults(fn=_cmd_plan)
 
     abl = _service_parser(sub, "ablate", "the DAPO ablation ladder: naive GRPO plus one technique per rung, N seeds each", _cmd_ablate)
     abl.add_argument("--seeds", type=int, default=3, help="runs per rung (default 3)")
