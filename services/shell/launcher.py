@@ -442,6 +442,9 @@ def run_local(
         write_metrics_jsonl(bus, out / "metrics.jsonl")
         summary["interrupted"] = interrupted
         summary["learner_exit_code"] = learner_rc
+        # Where the services ran: on CPU they share these cores (`dapo plan --calibrate` models that)
+        summary["machine"] = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                              "gpus": placement.gpus}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_curves_svg(summary, out / "curves.svg")
         for sig, handler in old_handlers.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import simpy
 
 from services.shell.cli import main
 from services.shell.planning.calibration import calibrate_run, predict_published, published_cases
@@ -15,6 +16,7 @@ from services.shell.planning.hardware import gpu_table
 from services.shell.planning.simulation import (
     MeasuredGeneration,
     PipelineSpec,
+    SharedCores,
     simulate,
     with_staleness,
 )
@@ -59,6 +61,36 @@ def test_the_gatekeeper_filter_costs_generation_in_proportion() -> None:
     assert kept_half.step_s / kept_all.step_s == pytest.approx(2.0, rel=0.1)
 
 
+def test_shared_cores_slow_every_computation_while_more_threads_than_cores_compute() -> None:
+    # Three single-threaded computations of 1, 1 and 2 s on 2 cores: each runs at 2/3 until the
+    # two short ones end at 1.5 s; the long one has 1 s left and then runs alone at full pace.
+    env = simpy.Environment()
+    cores = SharedCores(env, cores=2)
+    ends: list[float] = []
+
+    def run(work: float) -> object:
+        yield from cores.compute(work)
+        ends.append(env.now)
+
+    for work in (1.0, 1.0, 2.0):
+        env.process(run(work))
+    env.run()
+    assert ends == pytest.approx([1.5, 1.5, 2.5])
+
+
+def test_on_shared_cores_replicas_generate_faster_while_the_learner_waits() -> None:
+    # Generation-bound: 16 groups of 0.1 s a step on 2 replicas (0.8 s each), learner 0.4 s. On 2
+    # shared cores the learner's 0.4 s take 0.6 s beside both replicas (pace 2/3), in which each
+    # replica does 0.4 s of its work; the other 0.4 s run at full pace while the learner waits:
+    # 1.0 s a step for 8 groups a replica, 0.125 s a group.
+    own = simulate(_spec(gen_s=0.1, learner_s=0.4))
+    shared = simulate(_spec(gen_s=0.1, learner_s=0.4, cpu_cores=2))
+    assert own.step_s == pytest.approx(0.8, rel=0.05)
+    assert shared.step_s == pytest.approx(1.0, rel=0.05)
+    assert shared.gen_s_per_group == pytest.approx(0.125, rel=0.05)
+    assert shared.learner_busy_s == pytest.approx(0.6, rel=0.05)
+
+
 def test_calibration_on_a_measured_run_predicts_step_time_and_idle_fractions() -> None:
     result = calibrate_run(FIXTURE)
     m, p, e = result.measured, result.predicted, result.errors()
@@ -67,27 +99,28 @@ def test_calibration_on_a_measured_run_predicts_step_time_and_idle_fractions() -
           f"({e['learner_idle']:+.1%}, {e['learner_idle_points']:+.3f} of wall time)")
     print(f"rollout idle: measured {m.rollout_idle:.3f}, predicted {p.rollout_idle:.3f} "
           f"({e['rollout_idle']:+.1%}, {e['rollout_idle_points']:+.3f} of wall time)")
-    assert abs(e["step_time"]) <= RUN_TOLERANCE
-    assert abs(e["rollout_idle"]) <= RUN_TOLERANCE
-    # The learner's idle fraction is small (0.15), so its relative error is large for a few
-    # points of wall time; it is held to the same 15% of wall time (docs/planning.md says why).
-    assert abs(e["learner_idle_points"]) <= RUN_TOLERANCE
+    # The run shared 2 CPU cores among the learner and two replicas: the simulated run records the
+    # measured wall-clock rates once the work of each alone is solved for.
+    assert m.cpu_cores == 2
+    assert p.gen_s_per_group == pytest.approx(m.gen_s_per_group, rel=0.01)
+    assert p.learner_busy_s == pytest.approx(m.learner_busy_s, rel=0.01)
+    for name in ("step_time", "learner_idle", "rollout_idle"):
+        assert abs(e[name]) <= RUN_TOLERANCE, (name, e[name])
 
 
 def test_published_speedups_are_reproduced_where_the_pipeline_explains_them() -> None:
     """Every published case is predicted and printed. The cases marked `outside_the_model` (verl's
-    fully asynchronous rows: their trainer does about twice the work per GPU of its colocated
-    baseline, a difference of training, not of the pipeline) are printed, not held to the
-    tolerance; of the others at most one may miss it (today: verl one-step-off with Megatron,
-    whose published total-time and step-time speed-ups disagree, 1.40x and 1.23x)."""
+    fully asynchronous rows and its one-step-off Megatron row: their asynchronous trainer took
+    about as long on fewer GPUs as the colocated one on all of them, a difference in the work
+    trained, not in the pipeline; docs/planning.md) are printed, not held to the tolerance; every
+    other case must be within it."""
     results = [predict_published(case) for case in published_cases()]
     for r in results:
         note = " (outside the model)" if r.case.outside_the_model else ""
         print(f"\n{r.case.name}: published {r.case.speedup:.2f}x, predicted {r.speedup:.2f}x ({r.error:+.0%}){note}")
     explained = [r for r in results if r.case.outside_the_model is None]
-    within = [r for r in explained if abs(r.error) <= PUBLISHED_TOLERANCE]
-    assert len(explained) >= 6
-    assert len(within) >= len(explained) - 1, [(r.case.name, round(r.error, 2)) for r in explained]
+    assert len(explained) >= 5
+    assert all(abs(r.error) <= PUBLISHED_TOLERANCE for r in explained), [(r.case.name, round(r.error, 2)) for r in explained]
 
 
 def test_gpu_table_cites_a_source_for_every_type() -> None:

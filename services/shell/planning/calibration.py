@@ -8,6 +8,11 @@
   compares what comes out with what the run measured: the step time (wall clock between steps),
   the learner's idle fraction (`timing_s/wait_data` over the step time) and the replicas' idle
   fraction (one minus the generation time of the jobs issued, over replicas x wall clock).
+  A run on CPU (`summary.json` records the machine's cores and no GPUs) had its learner and
+  replicas share the cores: they are simulated on `SharedCores`, and since the recorded rates are
+  wall-clock rates under that sharing, the work each would take alone is solved first so that the
+  simulated run records the same generation rate and learner step time as the real one
+  (`solve_shared_work`).
 - `published_cases()`: the asynchronous-vs-synchronous speed-ups other systems published
   (`published.toml`, each with its source), predicted from their configurations with the
   hardware model and one set of assumptions (`costs.Assumptions`), never tuned per case.
@@ -18,7 +23,8 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -67,6 +73,9 @@ class RunMeasurement:
     learner_idle: float
     rollout_idle: float
     steps: int
+    cpu_cores: int | None = None
+    """The CPU cores the learner and the replicas shared (a run without GPUs), None on GPUs or
+    where the run did not record its machine."""
 
 
 def read_run(run_dir: str | Path) -> tuple[DapoConfig, RunMeasurement]:
@@ -93,8 +102,19 @@ def read_run(run_dir: str | Path) -> tuple[DapoConfig, RunMeasurement]:
         response_len_mean=fmean(float(r["response_length/mean"]) for r in steady),
         response_len_max=max(float(r["response_length/max"]) for r in steady),
         learner_idle=wait / span, rollout_idle=1.0 - jobs * gen / (cfg.rollout.replicas * step_s), steps=len(steady),
+        cpu_cores=_shared_cpu_cores(run),
     )
     return cfg, measured
+
+
+def _shared_cpu_cores(run: Path) -> int | None:
+    """The cores a run's processes shared: `summary.json`'s `machine` record (written by `dapo
+    run`), when the run had no GPUs."""
+    summary = run / "summary.json"
+    machine = json.loads(summary.read_text()).get("machine") if summary.exists() else None
+    if not isinstance(machine, dict) or int(machine.get("gpus", 0)) > 0 or "cpu_cores" not in machine:
+        return None
+    return int(machine["cpu_cores"])
 
 
 def _pass_rate(steady: list[dict[str, Any]]) -> float:
@@ -108,15 +128,39 @@ def _pass_rate(steady: list[dict[str, Any]]) -> float:
 
 
 def measured_spec(cfg: DapoConfig, m: RunMeasurement) -> PipelineSpec:
-    """The pipeline of `cfg` with the component rates one run measured."""
-    ro, alg = cfg.rollout, cfg.algorithm
-    return PipelineSpec(
+    """The pipeline of `cfg` with the component rates one run measured (as wall-clock rates; on
+    shared CPU cores `solve_shared_work` turns them into each process's work alone)."""
+    ro, alg, cores = cfg.rollout, cfg.algorithm, m.cpu_cores
+    spec = PipelineSpec(
         replicas=ro.replicas, prompts_per_batch=ro.prompts_per_batch, group_size=ro.group_size,
         train_batch_groups=alg.train_batch_groups, oversampling=alg.oversampling, max_staleness=alg.max_staleness,
         pass_rate=m.pass_rate, generation=MeasuredGeneration(m.gen_s_per_group), learner_step_s=m.learner_busy_s - m.sync_s,
         sync_s=m.sync_s, lengths=ResponseLengths(m.response_len_mean, ro.max_response_len, 0.0), prompt_len=cfg.data.max_prompt_len,
         hop_s=HOP_SECONDS,
     )
+    if cores is None:
+        return spec
+    # torch's default (torch_threads None) is a thread per core
+    return replace(spec, cpu_cores=cores, learner_threads=cfg.learner.nproc * (cfg.learner.torch_threads or cores),
+                   replica_threads=ro.torch_threads or cores)
+
+
+SHARED_WORK_ITERATIONS = 5
+"""Fixed-point iterations of `solve_shared_work` (it settles to 0.1% within three)."""
+
+
+def solve_shared_work(spec: PipelineSpec, m: RunMeasurement, simulate_mean: Callable[[PipelineSpec], Prediction]) -> PipelineSpec:
+    """The generation and training work (each process alone on the cores) at which the simulated
+    run records the measured wall-clock rates: a replica's `timing_s/gen_per_group` and the
+    learner's `timing_s/step`. Under processor sharing the wall time of a piece of work is its
+    work over the mean pace it ran at, so each is scaled by measured over simulated until they agree."""
+    gen = m.gen_s_per_group
+    for _ in range(SHARED_WORK_ITERATIONS):
+        p = simulate_mean(spec)
+        gen *= m.gen_s_per_group / p.gen_s_per_group
+        learner = spec.learner_step_s * (m.learner_busy_s - m.sync_s) / (p.learner_busy_s - spec.sync_s)
+        spec = replace(spec, generation=MeasuredGeneration(gen), learner_step_s=learner)
+    return spec
 
 
 @dataclass(frozen=True)
@@ -139,10 +183,16 @@ class RunCalibration:
 def calibrate_run(run_dir: str | Path, *, seeds: int = 5) -> RunCalibration:
     """Simulate a measured run with its own component rates (mean over `seeds` simulations)."""
     cfg, m = read_run(run_dir)
+
+    def simulate_mean(spec: PipelineSpec) -> Prediction:
+        runs = [simulate(spec, steps=m.steps + WARMUP_STEPS, warmup=WARMUP_STEPS, seed=s) for s in range(seeds)]
+        mean = {k: fmean(getattr(r, k) for r in runs) for k in runs[0].as_dict() if k != "steps"}
+        return Prediction(**mean, steps=runs[0].steps)
+
     spec = measured_spec(cfg, m)
-    runs = [simulate(spec, steps=m.steps + WARMUP_STEPS, warmup=WARMUP_STEPS, seed=s) for s in range(seeds)]
-    mean = {k: fmean(getattr(r, k) for r in runs) for k in runs[0].as_dict() if k != "steps"}
-    return RunCalibration(m, Prediction(**mean, steps=runs[0].steps))
+    if spec.cpu_cores is not None:
+        spec = solve_shared_work(spec, m, simulate_mean)
+    return RunCalibration(m, simulate_mean(spec))
 
 
 # --- published systems ------------------------------------------------------------------------

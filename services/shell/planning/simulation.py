@@ -14,6 +14,10 @@ It follows what the services do, hop by hop:
 - the learner collects `train_batch_groups` groups no more than `max_staleness` versions old
   (older ones are dropped as stale), trains, publishes the weights (the replicas switch at once:
   in-flight updates) and frees the batch's places in flight;
+- with `cpu_cores` (a run on CPU: the learner and the replicas compute on the same cores),
+  generation and training share the cores: each computing process progresses at
+  `min(1, cores / threads computing)` of its pace alone (processor sharing, `SharedCores`), so a
+  replica generates faster while the learner waits than while it trains;
 - `simulate_colocated` is the synchronous baseline of colocated systems (verl's default): every
   GPU generates the whole batch, then every GPU trains on it.
 
@@ -43,6 +47,41 @@ GROUP_META_BYTES_PER_RESPONSE = 120
 int32 token ids and float32 log-probs (`services/contracts/schemas.py`)."""
 METRICS_RECORD_BYTES = 2500
 """One per-step record in the metrics stream (about 50 named floats as JSON)."""
+
+
+class SharedCores:
+    """Processor sharing on `cores` CPU cores: while threads of several processes compute, each
+    process progresses at min(1, cores / threads computing) of its pace alone (the kernel's fair
+    scheduler, to a first approximation). A computation's work is the wall time it takes with
+    the cores to itself; the time it really takes depends on who else computes meanwhile, and
+    every start or end of a computation changes the pace of the others."""
+
+    def __init__(self, env: simpy.Environment, cores: float) -> None:
+        self.env, self.cores = env, cores
+        self.threads = 0
+        self.changed = env.event()
+
+    @property
+    def pace(self) -> float:
+        return min(1.0, self.cores / max(self.threads, 1))
+
+    def _announce(self) -> None:
+        self.changed.succeed()
+        self.changed = self.env.event()
+
+    def compute(self, work_s: float, threads: int = 1) -> Generator[Any, Any, float]:
+        """Do `work_s` seconds of work with `threads` threads; returns the wall time it took."""
+        began = self.env.now
+        self.threads += threads
+        self._announce()
+        remaining = work_s
+        while remaining > 1e-9 * max(work_s, 1.0):
+            pace, since = self.pace, self.env.now
+            yield self.env.timeout(remaining / pace) | self.changed
+            remaining -= (self.env.now - since) * pace
+        self.threads -= threads
+        self._announce()
+        return self.env.now - began
 
 
 class Generation(Protocol):
@@ -88,6 +127,13 @@ class PipelineSpec:
     admission_batches: float | None = None
     """Kept groups allowed ahead of the learner, in batches (None: max_staleness + 1, as the feeder)."""
     drop_stale: bool = True
+    cpu_cores: float | None = None
+    """The CPU cores the learner and the replicas share (a run on CPU), or None where each has
+    its own devices. With cores, `generation` and `learner_step_s` are the times each would take
+    with the cores to itself (`SharedCores`)."""
+    learner_threads: int = 1
+    replica_threads: int = 1
+    """Compute threads of the learner (all ranks) and of one replica, on shared cores."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +150,11 @@ class Prediction:
     redis_bytes_per_s: float
     """Stream traffic: every entry written once and read once per hop."""
     steps: int
+    gen_s_per_group: float = 0.0
+    """Mean over the trained groups of their batch's wall-clock generation time per group (what
+    the learner records as `timing_s/gen_per_group`)."""
+    learner_busy_s: float = 0.0
+    """The learner's wall-clock time per step outside its waits for data (`timing_s/step`)."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -115,6 +166,7 @@ class _Job:
     lengths: list[int]
     remaining: int = 0
     started_version: int = -1
+    gen_s_per_group: float = 0.0
 
 
 @dataclass
@@ -122,12 +174,15 @@ class _Group:
     version: int
     tokens: int
     bytes: int
+    gen_s_per_group: float = 0.0
 
 
 @dataclass
 class _Stats:
     step_times: list[float] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+    gen_per_group: list[float] = field(default_factory=list)
     lags: list[float] = field(default_factory=list)
     trained_tokens: list[int] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
@@ -153,6 +208,7 @@ class _Pipeline:
         self.wake = env.event()
         self.stats = _Stats()
         self.done = env.event()
+        self.cores = SharedCores(env, spec.cpu_cores) if spec.cpu_cores is not None else None
         batches = spec.admission_batches if spec.admission_batches is not None else spec.max_staleness + 1
         self.kept_ahead = batches * spec.train_batch_groups
         self.limit = math.ceil(batches * spec.train_batch_groups * spec.oversampling)
@@ -190,6 +246,14 @@ class _Pipeline:
             self._redis(self._job_bytes(), 2 * self._job_bytes())
         self.in_flight += n
 
+    def _work(self, seconds: float, threads: int) -> Generator[Any, Any, float]:
+        """`seconds` of a process's work: on the shared cores when there are, else on its own
+        devices; returns the wall time."""
+        if self.cores is None:
+            yield self.env.timeout(seconds)
+            return seconds
+        return (yield from self.cores.compute(seconds, threads))
+
     # --- replicas -----------------------------------------------------------------------------
     def replica(self) -> Generator[Any, Any, None]:
         s = self.spec
@@ -199,10 +263,11 @@ class _Pipeline:
             while len(jobs) < s.prompts_per_batch and self.prompts.items:
                 jobs.append((yield self.prompts.get()))
             version = self.version
-            seconds = s.generation.batch_seconds([n for j in jobs for n in j.lengths], len(jobs))
-            yield self.env.timeout(seconds)
+            work = s.generation.batch_seconds([n for j in jobs for n in j.lengths], len(jobs))
+            seconds = yield from self._work(work, s.replica_threads)
             self.stats.rollout_busy += seconds
             for job in jobs:
+                job.gen_s_per_group = seconds / len(jobs)
                 self._finish(job, version)
 
     def streaming_replica(self, model: DecodeModel) -> Generator[Any, Any, None]:
@@ -263,7 +328,7 @@ class _Pipeline:
             yield turn
             yield self.env.timeout(s.reward_s_per_group + 3 * s.hop_s)
         if self.rng.random() < s.pass_rate:
-            self.train.append(_Group(version, sum(job.lengths), size))
+            self.train.append(_Group(version, sum(job.lengths), size, job.gen_s_per_group))
         else:
             self.in_flight -= 1
             self._redis(-size)
@@ -304,10 +369,13 @@ class _Pipeline:
                 self.wake = self.env.event()
                 yield self.wake
             self.stats.waits.append(self.env.now - waited_from)
-            yield self.env.timeout(s.learner_step_s)
+            busy_from = self.env.now
+            yield from self._work(s.learner_step_s, s.learner_threads)
             trained_on = self.version
             self.version += 1
             yield self.env.timeout(s.sync_s)
+            self.stats.busy.append(self.env.now - busy_from)
+            self.stats.gen_per_group.append(sum(g.gen_s_per_group for g in batch) / len(batch))
             self.in_flight -= len(batch)
             for g in batch:
                 self._redis(-g.bytes)
@@ -326,6 +394,8 @@ def simulate(spec: PipelineSpec, *, steps: int = 60, warmup: int = 10, seed: int
     """The steady state of the pipeline over `steps` learner steps, the first `warmup` left out."""
     if spec.streaming and decode is None:
         raise ValueError("streaming replicas need a DecodeModel")
+    if spec.streaming and spec.cpu_cores is not None:
+        raise ValueError("streaming replicas are modelled on GPUs only (no shared CPU cores)")
     env = simpy.Environment()
     pipe = _Pipeline(env, spec, steps, random.Random(seed))
     for _ in range(spec.replicas):
@@ -346,6 +416,7 @@ def _steady(st: _Stats, replicas: int, warmup: int, steps: int) -> Prediction:
         rollout_idle=max(0.0, 1.0 - busy / (replicas * span)), mean_staleness=sum(lags) / max(len(lags), 1),
         stale_dropped_per_step=sum(st.stale[warmup:]) / len(times), tokens_per_s=sum(st.trained_tokens[warmup:]) / span,
         redis_peak_bytes=st.redis_peak + METRICS_RECORD_BYTES * steps, redis_bytes_per_s=traffic / span, steps=len(times),
+        gen_s_per_group=sum(st.gen_per_group[warmup:]) / len(times), learner_busy_s=sum(st.busy[warmup:]) / len(times),
     )
 
 
