@@ -351,13 +351,25 @@ def test_gpu_dockerfile_base_is_pinned_and_marked_unverified() -> None:
     assert "UNVERIFIED" in text
 
 
+def dockerignore_lines() -> list[str]:
+    text = (REPO / ".dockerignore").read_text(encoding="utf-8")
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_one_dockerignore_keeps_runs_caches_and_the_venv_out() -> None:
+    """The legacy builder reads only the context's .dockerignore; BuildKit prefers a
+    `<Dockerfile>.dockerignore` when there is one. One file at the root and none beside the
+    Dockerfiles: every builder sends the same context."""
+    assert not list(DEPLOY.glob("**/*.dockerignore")), "BuildKit would use these and the legacy builder ignore them"
+    lines = dockerignore_lines()
+    assert lines[0] == "*", "an allow-list: everything not named is left out"
+    kept = {ln[1:].rstrip("/").split("/")[0] for ln in lines if ln.startswith("!")}
+    assert kept.isdisjoint({".venv", "runs", ".git", ".env", "test-artifacts", ".pytest_cache", ".mypy_cache"}), kept
+
+
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_dockerfile_copies_only_what_exists_and_the_context_keeps(variant: str) -> None:
-    allowed = [
-        ln[1:].strip().rstrip("/")
-        for ln in (DEPLOY / f"Dockerfile.{variant}.dockerignore").read_text(encoding="utf-8").splitlines()
-        if ln.startswith("!")
-    ]
+    allowed = [ln[1:].rstrip("/") for ln in dockerignore_lines() if ln.startswith("!")]
     sources = []
     for ln in dockerfile(variant).splitlines():
         if ln.startswith("COPY "):
@@ -846,6 +858,23 @@ def test_k8s_redis_requires_the_password_from_the_secret(overlay: str) -> None:
     example = yaml.safe_load((K8S / "redis-secret.example.yaml").read_text(encoding="utf-8"))
     assert example["metadata"]["name"] == REDIS_SECRET["name"]
     assert example["stringData"][REDIS_SECRET["key"]].startswith("REPLACE-")
+
+
+def test_cpu_demo_runs_the_images_and_commands_compose_ran() -> None:
+    """tests/deploy/test_compose_e2e.py runs the compose cpu profile for real; Kubernetes cannot
+    run here, so the cpu-demo overlay is held to the same images and the same commands."""
+    services = compose()["services"]
+    k8s = {c["name"]: c for doc in render("cpu-demo") if doc["kind"] in WORKLOAD_KINDS for c in containers(doc)}
+    m = re.fullmatch(r"\$\{DAPO_CPU_IMAGE:-([^}]+)\}", services["api"]["image"])
+    assert m, services["api"]["image"]
+    assert k8s["redis"]["image"] == services["redis"]["image"]
+    for name in ("prepare", "api", "gatekeeper", "reward", "rollout", "learner"):
+        c = k8s[name]
+        assert c["image"] == m.group(1), f"{name}: {c['image']}"
+        argv = [*c.get("command", []), *c.get("args", [])]
+        if name == "learner":  # torchrun on Kubernetes (ranks across nodes): the same dapo command after -m
+            argv = ["dapo", *argv[argv.index("-m") + 2 :]]
+        assert argv == compose_argv(services[name]), f"{name}: {argv} vs compose {compose_argv(services[name])}"
 
 
 def test_compose_and_k8s_start_redis_with_the_same_script() -> None:
