@@ -3,21 +3,17 @@ date, commit and machine, so a figure can always be traced to what produced it."
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
-import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO))  # benches run as scripts from any directory
+from services.shell.provenance import provenance  # noqa: E402  (re-exported for bench/results_table.py)
 
-
-def provenance() -> dict[str, str]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return {"date": datetime.date.today().isoformat(), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+__all__ = ["RESULTS", "provenance", "save_result"]
 
 
 def save_result(name: str, figures: dict[str, Any], out_dir: str | Path = RESULTS) -> Path:

@@ -21,13 +21,9 @@ mean and standard deviation over seeds).
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import logging
 import math
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -38,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.contracts.config import DapoConfig, load_config
+from services.shell.provenance import provenance
 
 log = logging.getLogger(__name__)
 
@@ -309,17 +306,6 @@ def plot(results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LA
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def provenance() -> dict[str, str]:
-    """When, from which commit and on what machine the ladder ran (the report's header)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    memory = ""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        memory = f", {int(Path('/proc/meminfo').read_text().split()[1]) / 2**20:.0f} GiB memory"
-    return {"date": datetime.date.today().isoformat(), "commit": commit or "unknown",
-            "machine": f"{platform.machine()}, {cpus} CPU cores{memory}, {platform.system()}"}
 
 
 @dataclass

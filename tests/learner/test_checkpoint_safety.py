@@ -17,11 +17,9 @@ The multi-rank part is run by pytest; the same file is the script each rank runs
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.multirank_check import launch_ranks
 from learner import checkpoint as ckpt_mod
 from learner.checkpoint import Checkpoints, load_checkpoint, rng_file, verify_checkpoint
 from services.contracts.checkpoint_store import (
@@ -314,10 +313,7 @@ def test_a_restore_moves_the_newer_steps_aside(tmp_path: Path) -> None:
 
 # --- several ranks ------------------------------------------------------------------------------------------
 def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(tiny_model_dir: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(tiny_model_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ranks(__file__, 2, str(tiny_model_dir), str(tmp_path))  # raises with the ranks' output if one fails
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     manifest = json.loads((tmp_path / "ckpt" / "step_1" / MANIFEST).read_text())["files"]
     assert {"state/__0_0.distcp", "state/__1_0.distcp", "rng/rank_0.safetensors", "rng/rank_1.safetensors"} <= set(manifest)
@@ -374,5 +370,5 @@ def _rank_main(model_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # one rank, under launch_ranks: --worker MODEL_DIR OUT
+    _rank_main(sys.argv[2], sys.argv[3])
