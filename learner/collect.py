@@ -95,9 +95,18 @@ class StreamSource:
         return self.feeder.cursor
 
     def resume(self, checkpoint_cursor: int) -> None:
-        """Continue issuing after whatever was issued last: the checkpoint's cursor, or the one
-        Redis recorded later."""
-        self.feeder.cursor = max(checkpoint_cursor, int(self.bus.run_field(RunField.DATA_CURSOR) or 0))
+        """Continue issuing after whatever was issued last. Group ids are the cursor, so going
+        back would issue (and train) groups twice: take the furthest of the checkpoint's cursor,
+        the one Redis recorded later, and the ledger's count of training jobs issued (which the
+        same script that issues them moves, so it is never behind, even when the learner died
+        between issuing and recording its cursor, or the recorded cursor is garbage)."""
+        recorded = self.bus.run_field(RunField.DATA_CURSOR)
+        try:
+            later = int(recorded or 0)
+        except ValueError:
+            self.bus.skip_bad_value(self.bus.keys.run_info, f"data_cursor {recorded!r} is not an integer", recorded or "")
+            later = 0
+        self.feeder.cursor = max(checkpoint_cursor, later, self.bus.ledger().issued)
 
     # --- collecting -------------------------------------------------------------------------------
     def collect(self, policy_version: int) -> list[Picked] | None:

@@ -57,6 +57,7 @@ from learner.export import Exporter
 from learner.publish import Publisher
 from learner.report import Reporter
 from learner.trainer import NonFiniteTrainingError
+from services.contracts.checkpoint_store import CheckpointRefused
 from services.contracts.config import DapoConfig
 from services.contracts.faults import stretch
 from services.contracts.keys import Counter, RunField
@@ -284,7 +285,15 @@ class LearnerLoop:
         self.exporter.export(self.publisher.staged(), out)
 
     def _operator_restore(self, step: int) -> None:
-        if self._restore(step):
+        try:
+            restored = self._restore(step)
+        except CheckpointRefused as exc:
+            # Verification reads no pickled byte and touches no weight, and every rank raises
+            # alike: the run goes on from where it was, and the operator sees why in the log.
+            log.error("restore of step %d refused: %s", step, exc)
+            self.control.count(Counter.RESTORES_REFUSED)
+            return
+        if restored:
             self.control.count(Counter.RESTORES)
             self._publish()
 

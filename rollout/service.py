@@ -24,6 +24,7 @@ from rollout.engine import Engine, make_engine
 from services.contracts.bus import Entry, StreamBus, is_oom
 from services.contracts.config import DapoConfig
 from services.contracts.faults import stretch
+from services.contracts.model_source import with_local_model
 from services.contracts.runtime import Heartbeat, StopFlag, service_context
 from services.contracts.schemas import (
     PromptJob,
@@ -141,7 +142,8 @@ class RolloutWorker:
                 entries: list[Entry] = []
                 if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
                     last_reclaim = time.monotonic()
-                    entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries)
+                    entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries,
+                                               count=self.cfg.rollout.prompts_per_batch)  # at most a batch of its own and one of others'
                 if not entries:
                     entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=None)
                 if entries:  # a batch may outlast claim_idle_s: keep its claims while generating
@@ -168,6 +170,7 @@ def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, Prom
 
 
 def main(cfg: DapoConfig) -> int:
+    cfg = with_local_model(cfg)  # an hf:// model: its snapshot in the Hugging Face cache
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
     engine = make_engine(cfg)

@@ -32,11 +32,12 @@ whoever reclaims the entry (at-least-once processing, exactly-once forwarding).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +153,9 @@ OOM_PAUSE_COUNTER = Counter.REDIS_OOM_PAUSES.value
 
 BAD_VALUES_REMEMBERED = 1000
 """Malformed (key, value) pairs a process remembers so it logs and counts each once."""
+
+WRONGTYPE = "WRONGTYPE"
+"""Redis's error code for a command on a key of another type (also inside a script's error)."""
 
 DEAD_LETTER_MAXLEN = 10_000
 """Dead-letter records kept (about; trimmed approximately). Older records are dropped; every
@@ -375,9 +379,32 @@ class StreamBus:
     def write(self, *command: Any) -> Any:
         """One write command (e.g. `write("HSET", key, field, value)`), fenced when this bus holds
         a fence; the raw Redis reply (no client-side parsing)."""
+        try:
+            return self._write_once(*command)
+        except redis.ResponseError as exc:
+            if WRONGTYPE not in str(exc) or len(command) < 2:
+                raise
+        # The key holds another type than the one this service writes (planted, or left by
+        # something else): every write to it would fail, so it is replaced, counted as a bad value.
+        self.skip_bad_value(command[1], "a value of the wrong type; replaced")
+        self._write_once("DEL", command[1])
+        return self._write_once(*command)
+
+    def _write_once(self, *command: Any) -> Any:
         if not self.fence[0]:
             return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
         return self._fenced(self._call, [], list(command))
+
+    def _read(self, key: Any, read: Callable[[], Any], default: Any) -> Any:
+        """`read()` of `key`, where a key of the wrong type (a hash where a string belongs, ...)
+        is a malformed value like any other: skipped and counted, and `default` returned."""
+        try:
+            return read()
+        except redis.ResponseError as exc:
+            if WRONGTYPE not in str(exc):
+                raise
+            self.skip_bad_value(key, "a value of the wrong type")
+            return default
 
     def ensure_groups(self) -> None:
         """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
@@ -585,7 +612,7 @@ class StreamBus:
     def counters(self) -> dict[str, int]:
         """Every counter; a value that is not an integer is skipped."""
         out = {}
-        raw: Any = self.redis.hgetall(self.keys.counters)
+        raw: Any = self._read(self.keys.counters, lambda: self.redis.hgetall(self.keys.counters), {})
         for k, v in raw.items():
             try:
                 out[k.decode()] = int(v)
@@ -597,7 +624,12 @@ class StreamBus:
         """The run's gatekeeper pass rate so far (`filtered` from a ledger snapshot, if at hand)."""
         if filtered is None:
             filtered = self.ledger().filtered
-        kept = int(self.redis.hget(self.keys.counters, Counter.GATEKEEPER_KEPT) or 0)
+        raw: Any = self._read(self.keys.counters, lambda: self.redis.hget(self.keys.counters, Counter.GATEKEEPER_KEPT), None)
+        try:
+            kept = int(raw or 0)
+        except ValueError:
+            self.skip_bad_value(self.keys.counters, f"{Counter.GATEKEEPER_KEPT} holds {raw!r}, not an integer", raw)
+            return None
         return pass_rate(kept, filtered)
 
     def dead_letter_count(self) -> int:
@@ -606,7 +638,7 @@ class StreamBus:
     # --- run state: policy version, learner state, run info --------------------------------------
     def policy_version(self) -> int:
         """The newest policy version the learner published (0 before the first)."""
-        raw: Any = self.redis.get(self.keys.policy_version)
+        raw: Any = self._read(self.keys.policy_version, lambda: self.redis.get(self.keys.policy_version), None)
         return _int(raw, 0)
 
     def set_policy_version(self, version: int) -> None:
@@ -614,7 +646,7 @@ class StreamBus:
 
     def learner_state(self) -> dict[str, str]:
         """`state`, `step`, `policy_version`, `at` as learner rank 0 last wrote them."""
-        raw: Any = self.redis.hgetall(self.keys.learner_state)
+        raw: Any = self._read(self.keys.learner_state, lambda: self.redis.hgetall(self.keys.learner_state), {})
         return _strings(raw)
 
     def set_learner_state(self, state: str, *, step: int, policy_version: int) -> None:
@@ -623,11 +655,11 @@ class StreamBus:
 
     def run_info(self) -> dict[str, str]:
         """The run-info hash (`RunField` names) as strings."""
-        raw: Any = self.redis.hgetall(self.keys.run_info)
+        raw: Any = self._read(self.keys.run_info, lambda: self.redis.hgetall(self.keys.run_info), {})
         return _strings(raw)
 
     def run_field(self, field: RunField) -> str | None:
-        raw: Any = self.redis.hget(self.keys.run_info, field)
+        raw: Any = self._read(self.keys.run_info, lambda: self.redis.hget(self.keys.run_info, field), None)
         return None if raw is None else raw.decode("utf-8", "replace")
 
     def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
@@ -659,7 +691,16 @@ class StreamBus:
     def control_requests(self) -> dict[str, ControlRequest]:
         """Pending operator requests by kind. One that does not parse is removed and counted."""
         out: dict[str, ControlRequest] = {}
-        requests: Any = self.redis.hgetall(self.keys.control)
+        try:
+            requests: Any = self.redis.hgetall(self.keys.control)
+        except redis.ResponseError as exc:
+            if WRONGTYPE not in str(exc):
+                raise
+            # Not a hash: no request can be read from it, nor posted to it. Removed, like a
+            # request that does not parse.
+            self.skip_bad_value(self.keys.control, "a value of the wrong type; removed")
+            self.redis.delete(self.keys.control)
+            return out
         for field, raw in requests.items():
             kind = field.decode("utf-8", "replace")
             try:
@@ -710,8 +751,8 @@ class StreamBus:
         now = time.time()
         out = []
         for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(kind), count=200):
-            raw = self.redis.get(key)
-            if raw is None:  # expired between the scan and the read
+            raw = self._read(key, functools.partial(self.redis.get, key), None)
+            if raw is None:  # expired between the scan and the read (or not a string)
                 continue
             try:
                 info = json.loads(raw)
@@ -753,7 +794,9 @@ class StreamBus:
         """Final stats of every instance of `kind` that wrote them, by instance id."""
         out = {}
         for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(kind)):
-            stats: Any = self.redis.hgetall(key)
+            stats: Any = self._read(key, functools.partial(self.redis.hgetall, key), None)
+            if not stats:  # expired since the scan, or not a hash
+                continue
             try:
                 out[key.decode().rsplit(":", 1)[-1]] = {k.decode(): json.loads(v) for k, v in stats.items()}
             except ValueError:

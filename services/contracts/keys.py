@@ -51,6 +51,8 @@ class Counter(StrEnum):
     (`learner.max_nonfinite_steps` in a row stop the learner)."""
     RESTORES = "restores"
     """Operator restores of a checkpoint."""
+    RESTORES_REFUSED = "restores_refused"
+    """Operator restores refused because the checkpoint failed verification (its manifest)."""
     REDIS_DATA_LOSS = "redis_data_loss"
     """Times the learner found Redis had lost the run's state (restart without AOF)."""
     REDIS_OOM_PAUSES = "redis_oom_pauses"

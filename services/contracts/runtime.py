@@ -29,6 +29,14 @@ from services.contracts.keys import Stage
 
 log = logging.getLogger(__name__)
 
+EXIT_NOT_THE_LEARNER = 3
+"""Exit status of a learner that found (or lost) the learner lease to another learner."""
+EXIT_CHECKPOINT_REFUSED = 4
+"""Exit status of a learner whose newest checkpoint failed verification: starting it again
+would meet the same files."""
+EXITS_NOT_TO_RESTART = (EXIT_NOT_THE_LEARNER, EXIT_CHECKPOINT_REFUSED)
+"""Learner exits that a supervisor should not answer with a restart (`dapo run` does not)."""
+
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; work loops check it between items and exit cleanly."""

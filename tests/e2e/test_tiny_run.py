@@ -78,3 +78,23 @@ def test_tiny_run_with_the_vllm_engine(tmp_path: Path) -> None:
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
     assert list(summary["replica_final_versions"].values()) == [steps]
     assert summary["counters"].get("weight_sync_failures", 0) == 0
+
+
+def test_tiny_run_with_two_learner_ranks(tmp_path: Path) -> None:
+    """`learner.nproc=2`: two FSDP2 ranks (gloo) under `dapo run`, rank 0 talking to Redis and
+    broadcasting its batches and decisions to rank 1. Both ranks train the same steps, checkpoint
+    their own RNG state, and the run ends with the ledger balanced and the replicas on the final
+    policy version. (That two ranks compute the same update as one is `tests/learner/test_multirank.py`.)"""
+    out = tmp_path / "run"
+    steps = 8
+    summary = run_dapo(out, "learner.nproc=2", f"learner.total_steps={steps}", "eval.every_steps=0", "checkpoint.every_steps=4")
+    assert summary["steps"] == steps and summary["learner_exit_code"] == 0
+    ledger = summary["ledger"]
+    assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["trained"] == steps * 16
+    assert summary["counters"].get("trained_twice", 0) == 0
+    assert set(summary["replica_final_versions"].values()) == {summary["policy_version"]}
+    rng = sorted(p.name for p in (out / "checkpoints" / "step_8" / "rng").iterdir())
+    assert len(rng) == 2, rng  # one per rank
+    base = load_file(REPO / "runs" / "cache" / "tiny-qwen2-arith" / "model.safetensors")
+    final = load_file(out / "final_model" / "model.safetensors")
+    assert all(not torch.equal(base[k], final[k]) for k in base)

@@ -3,6 +3,8 @@
 - A checkpoint with a planted pickle (RNG file, torch.distributed.checkpoint's `.metadata`, an
   added file) or a tampered, truncated or missing file is refused, naming the file, and the
   payload never runs; no saved file needs `torch.load(weights_only=False)`.
+- Every file and directory of a step is fsynced before the rename that commits it, and the
+  store directory after it (the rename itself is durable).
 - A save interrupted before its rename leaves no `step_N`; a crash in the middle of a deletion
   (retention, or replacing a step saved twice) never leaves a half-deleted `step_N`; a restart
   removes the leftovers.
@@ -17,6 +19,7 @@ The multi-rank part is run by pytest; the same file is the script each rank runs
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import shutil
@@ -279,6 +282,63 @@ def test_saving_a_step_again_never_deletes_the_committed_one_in_place(tmp_path: 
     verify_checkpoint(step_dir(tmp_path, 2), 0)
     meta = ckpt.load(2)
     assert meta is not None and meta["data_cursor"] == 21
+
+
+class DiskJournal:
+    """Wraps os.fsync, os.rename and os.replace (the real ones still run) and logs, in call order,
+    ("fsync", path synced) and ("rename", source, destination); paths are absolute and resolved."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, ...]] = []
+        real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+        def fsync(fd: Any) -> None:
+            number = fd if isinstance(fd, int) else fd.fileno()
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{number}")))
+            real_fsync(fd)
+
+        def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            self.events.append(("rename", str(Path(src).resolve()), str(Path(dst).resolve())))
+            real_rename(src, dst, *args, **kwargs)
+
+        def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            self.events.append(("rename", str(Path(src).resolve()), str(Path(dst).resolve())))
+            real_replace(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "rename", rename)
+        monkeypatch.setattr(os, "replace", replace)
+
+    @staticmethod
+    def synced(events: list[tuple[str, ...]]) -> set[str]:
+        return {e[1] for e in events if e[0] == "fsync"}
+
+
+def test_every_file_and_directory_is_fsynced_before_the_rename_that_commits_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A power cut after the rename must not leave a listed `step_N` whose files or directory
+    entries were still in the page cache: everything under `.tmp-step_N` reaches the disk first,
+    then the store directory (holding the new name) right after the rename."""
+    root = tmp_path.resolve()
+    ckpt = store(root, tiny_trainer())
+    journal = DiskJournal(monkeypatch)
+    final = ckpt.save(1, {"policy_version": 1, "data_cursor": 10}, keep=True, hf_export=export)
+    tmp = temp_step_dir(root, 1)
+    commit = ("rename", str(tmp), str(final))
+    assert journal.events.count(commit) == 1, journal.events
+    at = journal.events.index(commit)
+    before, after = journal.synced(journal.events[:at]), journal.synced(journal.events[at + 1:])
+
+    files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
+    assert {MARKER, MANIFEST, "keep", "trainer.json", "hf/config.json", "rng/rank_0.safetensors",
+            "state/.metadata"} <= set(files)
+    dirs = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_dir())
+    assert dirs == ["hf", "rng", "state"]
+    assert [f for f in files if str(tmp / f) not in before] == []
+    assert [d for d in dirs if str(tmp / d) not in before] == []
+    assert str(tmp) in before  # the step directory's own entries (its files' names)
+    assert str(root) in after  # the store directory: makes the new name `step_1` durable
 
 
 # --- a restore abandons the newer line ----------------------------------------------------------------------

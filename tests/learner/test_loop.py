@@ -35,6 +35,8 @@ from learner.export import NullExporter
 from learner.loop import LearnerLoop
 from learner.publish import NullPublisher
 from learner.report import NullReporter, group_metrics
+from services.contracts.bus import FencedError
+from services.contracts.checkpoint_store import CheckpointRefused
 from services.contracts.config import DapoConfig, load_config
 from services.contracts.keys import Counter, RunField
 from services.contracts.schemas import PromptJob, Response, RolloutGroup
@@ -185,12 +187,17 @@ class FakeExporter:
 
 
 class FakeControl:
-    """`script`: what take_request hands out at successive decisions (None: no request)."""
+    """`script`: what take_request hands out at successive decisions (None: no request).
+    `lease_lost_at`: the lease check (counted from 1) from which another learner holds the lease,
+    so that check and every later one raise `FencedError` as `RunControl.check_lease` does (0: never)."""
 
-    def __init__(self, script: Sequence[Command | Exception | None] = (), published: int = 0, lost_at: int = -1) -> None:
+    def __init__(
+        self, script: Sequence[Command | Exception | None] = (), published: int = 0, lost_at: int = -1, lease_lost_at: int = 0,
+    ) -> None:
         self.script = list(script)
         self.published = published
         self.lost_at, self.decisions = lost_at, 0
+        self.lease_lost_at, self.lease_checks = lease_lost_at, 0
         self.states: list[tuple[str, Progress]] = []
         self.run_info: dict[RunField, Any] = {}
         self.counters: dict[Counter, int] = {}
@@ -225,7 +232,9 @@ class FakeControl:
         self.counters[counter] = self.counters.get(counter, 0) + 1
 
     def check_lease(self) -> None:
-        self.lease_checks = getattr(self, "lease_checks", 0) + 1
+        self.lease_checks += 1
+        if self.lease_lost_at and self.lease_checks >= self.lease_lost_at:
+            raise FencedError("this learner no longer holds the learner lease (now 9:learner-b); not writing")
 
     def close(self) -> None:
         self.closed = True
@@ -417,6 +426,70 @@ def test_operator_requests_checkpoint_pause_and_restore(tmp_path: Path) -> None:
     assert control.counters == {Counter.RESTORES: 1}  # the restore of a missing step is ignored
     assert p["publisher"].staged_versions == [0, 1, 2, 3, 4, 5]
     assert loop.progress == Progress(3, 5) and control.run_info[RunField.FINISHED] == 1
+
+
+class TamperedCheckpoints(FakeCheckpoints):
+    """Step 1 fails verification (its files do not match its manifest), as the real store refuses it."""
+
+    def load(self, step: int) -> dict[str, Any] | None:
+        if step == 1:
+            raise CheckpointRefused("refusing checkpoint /ckpt/step_1: state/__0_0.distcp differs from the manifest")
+        return super().load(step)
+
+
+def test_a_restore_of_a_tampered_checkpoint_is_refused_and_training_goes_on(tmp_path: Path) -> None:
+    source = FakeSource([batch("a"), batch("b"), batch("c")])
+    cfg = config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1")
+    loop, p = rank0(cfg, source=source, control=FakeControl([None, None, Restore(step=1)]),
+                    checkpoints=TamperedCheckpoints())
+    loop.run()
+    control = p["control"]
+    assert control.counters == {Counter.RESTORES_REFUSED: 1}  # refused, not restored, and not fatal
+    assert [v for _, v in p["trainer"].steps] == [0, 1, 2]  # steps 1-3 in one line: nothing rewound
+    assert p["publisher"].staged_versions == [0, 1, 2, 3]  # and no extra publication for a restore
+    assert loop.progress == Progress(3, 3) and control.run_info[RunField.FINISHED] == 1
+
+
+class LeaseWitness(FakeCheckpoints):
+    """Records, at each save, how many lease checks the run control had made by then."""
+
+    def __init__(self, control: FakeControl) -> None:
+        super().__init__()
+        self.control = control
+        self.lease_checks_at_save: list[int] = []
+
+    def save(self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Any) -> Path:
+        self.lease_checks_at_save.append(self.control.lease_checks)
+        return super().save(step, meta, keep=keep, hf_export=hf_export)
+
+
+def test_every_checkpoint_is_preceded_by_its_own_lease_check(tmp_path: Path) -> None:
+    # An operator's checkpoint at step 1, the periodic one at step 2, the end of the run's at step 3.
+    control = FakeControl([None, SaveCheckpoint(keep=True), None, None])
+    ckpt = LeaseWitness(control)
+    source = FakeSource([batch("a"), batch("b"), batch("c")])
+    loop, _ = rank0(config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=2"), control=control,
+                    checkpoints=ckpt, source=source)
+    assert loop.run() == 0
+    assert ckpt.saved == [(1, True), (2, False), (3, False)]
+    assert ckpt.lease_checks_at_save == [1, 2, 3]  # the k-th save came after the k-th check
+    assert control.lease_checks == 3  # checked before checkpoints only: training needs no check
+
+
+def test_a_learner_that_lost_its_lease_writes_no_checkpoint(tmp_path: Path) -> None:
+    """Another learner took the lease after step 1's checkpoint: step 2's is refused before
+    anything is written (the Hugging Face export included), and the loop stops."""
+    control = FakeControl(lease_lost_at=2)
+    ckpt = LeaseWitness(control)
+    source = FakeSource([batch("a"), batch("b"), batch("c")])
+    loop, p = rank0(config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1"), control=control,
+                    checkpoints=ckpt, source=source)
+    with pytest.raises(FencedError, match="no longer holds the learner lease"):
+        loop.run()
+    assert ckpt.saved == [(1, False)] and sorted(ckpt.stored) == [1]
+    assert p["exporter"].outs == [Path("/ckpt/step_1/hf")]
+    assert len(p["trainer"].steps) == 2  # it trained step 2 and went no further
+    assert control.closed  # the lease is handed back on the way out
 
 
 def test_resume_continues_numbering_above_what_was_published(tmp_path: Path) -> None:

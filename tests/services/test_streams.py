@@ -1,16 +1,21 @@
 """The stream transport against a real Redis: hops are atomic and exactly-once, reclaim and
-dead letters work, and the ledger balances."""
+dead letters work, the ledger balances, and a stage worker keeps the claims of work that outlasts
+the claim timeout."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
-from services.contracts.bus import StreamBus, connect
+from services.contracts.bus import Entry, StreamBus, connect
+from services.contracts.config import QueueConfig
 from services.contracts.keys import Keys
+from services.contracts.runtime import StopFlag, run_stage_loop
 from services.contracts.schemas import decode_group, encode_group, encode_job
 from services.gatekeeper import Gatekeeper, keep_group
+from tests.helpers import wait_for
 from tests.services.test_schemas import make_group
 
 
@@ -111,3 +116,44 @@ def test_a_delivery_whose_reply_was_lost_is_redone_by_its_own_consumer_at_once(b
     time.sleep(1.1)
     [(_, fields)] = bus.reclaim(bus.keys.prompts, min_idle_s=300, max_deliveries=3)
     assert fields[b"group_id"] == b"g0"
+
+
+def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(bus: StreamBus) -> None:
+    """`run_stage_loop` renews the claims of the entries its handler holds: while one worker's
+    handler works for three claim timeouts, another worker reclaiming every 50 ms takes nothing
+    over, and the entry is processed once."""
+    issue(bus, 1)
+    stage, queue = bus.keys.prompts, QueueConfig(claim_idle_s=0.5, block_ms=50)
+    [(raw_id, _)] = bus.redis.xrange(stage.stream)
+    handled: list[tuple[str, str]] = []
+    working, stop = threading.Event(), StopFlag()
+
+    def stage_worker(name: str) -> threading.Thread:
+        consumer = bus.as_consumer(name)
+
+        def handle(entries: list[Entry]) -> None:
+            handled.extend((name, entry_id) for entry_id, _ in entries)
+            working.set()
+            time.sleep(1.5)  # a long batch: three claim timeouts
+            for entry_id, _ in entries:
+                consumer.hop(stage, entry_id, downstream=bus.keys.rollouts.stream, fields={"done_by": name.encode()})
+
+        thread = threading.Thread(target=run_stage_loop, args=(consumer, stage, handle), daemon=True,
+                                  kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05})
+        thread.start()
+        return thread
+
+    workers = [stage_worker("slow")]
+    assert working.wait(10)
+    workers.append(stage_worker("reclaimer"))  # starts while the slow one works, reclaiming at once
+    try:
+        wait_for("the slow worker's hop", lambda: bus.redis.xlen(bus.keys.rollouts.stream), timeout_s=10, every_s=0.05)
+        time.sleep(0.3)  # the reclaimer keeps looking after the hop: nothing is left to take
+    finally:
+        stop.event.set()
+        for thread in workers:
+            thread.join(timeout=10)
+    assert handled == [("slow", raw_id.decode())]
+    assert [fields[b"done_by"] for _, fields in bus.redis.xrange(bus.keys.rollouts.stream)] == [b"slow"]
+    assert bus.redis.xpending(stage.stream, stage.group)["pending"] == 0
+    assert not any(t.is_alive() for t in workers)

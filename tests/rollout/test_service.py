@@ -1,0 +1,97 @@
+"""The rollout replica's loop against a real Redis, with a stand-in engine (no model): a batch
+that outlasts `queue.claim_idle_s` keeps its claims, so another replica does not take it over
+and generate it a second time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout import service
+from rollout.sample import Sample
+from rollout.service import RolloutWorker
+from services.contracts.bus import StreamBus, connect
+from services.contracts.config import load_config
+from services.contracts.keys import Keys
+from services.contracts.runtime import StopFlag
+from services.contracts.schemas import PromptJob, decode_group, encode_job
+from tests.helpers import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class SlowEngine:
+    """Takes `seconds` per batch (a GPU batch of long responses) and records the prompts it
+    generated for."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.prompts: list[list[int]] = []
+        self.generating = threading.Event()
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
+        seed: int | None = None, between_steps: object = None,
+    ) -> list[list[Sample]]:
+        self.prompts += prompts
+        self.generating.set()
+        time.sleep(self.seconds)
+        return [[Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop") for _ in range(n)] for _ in prompts]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise AssertionError("no weights are published in this test")
+
+    def load_weights_from_dir(self, path: str) -> None:
+        raise AssertionError("no checkpoint exists in this test")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The other replica looks for abandoned jobs every 50 ms instead of every 5 s.
+    monkeypatch.setattr(service, "RECLAIM_EVERY_S", 0.05)
+    monkeypatch.setattr(service, "IDLE_WAIT_S", 0.05)
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}", "queue.claim_idle_s=0.5"])
+    bus = StreamBus(connect(redis_url), Keys("rollout-claims"), consumer="test")
+    bus.ensure_groups()
+    job = PromptJob(group_id="g0", prompt_index=0, prompt_ids=[5, 6], ground_truth="1", issued_at=time.time(), policy_version=0)
+    bus.issue([encode_job(job)])
+
+    replicas: dict[str, tuple[RolloutWorker, SlowEngine, threading.Thread]] = {}
+    stop = StopFlag()
+
+    def start(name: str) -> SlowEngine:
+        engine = SlowEngine(seconds=1.5)  # three claim timeouts
+        worker = RolloutWorker(cfg, bus.as_consumer(name), engine, name, stop)
+        thread = threading.Thread(target=worker.run, name=name, daemon=True)
+        thread.start()
+        replicas[name] = (worker, engine, thread)
+        return engine
+
+    slow = start("slow")
+    assert slow.generating.wait(30)
+    reclaimer = start("reclaimer")  # starts while the slow replica generates, reclaiming at once
+    try:
+        wait_for("the slow replica's group", lambda: bus.redis.xlen(bus.keys.rollouts.stream), timeout_s=30, every_s=0.05)
+        time.sleep(0.3)  # the reclaimer keeps looking after the hop: nothing is left to take
+    finally:
+        stop.event.set()
+        for worker, _, thread in replicas.values():
+            thread.join(timeout=10)
+            if worker.weights._watcher is not None:
+                worker.weights._watcher.join(timeout=10)
+
+    assert slow.prompts == [[5, 6]] and reclaimer.prompts == []  # generated once, by the replica that took it
+    [(_, fields)] = bus.redis.xrange(bus.keys.rollouts.stream)
+    assert decode_group(fields).replica_id == "slow"
+    assert [replicas[name][0].groups_done for name in ("slow", "reclaimer")] == [1, 0]
+    assert bus.redis.xpending(bus.keys.prompts.stream, bus.keys.prompts.group)["pending"] == 0
+    assert not any(thread.is_alive() for _, _, thread in replicas.values())

@@ -1,0 +1,76 @@
+"""Keys of the wrong type in Redis (a string where the services keep a hash, a hash where they
+keep a string): planted, or left by another program sharing the server. Readers skip them and
+count a bad value, as they do for a value that does not parse; a service that writes such a
+key replaces it (also under the learner's fence), so one planted key neither crashes a
+service nor blocks its writes for good."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from services.contracts.bus import StreamBus, connect
+from services.contracts.keys import Counter, Keys, RunField
+
+
+@pytest.fixture()
+def bus(redis_url: str) -> StreamBus:
+    b = StreamBus(connect(redis_url), Keys("typed"), consumer="c")
+    b.ensure_groups()
+    return b
+
+
+def bad_values(bus: StreamBus) -> int:
+    return int(bus.redis.hget(bus.keys.counters, Counter.BAD_REDIS_VALUES) or 0)
+
+
+def test_readers_skip_a_key_of_the_wrong_type_and_count_it(bus: StreamBus) -> None:
+    k, r = bus.keys, bus.redis
+    r.hset(k.policy_version, "x", "1")  # a hash where the learner keeps a string
+    r.set(k.learner_state, "garbage")
+    r.set(k.run_info, "garbage")
+    r.rpush(k.heartbeat("rollout", "listed"), "x")  # a list among the heartbeats
+    r.set(k.heartbeat("rollout", "r0"), json.dumps({"id": "r0", "at": time.time(), "policy_version": 3}))
+    r.set(k.final_stats("rollout", "typed"), "garbage")
+    assert bus.policy_version() == 0
+    assert bus.learner_state() == {}
+    assert bus.run_info() == {} and bus.run_field(RunField.DATA_CURSOR) is None
+    assert bus.eval_history() == []
+    assert [i["id"] for i in bus.live_instances("rollout")] == ["r0"]
+    assert bus.final_stats("rollout") == {}
+    assert bad_values(bus) == 5  # policy version, learner state, run info, the listed heartbeat, the final stats
+
+
+def test_counters_of_the_wrong_type_read_as_none(bus: StreamBus) -> None:
+    bus.redis.set(bus.keys.counters, "garbage")
+    assert bus.counters() == {}
+    assert bus.pass_rate(filtered=0) is None
+
+
+def test_a_control_key_of_the_wrong_type_is_removed_and_requests_flow_again(bus: StreamBus) -> None:
+    from services.contracts.schemas import PauseRequest
+
+    bus.redis.sadd(bus.keys.control, "restore")
+    assert bus.control_requests() == {}
+    assert not bus.redis.exists(bus.keys.control)
+    bus.post_control(PauseRequest())
+    assert set(bus.control_requests()) == {"pause"}
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_writer_replaces_a_key_of_the_wrong_type(bus: StreamBus, fenced: bool) -> None:
+    if fenced:  # the learner writes under its lease: the replacement goes through the fence too
+        bus.redis.set(bus.keys.learner_lease, "token-1")
+        bus.hold_fence("token-1", ttl_s=30)
+    bus.redis.set(bus.keys.learner_state, "garbage")
+    bus.redis.rpush(bus.keys.run_info, "garbage")
+    bus.redis.hset(bus.keys.policy_version, "x", "1")
+    bus.set_learner_state("training", step=7, policy_version=7)
+    bus.update_run_info({RunField.DATA_CURSOR: 42})
+    bus.set_policy_version(7)
+    assert bus.learner_state()["step"] == "7"
+    assert bus.run_field(RunField.DATA_CURSOR) == "42"
+    assert bus.policy_version() == 7
+    assert bad_values(bus) == 2  # learner state and run info were replaced; SET overwrites any type anyway
