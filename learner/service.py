@@ -31,17 +31,23 @@ from learner.report import CompletionSampler, NullReporter, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
 from services.contracts.bus import FencedError, open_bus
+from services.contracts.checkpoint_store import CheckpointRefused
 from services.contracts.config import ConfigError, DapoConfig
 from services.contracts.data import load_prompts
 from services.contracts.lease import LearnerLease, LeaseHeldError
-from services.contracts.runtime import StopFlag, free_port, instance_id
+from services.contracts.model_source import with_local_model
+from services.contracts.runtime import (
+    EXIT_CHECKPOINT_REFUSED,
+    EXIT_NOT_THE_LEARNER,
+    StopFlag,
+    free_port,
+    instance_id,
+)
 from services.contracts.weight_sync import WeightPublisher
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-EXIT_NOT_THE_LEARNER = 3
-"""Exit status of a learner that found (or lost) the learner lease to another learner."""
 
 
 def resolve_backend(name: str) -> str:
@@ -128,6 +134,9 @@ def null_collaborators() -> dict[str, Any]:
 
 
 def main(cfg: DapoConfig) -> int:
+    # An hf:// model: each rank takes the cache's snapshot (downloaded by whichever gets there
+    # first), before the process group forms, so a download never runs into its timeout.
+    cfg = with_local_model(cfg)
     stop = StopFlag().install()
     rank, world, backend = init_distributed(cfg)
     torch.manual_seed(cfg.learner.seed + rank)
@@ -145,5 +154,9 @@ def main(cfg: DapoConfig) -> int:
     except (LeaseHeldError, FencedError) as exc:  # another learner trains this run: not a crash to debug
         log.error("%s", exc)
         return EXIT_NOT_THE_LEARNER
+    except CheckpointRefused as exc:
+        log.error("%s. Nothing was loaded. Move that step out of %s (or restore it from a copy you trust) "
+                  "and start again: the learner resumes from the newest checkpoint that verifies.", exc, cfg.checkpoint_dir)
+        return EXIT_CHECKPOINT_REFUSED
     finally:
         dist.destroy_process_group()

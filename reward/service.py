@@ -24,6 +24,7 @@ from reward.verifiers import SandboxPool, Scorer, WorkerStartError, make_scorer
 from services.contracts.bus import Entry, StreamBus
 from services.contracts.config import ConfigError, DapoConfig, RewardConfig
 from services.contracts.keys import Counter
+from services.contracts.model_source import with_local_model
 from services.contracts.runtime import run_stage_loop, service_context
 from services.contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
 
@@ -179,6 +180,7 @@ def score_group(
 def main(cfg: DapoConfig) -> int:
     from transformers import AutoTokenizer
 
+    cfg = with_local_model(cfg)  # an hf:// model: its snapshot (the tokenizer) in the HF cache
     ctx = service_context(cfg, "reward")
     worker = RewardWorker(cfg, ctx.bus, AutoTokenizer.from_pretrained(cfg.model.path))
     hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)

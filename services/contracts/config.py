@@ -88,9 +88,10 @@ class ModelConfig(_Section):
     id). `dapo run` downloads a Hub model once, before any service starts, into the Hugging Face
     cache (`HF_HOME`, by default `~/.cache/huggingface`; safetensors, config and tokenizer files
     only), then hands every service the local snapshot directory with `HF_HUB_OFFLINE=1`, so no
-    service downloads anything. A service started on its own (docker-compose, Kubernetes) needs
-    a local directory: download the model into the shared volume first
-    (`huggingface-cli download OWNER/NAME --local-dir DIR`)."""
+    service downloads anything. A service started on its own (`dapo learner`, `dapo rollout`,
+    `dapo reward` under docker-compose or Kubernetes) resolves the id the same way when it starts
+    (`services.contracts.model_source`), into its own cache unless the services share one
+    (`HF_HOME` on a writable shared volume: then each file is downloaded once, under a lock)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit hash) of an `hf://` model; None = the default
     branch. A commit hash makes the run's base model reproducible."""

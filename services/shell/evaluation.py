@@ -19,6 +19,7 @@ from reward.service import open_scorer
 from rollout.engine import Engine
 from services.contracts.config import DapoConfig
 from services.contracts.data import PromptRecord, encode_prompt, load_eval_problems
+from services.contracts.model_source import with_local_model
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def main(cfg: DapoConfig, model_dir: str | None = None) -> int:
 
     from rollout.engine import make_engine
 
-    path = model_dir or cfg.model.path
+    path = model_dir or with_local_model(cfg).model.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     records, prompts = eval_prompts(cfg, tokenizer)
     if not records:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -36,7 +37,8 @@ from reward.service import check_reward_function
 from services.contracts.bus import StreamBus, open_bus
 from services.contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
 from services.contracts.keys import RunField, restarts_counter
-from services.contracts.runtime import instance_id
+from services.contracts.model_source import Download, with_local_model
+from services.contracts.runtime import EXITS_NOT_TO_RESTART, instance_id
 from services.shell.capacity import ModelShape, budget
 from services.shell.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.shell.plots import write_curves_svg
@@ -44,10 +46,6 @@ from services.shell.plots import write_curves_svg
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
-MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
-"""What a Hub download fetches: config, generation config, safetensors weights and tokenizer
-files. Repositories often hold the same weights again as PyTorch pickles (`*.bin`, `*.pth`) or
-GGUF files; nothing here loads those (no pickles, ARCHITECTURE.md), so they are not downloaded."""
 RATE_WINDOW_S = 120.0
 """The progress line's steps/s is measured over the steps of about the last two minutes."""
 
@@ -72,6 +70,9 @@ class Service:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
         if self.alive():
@@ -99,21 +100,19 @@ class Prepared:
     """Environment the services get on top of this process's."""
 
 
-def prepare(cfg: DapoConfig, *, download: Callable[..., str] | None = None) -> Prepared:
+def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
     """Create the synthetic data and the tiny base model if the config asks for them, check that
-    a local model exists, or download an `hf://` model (`download`:
-    `huggingface_hub.snapshot_download` unless injected).
+    a local model exists, or download an `hf://` model (`services.contracts.model_source`;
+    `download`: `huggingface_hub.snapshot_download` unless injected).
 
     Build progress is logged (once: the console shows this process's log lines)."""
     _prepare_data(cfg)
     if cfg.model.hub_id is None:
         _local_model(cfg)
         return Prepared(cfg, {})
-    local = fetch_model(cfg, download)
-    model = cfg.model.model_copy(update={"path": local})
     # Every service now reads the same files from the cache; offline, none of them can start a
     # second download (or ask the Hub whether the id moved) if a library looks the id up again.
-    return Prepared(cfg.model_copy(update={"model": model}), {"HF_HUB_OFFLINE": "1"})
+    return Prepared(with_local_model(cfg, download), {"HF_HUB_OFFLINE": "1"})
 
 
 def _local_model(cfg: DapoConfig) -> None:
@@ -126,36 +125,6 @@ def _local_model(cfg: DapoConfig) -> None:
         raise ConfigError(
             f"model.path={cfg.model.path!r}: no such model directory (a Hugging Face Hub model is written hf://OWNER/NAME)"
         )
-
-
-def fetch_model(cfg: DapoConfig, download: Callable[..., str] | None = None) -> str:
-    """The local snapshot directory of an `hf://OWNER/NAME` `model.path`, downloaded into the
-    Hugging Face cache (`HF_HOME`) if it is not there yet. A path that is neither a directory nor
-    `hf://` is a ConfigError, as is a failed download (the error says which)."""
-    path, repo_id, revision = cfg.model.path, cfg.model.hub_id, cfg.model.revision
-    if repo_id is None:
-        raise ConfigError(f"model.path={path!r} is not an hf://OWNER/NAME model")
-    download = download or _hub_download
-    log.info("fetching %s%s from the Hugging Face Hub into its cache (once; services read it offline)",
-             repo_id, f"@{revision}" if revision else "")
-    try:
-        local = str(download(repo_id=repo_id, revision=revision, allow_patterns=MODEL_FILES))
-    except (OSError, ValueError) as exc:  # the Hub's errors: not found, gated, offline, network
-        raise ConfigError(
-            f"model.path={path!r}: downloading {repo_id} (revision {revision or 'default'}) from the Hugging "
-            f"Face Hub failed ({type(exc).__name__}: {exc}). Check the id and model.revision, the network, "
-            "and for a gated model HF_TOKEN"
-        ) from None
-    if not (Path(local) / "config.json").exists():
-        raise ConfigError(f"model.path={path!r}: the Hub snapshot {local} has no config.json (not a transformers model)")
-    log.info("model %s is in %s", path, local)
-    return local
-
-
-def _hub_download(**kwargs: Any) -> str:
-    from huggingface_hub import snapshot_download
-
-    return str(snapshot_download(**kwargs))
 
 
 def _prepare_data(cfg: DapoConfig) -> None:
@@ -288,11 +257,18 @@ def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> 
     return out
 
 
+def _stat(stats: dict[str, Any], name: str, default: float) -> float:
+    """A number from an instance's final stats; anything else (a planted value) reads as `default`."""
+    value = stats.get(name, default)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else default
+
+
 def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]) -> dict[str, Any]:
     info = bus.run_info()
     finals = bus.final_stats("rollout")
-    rollout_idle = [float(s.get("idle_fraction", 0.0)) for s in finals.values()]
-    replica_versions = {rid: int(s.get("policy_version", -1)) for rid, s in finals.items()}
+    rollout_idle = [_stat(s, "idle_fraction", 0.0) for s in finals.values()]
+    replica_versions = {rid: int(_stat(s, "policy_version", -1)) for rid, s in finals.items()}
     counters = bus.counters()
     metrics = bus.recent_metrics()
     ledger = bus.ledger()
@@ -316,7 +292,7 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
         "replica_final_versions": replica_versions,
         "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
-        "gatekeeper_evaluations": sum(int(s.get("evaluations", 0)) for s in bus.final_stats("gatekeeper").values()),
+        "gatekeeper_evaluations": sum(int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()),
         "eval_history": bus.eval_history(),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
@@ -422,7 +398,7 @@ def run_local(
                 log.warning("interrupted: stopping every service")
                 break
             if not learner.alive():
-                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS:
+                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS or learner.exit_code() in EXITS_NOT_TO_RESTART:
                     break
                 # Crashed, or stopped from outside (SIGTERM: it exits 0 after checkpointing): it
                 # resumes from the newest committed checkpoint.

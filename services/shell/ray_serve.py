@@ -46,6 +46,7 @@ from ray.serve.handle import DeploymentHandle
 
 from reward.service import REWARD_BATCH
 from services.contracts.config import ConfigError, load_config
+from services.contracts.model_source import with_local_model
 from services.contracts.runtime import Heartbeat, run_stage_loop, service_context
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class _StageHost:
         from services.shell.cli import setup_logging
 
         setup_logging(self.kind)
-        self.cfg = load_config(config, list(overrides or []))
+        # An hf:// model: its snapshot in the Hugging Face cache, as `dapo rollout` resolves it.
+        self.cfg = with_local_model(load_config(config, list(overrides or [])))
         # Signal handlers need the main thread, which Serve owns: the StopFlag is not installed.
         self.ctx = service_context(self.cfg, self.kind, install_signals=False)
         self.id, self.stop, self.bus = self.ctx.inst, self.ctx.stop, self.ctx.bus

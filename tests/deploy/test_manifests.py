@@ -329,12 +329,27 @@ def test_dockerfile_installs_the_project_and_runs_as_non_root(variant: str) -> N
     text = dockerfile(variant)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     torch_at = next(i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln)
-    extra_at = next(i for i, ln in enumerate(lines) if f'".[{variant}]"' in ln)
+    extra_at = next(i for i, ln in enumerate(lines) if f'".[{variant}' in ln and "pip install" in ln)
     assert torch_at < extra_at, "torch is installed first, pinned as in pyproject.toml"
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in {"0", "root"}
     assert lines[[i for i, ln in enumerate(lines) if ln.startswith("ENTRYPOINT")][-1]] == 'ENTRYPOINT ["dapo"]'
     assert "dapo-healthcheck" in text
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+@pytest.mark.parametrize("extras, expected", [("", "[{v}]"), ("wandb", "[{v},wandb]"), ("wandb,data", "[{v},wandb,data]")])
+def test_dockerfile_extras_build_arg_adds_extras_to_the_project_install(variant: str, extras: str, expected: str) -> None:
+    """`--build-arg EXTRAS=...` adds extras to the install of the project's dependencies; the
+    argument is declared after torch's layer, so changing it keeps that layer."""
+    lines = [ln.strip() for ln in dockerfile(variant).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    arg_at = lines.index("ARG EXTRAS=")
+    torch_at = next(i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln)
+    [(install_at, spec)] = [(i, m.group(0)) for i, ln in enumerate(lines) if (m := re.search(rf'"\.\[{variant}[^"]*\]"', ln))]
+    assert torch_at < arg_at < install_at
+    # The RUN line's shell (/bin/sh in both images) expands the argument, as docker build does.
+    out = subprocess.run(["sh", "-c", f"printf %s {spec}"], env={"EXTRAS": extras}, capture_output=True, text=True, check=True)
+    assert out.stdout == "." + expected.format(v=variant)
 
 
 def test_cpu_dockerfile_base_and_vllm_cleanup() -> None:

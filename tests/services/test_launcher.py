@@ -23,7 +23,8 @@ import yaml
 import services.shell.launcher as launcher
 from services.contracts.bus import LedgerSnapshot
 from services.contracts.config import ConfigError, DapoConfig, build_config
-from services.shell.launcher import MODEL_FILES, Progress, prepare
+from services.contracts.model_source import MODEL_FILES
+from services.shell.launcher import Progress, prepare
 
 REPO = Path(__file__).resolve().parents[2]
 
