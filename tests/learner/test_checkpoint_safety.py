@@ -169,12 +169,34 @@ def test_a_tampered_checkpoint_is_refused_naming_the_file_and_nothing_runs(tmp_p
     assert ckpt.latest_step() == 2  # a refused restore abandons nothing
 
 
+def test_planted_metadata_runs_no_code_even_with_a_manifest_rewritten_to_match(tmp_path: Path) -> None:
+    """A writer with full access to the store can plant a pickle and a manifest that agrees with
+    it; the manifest check passes, and DCP's metadata reader is what stands between the pickle
+    and the learner: it refuses the global the pickle names before looking it up."""
+    from services.contracts.checkpoint_store import file_digest, hashed_files, write_manifest
+
+    marker = tmp_path / "payload-ran"
+    t = tiny_trainer()
+    ckpt = store(tmp_path / "ckpt", t)
+    path = save(ckpt, 1)
+    plant_pickle(path / "state" / ".metadata", marker)
+    (path / MANIFEST).unlink()
+    sizes, problems = hashed_files(path)
+    assert not problems
+    write_manifest(path, 1, {name: file_digest(path / name) for name in sizes})
+    before = params(t.model)
+    with pytest.raises(CheckpointRefused, match=r"metadata names io\.open, which a checkpoint never holds"):
+        ckpt.load(1)
+    assert not marker.exists()
+    assert all(torch.equal(v, before[k]) for k, v in params(t.model).items())
+
+
 def test_verification_runs_before_the_pickled_metadata_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The order matters more than the hashes: verification must come before DCP's reader."""
     t = tiny_trainer()
     ckpt = store(tmp_path, t)
     path = save(ckpt, 1)
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from learner.dcp_reader import SafeMetadataReader as FileSystemReader
 
     calls: list[str] = []
     real_verify, real_read = ckpt_mod.verify_checkpoint, FileSystemReader.read_metadata
