@@ -13,6 +13,7 @@ from typing import Any
 import redis
 
 from services.contracts.bus import StreamBus
+from services.contracts.config import DapoConfig, build_config
 from services.contracts.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,3 +85,16 @@ def wait_for(what: str, check: Any, timeout_s: float = 300, every_s: float = 0.2
 def learner_step(r: redis.Redis, namespace: str = "dapo") -> int:
     """The step the learner is on (as it publishes it in its state hash)."""
     return int(r.hget(f"{namespace}:learner:state", "step") or 0)
+
+
+def model_config(tmp_path: Path, model_path: str, *, redis_url: str | None = None, **model: Any) -> DapoConfig:
+    """The smallest valid config around `model.path` (and other `model` fields): what the model
+    resolution tests vary."""
+    return build_config({
+        "output_dir": str(tmp_path / "run"),
+        "model": {"path": model_path, **model},
+        "data": {"train_path": str(tmp_path / "train.jsonl")},
+        "rollout": {"max_response_len": 16},
+        "reward": {"overlong": {"buffer_len": 4}},
+        "queue": {"redis_url": redis_url},
+    })

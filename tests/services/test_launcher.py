@@ -22,9 +22,10 @@ import yaml
 
 import services.shell.launcher as launcher
 from services.contracts.bus import LedgerSnapshot
-from services.contracts.config import ConfigError, DapoConfig, build_config
+from services.contracts.config import ConfigError
 from services.contracts.model_source import MODEL_FILES
 from services.shell.launcher import Progress, prepare
+from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,21 +99,6 @@ def test_quiet_progress_writes_nothing() -> None:
 
 
 # --- the model ----------------------------------------------------------------------------------
-def _config(
-    tmp_path: Path, model_path: str, *, redis_url: str | None = None, **model: Any
-) -> DapoConfig:
-    return build_config(
-        {
-            "output_dir": str(tmp_path / "run"),
-            "model": {"path": model_path, **model},
-            "data": {"train_path": str(tmp_path / "train.jsonl")},
-            "rollout": {"max_response_len": 16},
-            "reward": {"overlong": {"buffer_len": 4}},
-            "queue": {"redis_url": redis_url},
-        }
-    )
-
-
 class FakeDownload:
     """`huggingface_hub.snapshot_download` as `prepare` calls it: a snapshot directory in a
     Hugging Face cache layout."""
@@ -138,7 +124,7 @@ def test_a_hub_model_is_downloaded_once_and_the_services_read_the_snapshot_offli
 ) -> None:
     download = FakeDownload(tmp_path / "hf-cache")
     prepared = prepare(
-        _config(tmp_path, "hf://Qwen/Qwen2.5-0.5B-Instruct", revision="v1"), download=download
+        model_config(tmp_path, "hf://Qwen/Qwen2.5-0.5B-Instruct", revision="v1"), download=download
     )
     assert download.calls == [
         {"repo_id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "v1", "allow_patterns": MODEL_FILES}
@@ -156,7 +142,7 @@ def test_a_hub_model_is_downloaded_once_and_the_services_read_the_snapshot_offli
 def test_a_local_directory_is_used_as_it_is(tmp_path: Path) -> None:
     (tmp_path / "model").mkdir()
     download = FakeDownload(tmp_path / "hf-cache")
-    cfg = _config(tmp_path, str(tmp_path / "model"))
+    cfg = model_config(tmp_path, str(tmp_path / "model"))
     prepared = prepare(cfg, download=download)
     assert prepared.cfg == cfg and prepared.env == {} and download.calls == []
 
@@ -169,7 +155,7 @@ def test_a_missing_directory_fails_before_any_service_starts(tmp_path: Path) -> 
         ConfigError,
         match=r"model.path='models/Qwen2.5-7B': no such model directory .*hf://OWNER/NAME",
     ):
-        prepare(_config(tmp_path, "models/Qwen2.5-7B"), download=download)
+        prepare(model_config(tmp_path, "models/Qwen2.5-7B"), download=download)
     assert download.calls == []
 
 
@@ -184,7 +170,7 @@ def test_a_failed_download_names_the_id_and_why(tmp_path: Path) -> None:
         match=r"model.path='hf://org/model': downloading org/model \(revision default\).*"
         r"LocalEntryNotFoundError: offline and not in the cache",
     ):
-        prepare(_config(tmp_path, "hf://org/model"), download=download)
+        prepare(model_config(tmp_path, "hf://org/model"), download=download)
 
 
 @pytest.mark.parametrize(
@@ -198,7 +184,7 @@ def test_a_failed_download_names_the_id_and_why(tmp_path: Path) -> None:
     ],
 )
 def test_only_hf_paths_are_hub_models(tmp_path: Path, path: str, hub_id: str | None) -> None:
-    assert _config(tmp_path, path).model.hub_id == hub_id
+    assert model_config(tmp_path, path).model.hub_id == hub_id
 
 
 @pytest.mark.parametrize(
@@ -206,12 +192,12 @@ def test_only_hf_paths_are_hub_models(tmp_path: Path, path: str, hub_id: str | N
 )
 def test_a_malformed_hub_model_fails_when_the_config_loads(tmp_path: Path, path: str) -> None:
     with pytest.raises(ConfigError, match=r"model.path=.*expected hf://OWNER/NAME"):
-        _config(tmp_path, path)
+        model_config(tmp_path, path)
 
 
 def test_a_tiny_model_is_built_in_a_directory_not_a_hub_id(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.build_tiny builds a local model"):
-        _config(tmp_path, "hf://org/model", build_tiny={})
+        model_config(tmp_path, "hf://org/model", build_tiny={})
 
 
 class StartRefused(Exception):
@@ -236,7 +222,7 @@ def test_dapo_run_hands_the_services_the_snapshot_and_offline_mode(
     monkeypatch.setattr(launcher.Service, "start", start)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(StartRefused):
-        launcher.run_local(_config(tmp_path, "hf://org/model", redis_url=redis_url), quiet=True)
+        launcher.run_local(model_config(tmp_path, "hf://org/model", redis_url=redis_url), quiet=True)
     assert len(download.calls) == 1 and download.calls[0]["repo_id"] == "org/model"
     [(name, env)] = started
     assert name == "learner" and env["HF_HUB_OFFLINE"] == "1"

@@ -15,23 +15,12 @@ from typing import Any
 import pytest
 
 import services.contracts.model_source as model_source
-from services.contracts.config import ConfigError, DapoConfig, build_config
+from services.contracts.config import ConfigError, DapoConfig
 from services.contracts.model_source import MODEL_FILES, fetch_model, with_local_model
+from tests.helpers import model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def config(tmp_path: Path, model_path: str, **model: Any) -> DapoConfig:
-    return build_config(
-        {
-            "output_dir": str(tmp_path / "run"),
-            "model": {"path": model_path, **model},
-            "data": {"train_path": str(tmp_path / "train.jsonl")},
-            "rollout": {"max_response_len": 16},
-            "reward": {"overlong": {"buffer_len": 4}},
-        }
-    )
 
 
 def cached_snapshot(hub_cache: Path, repo_id: str, files: dict[str, str]) -> Path:
@@ -64,7 +53,7 @@ class FakeDownload:
 
 def test_a_hub_model_resolves_to_its_snapshot_with_only_the_model_files(tmp_path: Path) -> None:
     download = FakeDownload(tmp_path / "hub")
-    cfg = config(tmp_path, "hf://Qwen/Qwen2.5-0.5B-Instruct", revision="v1", dtype="bfloat16")
+    cfg = model_config(tmp_path, "hf://Qwen/Qwen2.5-0.5B-Instruct", revision="v1", dtype="bfloat16")
     local = with_local_model(cfg, download)
     assert download.calls == [
         {"repo_id": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "v1", "allow_patterns": MODEL_FILES}
@@ -77,7 +66,7 @@ def test_a_hub_model_resolves_to_its_snapshot_with_only_the_model_files(tmp_path
 
 def test_a_local_directory_is_never_downloaded(tmp_path: Path) -> None:
     download = FakeDownload(tmp_path / "hub")
-    cfg = config(tmp_path, str(tmp_path / "model"))
+    cfg = model_config(tmp_path, str(tmp_path / "model"))
     assert with_local_model(cfg, download) is cfg and download.calls == []
     with pytest.raises(ConfigError, match="is not an hf://OWNER/NAME model"):
         fetch_model(cfg.model, download)
@@ -86,7 +75,7 @@ def test_a_local_directory_is_never_downloaded(tmp_path: Path) -> None:
 def test_a_snapshot_without_config_is_refused(tmp_path: Path) -> None:
     snapshot = cached_snapshot(tmp_path / "hub", "org/weights-only", {"model.safetensors": ""})
     with pytest.raises(ConfigError, match=r"has no config.json \(not a transformers model\)"):
-        fetch_model(config(tmp_path, "hf://org/weights-only").model, lambda **_: str(snapshot))
+        fetch_model(model_config(tmp_path, "hf://org/weights-only").model, lambda **_: str(snapshot))
 
 
 def test_the_real_download_finds_a_cached_model_offline(tmp_path: Path) -> None:
@@ -168,7 +157,7 @@ def test_a_service_started_on_its_own_resolves_an_hf_model_first(
 
         monkeypatch.setattr(module, "service_context", _stop_with_cfg)
     with pytest.raises(Resolved) as resolved:
-        module.main(config(tmp_path, "hf://org/model", revision="main"))
+        module.main(model_config(tmp_path, "hf://org/model", revision="main"))
     assert [c["repo_id"] for c in download.calls] == ["org/model"]
     assert resolved.value.cfg.model.path == str(
         tmp_path / "hub" / "models--org--model" / "snapshots" / COMMIT
