@@ -98,9 +98,18 @@ class Gatekeeper:
                     fields={k.decode(): v for k, v in fields.items()}, counter=Counter.GATEKEEPER_KEPT,
                 )
                 self.kept += done
+                self._count_responses(group, done)
             else:
                 done = self.bus.hop(stage, entry_id, outcome=LEDGER_FILTERED)
                 self.filtered += done
+                self._count_responses(group, done)
+
+    def _count_responses(self, group: RolloutGroup, hopped: bool) -> None:
+        """Response counts for the truncation rate. After the hop, not inside it: a statistic,
+        so a crash between the two undercounts one group rather than costing the hop a field."""
+        if hopped:
+            self.bus.incr(Counter.RESPONSES_JUDGED, len(group.responses))
+            self.bus.incr(Counter.RESPONSES_TRUNCATED, sum(r.finish_reason == "length" for r in group.responses))
 
 
 def main(cfg: DapoConfig) -> int:

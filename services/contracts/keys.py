@@ -34,6 +34,11 @@ class Counter(StrEnum):
 
     GATEKEEPER_KEPT = "gatekeeper_kept"
     """Groups the gatekeeper forwarded to the learner (filtered ones are in the ledger)."""
+    RESPONSES_JUDGED = "responses_judged"
+    """Training responses the gatekeeper saw, kept or filtered (evaluation excluded)."""
+    RESPONSES_TRUNCATED = "responses_truncated"
+    """Of those, the ones cut at `rollout.max_response_len`: the run's truncation rate counts
+    every generated response, not only the trained ones (dynamic sampling filters some)."""
     DEAD_LETTERS = "dead_letters"
     """Issued work dead-lettered with a reason (also counted `dead` in the ledger)."""
     POISON_MESSAGES = "poison_messages"

@@ -13,8 +13,8 @@ interrupted ladder resumes where it stopped (an unfinished run is started again 
 
 From each run's `summary.json` and `metrics.jsonl` the report takes: the final evaluation
 accuracy, the generated responses at the first evaluation at least `gain` above the run's own
-base evaluation, the share of groups the gatekeeper filtered, the truncation rate of trained
-responses and the policy entropy at the end. It writes `ablation.md` (the table), `ablation.json`
+base evaluation, the share of groups the gatekeeper filtered, the truncation rate of generated
+training responses (kept or filtered) and the policy entropy at the end. It writes `ablation.md` (the table), `ablation.json`
 (every figure, per run) and `ablation.svg` (accuracy and entropy against generated responses,
 mean and standard deviation over seeds).
 """
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.contracts.config import DapoConfig, load_config
+from services.contracts.keys import Counter
 from services.shell.provenance import provenance
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,12 @@ def read_run(path: Path, rung: str, seed: int, *, group_size: int, gain: float) 
     tail = [e for _, e in entropy_curve[-max(1, len(entropy_curve) // 10):]]
     ledger = summary["ledger"]
     gated = ledger["trained"] + ledger["filtered"] + ledger["stale"]
-    truncation = [float(m["response_length/clip_ratio"]) for m in metrics if "response_length/clip_ratio" in m]
+    counters = summary.get("counters", {})
+    judged, truncated = counters.get(Counter.RESPONSES_JUDGED, 0), counters.get(Counter.RESPONSES_TRUNCATED, 0)
+    if judged:  # every generated training response, kept or filtered by the gatekeeper
+        truncation = [truncated / judged]
+    else:  # runs from before the gatekeeper counted responses: the trained ones only
+        truncation = [float(m["response_length/clip_ratio"]) for m in metrics if "response_length/clip_ratio" in m]
     return RunResult(
         rung=rung, seed=seed, base_acc=base, final_acc=float(summary["final_eval_acc"]),
         samples=int(max(issued_at.values())), samples_to_target=first_reaching(gain),
@@ -328,7 +334,7 @@ def write_report(results: Sequence[RunResult], out: Path, *, gain: float, comman
         "Columns: final accuracy is the last evaluation (avg@k on the eval set); responses to target count the "
         f"training responses requested until the first evaluation at least {gain * 100:.0f} points above the run's "
         f"own base evaluation (the mean is over the runs that reached it), and the same for +{EARLY_GAIN * 100:.0f} "
-        "points; groups filtered is the share the gatekeeper dropped; truncated is the share of trained responses cut at max_response_len; entropy is the "
+        "points; groups filtered is the share the gatekeeper dropped; truncated is the share of generated training responses cut at max_response_len (kept or filtered); entropy is the "
         "mean token entropy of the last tenth of training steps. Every run stops at the same sample budget.\n\n"
         f"What each rung adds:\n\n{why}\n\n"
         f"Wall time: {sum(r.wall_s for r in results) / 60:.1f} min for the {len(results)} runs (each `dapo run` from start "

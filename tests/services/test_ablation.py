@@ -43,13 +43,13 @@ def test_the_ladder_starts_at_naive_grpo_and_ends_at_the_dapo_config() -> None:
 
 
 def fake_run(path: Path, *, base: float, evals: list[tuple[int, float]], issued_per_step: int, steps: int,
-             filtered: int = 0, entropy: float = 1.0, clip_ratio: float = 0.1) -> None:
+             filtered: int = 0, entropy: float = 1.0, clip_ratio: float = 0.1, counters: dict[str, int] | None = None) -> None:
     """What `dapo run` leaves behind, in the shape `read_run` reads."""
     path.mkdir(parents=True, exist_ok=True)
     summary = {
         "base_eval_acc": base, "final_eval_acc": evals[-1][1], "steps": steps, "wall_seconds": 100.0,
         "eval_history": [[s, a, 1.0] for s, a in evals], "interrupted": False, "learner_exit_code": 0,
-        "ledger": {"trained": steps * 16, "filtered": filtered, "stale": 0},
+        "ledger": {"trained": steps * 16, "filtered": filtered, "stale": 0}, "counters": counters or {},
     }
     (path / "summary.json").write_text(json.dumps(summary))
     records = [{"step": s, "ledger/issued": s * issued_per_step, "actor/entropy": entropy - 0.01 * s,
@@ -68,6 +68,12 @@ def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_
     assert run.filtered_share == pytest.approx(160 / (480 + 160))
     assert run.truncation_rate == pytest.approx(0.25)
     assert run.final_entropy == pytest.approx(1.0 - 0.01 * 29)  # the mean of the last tenth (steps 28-30)
+    # The gatekeeper's counts cover filtered groups too (dynamic sampling drops all-wrong groups,
+    # which hold most truncated responses): they take precedence over the trained responses' ratio.
+    counted = tmp_path / "counted"
+    fake_run(counted, base=0.2, evals=[(0, 0.2), (30, 0.5)], issued_per_step=32, steps=30, clip_ratio=0.25,
+             counters={"responses_judged": 4000, "responses_truncated": 600})
+    assert read_run(counted, "dapo", 0, group_size=8, gain=0.25).truncation_rate == pytest.approx(0.15)
     slow = tmp_path / "slow"
     fake_run(slow, base=0.2, evals=[(0, 0.2), (30, 0.44)], issued_per_step=32, steps=30)
     assert read_run(slow, "grpo", 0, group_size=8, gain=0.25).samples_to_target is None

@@ -87,10 +87,14 @@ def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
         g.acc = accs
         g.scores = g.rewards = [1.0 if a else -1.0 for a in accs]
         g.preds = ["p"] * 4
+        if all(accs):  # the group the gatekeeper filters had one response cut at the length limit
+            g.responses[0].finish_reason = "length"
         bus.hop(bus.keys.prompts, eid, downstream=bus.keys.scored.stream, fields=encode_group(g))
     gate = Gatekeeper(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert (gate.kept, gate.filtered, gate.pass_rate) == (1, 1, 0.5)
+    # Responses are counted for the truncation rate whether their group was kept or filtered.
+    assert (bus.counters()["responses_judged"], bus.counters()["responses_truncated"]) == (8, 1)
     [(_, fields)] = bus.redis.xrange(bus.keys.train.stream)
     assert decode_group(fields).acc == [True, False, True, True]
     snap = bus.ledger()
