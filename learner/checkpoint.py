@@ -10,9 +10,10 @@ renames the directory to `step_<N>`; then retention.
 Loading (every rank) verifies the manifest first: each rank hashes a share of the files, the
 verdicts are gathered, and a checkpoint with no manifest or any file that does not match it is
 refused on every rank (CheckpointRefused, naming the files) before anything is unpickled. Then
-torch.distributed.checkpoint's `state/.metadata`, a pickle, is read through an allow-list
-(`learner/dcp_reader.py`), so even a manifest rewritten along with the files runs no code; the RNG
-states need no such trust (safetensors tensors and JSON; no unrestricted `torch.load` anywhere).
+torch.distributed.checkpoint reads the files with its pickled `state/.metadata` through an
+allow-list and its other items with `weights_only=True` (`learner/dcp_reader.py`), so even a
+manifest rewritten along with the files runs no code; the RNG states need no such trust
+(safetensors tensors and JSON; no unrestricted `torch.load` anywhere).
 A load that succeeded then moves the steps newer than it aside (`retire_newer`): a restore
 abandons the line that continued from it, which must not be resumed at the next restart.
 
@@ -236,15 +237,15 @@ def load_checkpoint(path: Path, *, rank: int, model: Any, optimizer: Any, schedu
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    from learner.dcp_reader import SafeMetadataReader
+    from learner.dcp_reader import SafeLoadPlanner, SafeMetadataReader
 
     verify_checkpoint(path, rank)
     meta: dict[str, Any] = json.loads((path / "trainer.json").read_text())  # the verified bytes, not the listing's read
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    reader = SafeMetadataReader(str(path / "state"))  # its `.metadata` through an allow-list, never plain pickle
+    reader = SafeMetadataReader(str(path / "state"))  # nothing in the files can run code (learner/dcp_reader.py)
     reader.read_metadata()  # first on its own: DCP's load would wrap a refusal in its own exception
-    load(state, storage_reader=reader)
+    load(state, storage_reader=reader, planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta["scheduler"])
     own = rng_file(path, rank)

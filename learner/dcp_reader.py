@@ -1,61 +1,117 @@
-"""torch.distributed.checkpoint's reader, with its `.metadata` unpickled through an allow-list.
+"""torch.distributed.checkpoint's reader and load planner, with nothing in a checkpoint able to
+run code on the learner.
 
-DCP writes `state/.metadata` as a pickle of plain records (its own metadata classes, torch.Size,
-dtypes, layouts, paths), and its `FileSystemReader` loads it with `pickle.load`: a planted file
-could name any callable (`os.system`) and have it run on the learner. The manifest check
-(`learner/checkpoint.py`) refuses files that changed since the save, but not a writer who
-rewrites the manifest along with them. This reader refuses, before it is even looked up, every
-global a checkpoint's metadata never holds, so loading a checkpoint runs no code whatever the
-files say.
+DCP writes `state/.metadata` as a pickle of plain records, and its stock reader loads it with
+`pickle.load`; its stock load planner reads every non-tensor item (the optimizer's
+`param_groups` values, for one) with an unrestricted `torch.load`. A planted file could name
+any callable (`os.system`) and have it run. The manifest check (`learner/checkpoint.py`) refuses
+files that changed since the save, but not a writer who rewrites the manifest along with them.
+So here:
+
+- `.metadata` is unpickled by `MetadataUnpickler`: only the globals in METADATA_GLOBALS (and
+  torch's dtypes, layouts and memory formats) can be named, by exact module and name (no dotted
+  paths into them), and no pickle may set attributes on a class;
+- every storage file the metadata points at must be a plain file name inside `state/`;
+- non-tensor items are read with `torch.load(weights_only=True)` (`SafeLoadPlanner`).
 
 Measured on this project's checkpoints (torch 2.13, FSDP2 model and AdamW state): the globals a
-`.metadata` names are those of METADATA_MODULES, `torch.Size`, a dtype, `torch.serialization`'s
-layout lookup and `pathlib.PosixPath`. A later torch that adds another is refused with an error
-naming it, which is the safe way to find out.
+`.metadata` names are those below. A later torch that adds one is refused with an error naming
+it, which is the safe way to find out.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
-from typing import Any
+import re
+from typing import Any, ClassVar
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from services.contracts.checkpoint_store import CheckpointRefused
 
-METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-"""Modules whose classes (records and enums; never their functions) a `.metadata` may name."""
-PLAIN_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                 ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
-"""Other globals it may name: constructors of plain values (`_get_layout` maps a name to a layout)."""
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = frozenset({
+    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "TensorProperties"), (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "BytesStorageMetadata"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+})
+"""Every global a checkpoint's `.metadata` may name: records, enums and plain-value constructors."""
+
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+_STORAGE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A DCP storage file (`__0_0.distcp`): a plain name, never a path out of `state/`."""
 
 
-class MetadataUnpickler(pickle.Unpickler):
+def _refuse(what: str) -> CheckpointRefused:
+    return CheckpointRefused(f"the checkpoint's metadata {what}, which no checkpoint written by torch does: refused without loading it")
+
+
+class MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (its opcodes can be overridden; `.metadata` is small), limited
+    to METADATA_GLOBALS and to building instances, not classes."""
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in PLAIN_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format):
-            return super().find_class(module, name)
-        if module in METADATA_MODULES and not name.startswith("__"):
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
-        raise CheckpointRefused(f"the checkpoint's metadata names {module}.{name}, which a checkpoint never holds: "
-                                "refused without loading it")
+        allowed = (module, name) in METADATA_GLOBALS or (
+            module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS))
+        if not allowed:
+            raise _refuse(f"names {module}.{name}")
+        return super().find_class(module, name)
+
+    def _load_build(self) -> None:
+        if isinstance(self.stack[-2], type):  # state applied to a class would change it for the whole process
+            raise _refuse(f"sets attributes on the class {self.stack[-2].__name__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def _check_storage_files(metadata: Metadata) -> None:
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str) or not _STORAGE_FILE.fullmatch(path) or path in (".", ".."):
+            raise _refuse(f"points at the storage file {path!r}")
 
 
 class SafeMetadataReader(FileSystemReader):
-    """`FileSystemReader` whose `read_metadata` unpickles through `MetadataUnpickler`; the rest of
-    the method is torch 2.13's (rank-specific metadata path, storage_meta, load id)."""
+    """`FileSystemReader` whose `read_metadata` unpickles through `MetadataUnpickler` and checks
+    the storage file names; the rest of the method is torch 2.13's (rank-specific metadata path,
+    storage_meta, load id)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             metadata = MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
-            raise CheckpointRefused(f"the checkpoint's metadata is a {type(metadata).__name__}, not DCP Metadata")
+            raise _refuse(f"is a {type(metadata).__name__}, not DCP Metadata")
+        _check_storage_files(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """`DefaultLoadPlanner` reading non-tensor items with `torch.load(weights_only=True)`
+    (plain values, containers and tensors only); the rest is torch 2.13's `load_bytes`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _refuse(f"holds an item {read_item.dest_index.fqn!r} that is not a plain value ({exc})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -288,8 +288,10 @@ class LearnerLoop:
         try:
             restored = self._restore(step)
         except CheckpointRefused as exc:
-            # Verification reads no pickled byte and touches no weight, and every rank raises
-            # alike: the run goes on from where it was, and the operator sees why in the log.
+            # Raised before anything is loaded (the manifest check, the metadata's allow-list;
+            # a refusal during the load itself surfaces as DCP's own error and stops the
+            # learner), and by every rank alike: the run goes on from where it was, and the
+            # operator sees why in the log.
             log.error("restore of step %d refused: %s", step, exc)
             self.control.count(Counter.RESTORES_REFUSED)
             return

@@ -11,9 +11,11 @@ docs/algorithm.md s9; `max_staleness: 0` is the synchronous algorithm).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -37,6 +39,7 @@ from services.contracts.data import load_prompts
 from services.contracts.lease import LearnerLease, LeaseHeldError
 from services.contracts.model_source import with_local_model
 from services.contracts.runtime import (
+    CHECKPOINT_REFUSED_FILE,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_NOT_THE_LEARNER,
     StopFlag,
@@ -155,8 +158,11 @@ def main(cfg: DapoConfig) -> int:
         log.error("%s", exc)
         return EXIT_NOT_THE_LEARNER
     except CheckpointRefused as exc:
-        log.error("%s. Nothing was loaded. Move that step out of %s (or restore it from a copy you trust) "
-                  "and start again: the learner resumes from the newest checkpoint that verifies.", exc, cfg.checkpoint_dir)
+        message = (f"{exc}. Move that step out of {cfg.checkpoint_dir} (or restore it from a copy you trust) and start "
+                   "again: the learner resumes from the newest checkpoint that verifies.")
+        log.error("%s", message)
+        with contextlib.suppress(OSError):  # every rank refuses alike; any of them may say so
+            (Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE).write_text(message + "\n")
         return EXIT_CHECKPOINT_REFUSED
     finally:
         dist.destroy_process_group()

@@ -105,8 +105,9 @@ class Gatekeeper:
                 self._count_responses(group, done)
 
     def _count_responses(self, group: RolloutGroup, hopped: bool) -> None:
-        """Response counts for the truncation rate. After the hop, not inside it: a statistic,
-        so a crash between the two undercounts one group rather than costing the hop a field."""
+        """Response counts for the truncation rate, added after the hop rather than inside its
+        atomic script: they are a statistic, so a crash in between may undercount one group,
+        and the hop, which the ledger rests on, stays as simple as it is."""
         if hopped:
             self.bus.incr(Counter.RESPONSES_JUDGED, len(group.responses))
             self.bus.incr(Counter.RESPONSES_TRUNCATED, sum(r.finish_reason == "length" for r in group.responses))

@@ -87,6 +87,22 @@ end
 # One fenced command: ARGV (after the fence) is the command and its arguments.
 _CALL = _FENCE + "return redis.call(unpack(ARGV))\n"
 
+# The same, for a command whose key (KEYS[1]) holds another type than it needs (ARGV[1]): the key
+# is deleted first, unless it already holds that type or nothing, in one atomic step, so two
+# writers that both met the wrong type cannot delete each other's fresh writes. Returns
+# {the type it found, the command's reply}.
+_REPLACE_AND_CALL = _FENCE + """
+local expected = table.remove(ARGV, 1)
+local found = redis.call('TYPE', KEYS[1]).ok
+if found ~= 'none' and found ~= expected then
+  redis.call('DEL', KEYS[1])
+end
+return {found, redis.call(unpack(ARGV))}
+"""
+
+_KEY_TYPE_OF_WRITE = {"HSET": "hash", "HINCRBY": "hash", "HDEL": "hash", "SADD": "set", "XADD": "stream"}
+"""The type a write command needs its key (its first argument) to hold: what `write` may replace."""
+
 # KEYS: upstream, downstream ("" = none), ledger, counters
 # ARGV: group, entry id, ledger field ("" = none), counter field ("" = none), downstream MAXLEN
 # ("" = unbounded), then field/value pairs for XADD downstream.
@@ -348,6 +364,7 @@ class StreamBus:
         self._hop_script = client.register_script(_HOP)
         self._issue_script = client.register_script(_ISSUE)
         self._call = client.register_script(_CALL)
+        self._replace_and_call = client.register_script(_REPLACE_AND_CALL)
         self._ledger = client.register_script(_LEDGER)
         self._renew_claims = client.register_script(_RENEW_CLAIMS)
         self._bad_seen: set[tuple[str, bytes | str]] = set()  # see skip_bad_value
@@ -378,17 +395,22 @@ class StreamBus:
 
     def write(self, *command: Any) -> Any:
         """One write command (e.g. `write("HSET", key, field, value)`), fenced when this bus holds
-        a fence; the raw Redis reply (no client-side parsing)."""
+        a fence; the raw Redis reply (no client-side parsing).
+
+        A key of the wrong type (planted, or left by something else) would refuse this write
+        for good: for the commands in `_KEY_TYPE_OF_WRITE` it is replaced and the write done
+        (`_REPLACE_AND_CALL`), then counted as a bad value."""
         try:
             return self._write_once(*command)
         except redis.ResponseError as exc:
-            if WRONGTYPE not in str(exc) or len(command) < 2:
+            needs = _KEY_TYPE_OF_WRITE.get(str(command[0]).upper())
+            if WRONGTYPE not in str(exc) or needs is None:
                 raise
-        # The key holds another type than the one this service writes (planted, or left by
-        # something else): every write to it would fail, so it is replaced, counted as a bad value.
-        self.skip_bad_value(command[1], "a value of the wrong type; replaced")
-        self._write_once("DEL", command[1])
-        return self._write_once(*command)
+        found, reply = self._fenced(self._replace_and_call, [command[1]], [needs, *command])
+        found = found.decode() if isinstance(found, bytes) else str(found)
+        if found not in (needs, "none"):  # else another writer replaced it first
+            self.skip_bad_value(command[1], f"a {found} where a {needs} belongs; replaced")
+        return reply
 
     def _write_once(self, *command: Any) -> Any:
         if not self.fence[0]:
@@ -696,10 +718,9 @@ class StreamBus:
         except redis.ResponseError as exc:
             if WRONGTYPE not in str(exc):
                 raise
-            # Not a hash: no request can be read from it, nor posted to it. Removed, like a
-            # request that does not parse.
-            self.skip_bad_value(self.keys.control, "a value of the wrong type; removed")
-            self.redis.delete(self.keys.control)
+            # Not a hash: no request can be read from it, nor posted to it. Replaced (a no-op
+            # HDEL does it, atomically and counted), like a request that does not parse.
+            self.write("HDEL", self.keys.control, "-")
             return out
         for field, raw in requests.items():
             kind = field.decode("utf-8", "replace")

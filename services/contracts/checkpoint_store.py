@@ -70,7 +70,8 @@ CHUNK = 8 << 20
 
 
 class CheckpointRefused(RuntimeError):
-    """A checkpoint that must not be loaded: no manifest, or files that do not match it."""
+    """A checkpoint that must not be loaded: no manifest, files that do not match it, or
+    contents no checkpoint holds (`learner/dcp_reader.py`)."""
 
 
 @dataclass(frozen=True)

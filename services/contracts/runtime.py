@@ -30,12 +30,15 @@ from services.contracts.keys import Stage
 log = logging.getLogger(__name__)
 
 EXIT_NOT_THE_LEARNER = 3
-"""Exit status of a learner that found (or lost) the learner lease to another learner."""
+"""Exit status of a learner that found (or lost) the learner lease to another learner. Worth a
+restart: a crashed learner's successor can find its predecessor's lease until it expires."""
 EXIT_CHECKPOINT_REFUSED = 4
-"""Exit status of a learner whose newest checkpoint failed verification: starting it again
-would meet the same files."""
-EXITS_NOT_TO_RESTART = (EXIT_NOT_THE_LEARNER, EXIT_CHECKPOINT_REFUSED)
-"""Learner exits that a supervisor should not answer with a restart (`dapo run` does not)."""
+"""Exit status of a learner whose newest checkpoint failed verification: not worth a restart,
+which would meet the same files. A multi-rank learner exits through torchrun, which reports
+any failure as 1, so the learner also leaves CHECKPOINT_REFUSED_FILE in the run directory."""
+CHECKPOINT_REFUSED_FILE = "learner-refused-checkpoint.txt"
+"""Written to `output_dir` by a learner that refused its checkpoint (the reason inside);
+`dapo run` removes it before each learner start and does not restart a learner that left it."""
 
 
 class StopFlag:

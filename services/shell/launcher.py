@@ -38,7 +38,7 @@ from services.contracts.bus import StreamBus, open_bus
 from services.contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
 from services.contracts.keys import RunField, restarts_counter
 from services.contracts.model_source import Download, with_local_model
-from services.contracts.runtime import EXITS_NOT_TO_RESTART, instance_id
+from services.contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
 from services.shell.capacity import ModelShape, budget
 from services.shell.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.shell.plots import write_curves_svg
@@ -70,9 +70,6 @@ class Service:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
         if self.alive():
@@ -388,6 +385,8 @@ def run_local(
     old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(bus, cfg.learner.total_steps, quiet)
     learner = services[0]
+    refused = Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE  # left by a learner that refused its checkpoint
+    refused.unlink(missing_ok=True)
     try:
         for svc in services:
             svc.start(env)
@@ -398,7 +397,7 @@ def run_local(
                 log.warning("interrupted: stopping every service")
                 break
             if not learner.alive():
-                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS or learner.exit_code() in EXITS_NOT_TO_RESTART:
+                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS or refused.exists():
                     break
                 # Crashed, or stopped from outside (SIGTERM: it exits 0 after checkpointing): it
                 # resumes from the newest committed checkpoint.
@@ -418,6 +417,7 @@ def run_local(
         write_metrics_jsonl(bus, out / "metrics.jsonl")
         summary["interrupted"] = interrupted
         summary["learner_exit_code"] = learner_rc
+        summary["learner_refused_checkpoint"] = refused.read_text().strip() if refused.exists() else None
         # Where the services ran: on CPU they share these cores (`dapo plan --calibrate` models that)
         summary["machine"] = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                               "gpus": placement.gpus}

@@ -34,6 +34,7 @@ def test_a_resume_from_a_tampered_checkpoint_is_refused_and_not_restarted(tmp_pa
     assert proc.returncode != 0, run_log[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["learner_exit_code"] == EXIT_CHECKPOINT_REFUSED, run_log[-3000:]
+    assert shard.name in summary["learner_refused_checkpoint"]  # what a multi-rank (torchrun) learner leaves too
     assert "learner" not in summary["restarts"]  # refused once, not restarted into the same refusal
     assert summary["steps"] == 4  # nothing trained on top of it
     learner_log = (tmp_path / "run" / "logs" / "learner.log").read_text()

@@ -18,10 +18,12 @@ The multi-rank part is run by pytest; the same file is the script each rank runs
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -185,10 +187,51 @@ def test_planted_metadata_runs_no_code_even_with_a_manifest_rewritten_to_match(t
     assert not problems
     write_manifest(path, 1, {name: file_digest(path / name) for name in sizes})
     before = params(t.model)
-    with pytest.raises(CheckpointRefused, match=r"metadata names io\.open, which a checkpoint never holds"):
+    with pytest.raises(CheckpointRefused, match=r"metadata names io\.open, which no checkpoint"):
         ckpt.load(1)
     assert not marker.exists()
     assert all(torch.equal(v, before[k]) for k, v in params(t.model).items())
+
+
+METADATA_ATTACKS = {
+    # A dotted name inside an allowed module reaches anything that module imports (os, operator).
+    "a dotted name into an allowed module": (b"\x80\x04ctorch.distributed.checkpoint.filesystem\nos.system\n.", "names"),
+    "a global outside the list": (b"\x80\x04cbuiltins\neval\n.", "names builtins.eval"),
+    # BUILD on a class object sets class attributes for the whole process.
+    "state applied to a class": (b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}\x8c\x01xK\x01s\x86b.",
+                                 "sets attributes on the class Metadata"),
+}
+
+
+@pytest.mark.parametrize("attack", list(METADATA_ATTACKS))
+def test_the_metadata_unpickler_refuses_what_no_checkpoint_holds(attack: str) -> None:
+    from learner.dcp_reader import MetadataUnpickler
+
+    payload, named = METADATA_ATTACKS[attack]
+    with pytest.raises(CheckpointRefused, match=re.escape(named)):
+        MetadataUnpickler(io.BytesIO(payload)).load()
+
+
+def test_storage_files_outside_the_state_directory_and_unsafe_items_are_refused(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from learner.dcp_reader import SafeLoadPlanner, _check_storage_files
+
+    for path in ("../../etc/passwd", "/etc/passwd", "..", "sub/__0_0.distcp"):
+        with pytest.raises(CheckpointRefused, match="points at the storage file"):
+            _check_storage_files(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo(path, 0, 1)}))
+    _check_storage_files(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 1)}))
+
+    # A non-tensor item (how DCP stores optimizer hyper-parameters) that is not a plain value.
+    marker = tmp_path / "payload-ran"
+    buf = io.BytesIO()
+    torch.save({"lr": Payload(marker)}, buf)
+    buf.seek(0)
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    with pytest.raises(CheckpointRefused, match=re.escape("optim.param_groups.0.lr")):
+        SafeLoadPlanner().load_bytes(item, buf)  # type: ignore[arg-type]
+    assert not marker.exists()
 
 
 def test_verification_runs_before_the_pickled_metadata_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

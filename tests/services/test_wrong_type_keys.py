@@ -46,7 +46,14 @@ def test_readers_skip_a_key_of_the_wrong_type_and_count_it(bus: StreamBus) -> No
 def test_counters_of_the_wrong_type_read_as_none(bus: StreamBus) -> None:
     bus.redis.set(bus.keys.counters, "garbage")
     assert bus.counters() == {}
-    assert bus.pass_rate(filtered=0) is None
+    assert bus.pass_rate(filtered=2) == 0.0  # nothing kept that can be read: 0 of 2
+
+
+def test_a_counter_of_the_wrong_type_is_replaced_and_keeps_its_own_count(bus: StreamBus) -> None:
+    """Counting the bad value writes to the very hash being replaced: the count must survive."""
+    bus.redis.set(bus.keys.counters, "garbage")
+    bus.incr(Counter.GATEKEEPER_KEPT, 3)
+    assert bus.counters() == {Counter.GATEKEEPER_KEPT: 3, Counter.BAD_REDIS_VALUES: 1}
 
 
 def test_a_control_key_of_the_wrong_type_is_removed_and_requests_flow_again(bus: StreamBus) -> None:
@@ -54,7 +61,7 @@ def test_a_control_key_of_the_wrong_type_is_removed_and_requests_flow_again(bus:
 
     bus.redis.sadd(bus.keys.control, "restore")
     assert bus.control_requests() == {}
-    assert not bus.redis.exists(bus.keys.control)
+    assert not bus.redis.exists(bus.keys.control) and bad_values(bus) == 1
     bus.post_control(PauseRequest())
     assert set(bus.control_requests()) == {"pause"}
 
