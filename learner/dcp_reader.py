@@ -10,7 +10,8 @@ So here:
 
 - `.metadata` is unpickled by `MetadataUnpickler`: only the globals in METADATA_GLOBALS (and
   torch's dtypes, layouts and memory formats) can be named, by exact module and name (no dotted
-  paths into them), and no pickle may set attributes on a class;
+  paths into them), `getattr` only as a lookup of an allowed enum's member by name, and no
+  pickle may set attributes on a class;
 - every storage file the metadata points at must be a plain file name inside `state/`;
 - non-tensor items are read with `torch.load(weights_only=True)` (`SafeLoadPlanner`).
 
@@ -21,6 +22,7 @@ it, which is the safe way to find out.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -53,6 +55,15 @@ _STORAGE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 """A DCP storage file (`__0_0.distcp`): a plain name, never a path out of `state/`."""
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What `builtins.getattr` may do in a `.metadata`: some Python versions (the 3.11 of
+    Debian 12, for one) pickle an enum member as `getattr(EnumClass, "NAME")`. Only a member,
+    by name, of an enum the list allows (the class itself came through `find_class`)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise _refuse(f"looks up {name!r} on {cls!r}")
+
+
 def _refuse(what: str) -> CheckpointRefused:
     return CheckpointRefused(f"the checkpoint's metadata {what}, which no checkpoint written by torch does: refused without loading it")
 
@@ -64,6 +75,8 @@ class MetadataUnpickler(pickle._Unpickler):
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         allowed = (module, name) in METADATA_GLOBALS or (
             module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS))
         if not allowed:

@@ -203,6 +203,28 @@ METADATA_ATTACKS = {
 }
 
 
+class MemberByName:
+    """Pickles an enum member the way Debian 12's Python 3.11 does: getattr(EnumClass, "NAME")."""
+
+    def __init__(self, cls: Any, name: str) -> None:
+        self.cls, self.name = cls, name
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return (getattr, (self.cls, self.name))
+
+
+def test_enum_members_pickled_by_name_load_and_nothing_else_through_getattr() -> None:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    from learner.dcp_reader import MetadataUnpickler
+
+    member = MetadataUnpickler(io.BytesIO(pickle.dumps(MemberByName(_MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST")))).load()
+    assert member is _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST
+    for cls, name in ((Metadata, "__init__"), (_MEM_FORMAT_ENCODING, "__class__")):
+        with pytest.raises(CheckpointRefused, match="looks up"):
+            MetadataUnpickler(io.BytesIO(pickle.dumps(MemberByName(cls, name)))).load()
+
+
 @pytest.mark.parametrize("attack", list(METADATA_ATTACKS))
 def test_the_metadata_unpickler_refuses_what_no_checkpoint_holds(attack: str) -> None:
     from learner.dcp_reader import MetadataUnpickler
