@@ -32,7 +32,6 @@ whoever reclaims the entry (at-least-once processing, exactly-once forwarding).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import threading
@@ -417,11 +416,12 @@ class StreamBus:
             return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
         return self._fenced(self._call, [], list(command))
 
-    def _read(self, key: Any, read: Callable[[], Any], default: Any) -> Any:
-        """`read()` of `key`, where a key of the wrong type (a hash where a string belongs, ...)
-        is a malformed value like any other: skipped and counted, and `default` returned."""
+    def _read(self, default: Any, read: Callable[..., Any], key: Any, *args: Any) -> Any:
+        """`read(key, *args)` (a client method: `hgetall`, `get`, ...), where a key of the wrong
+        type (a hash where a string belongs, ...) is a malformed value like any other: skipped
+        and counted, and `default` returned."""
         try:
-            return read()
+            return read(key, *args)
         except redis.ResponseError as exc:
             if WRONGTYPE not in str(exc):
                 raise
@@ -634,7 +634,7 @@ class StreamBus:
     def counters(self) -> dict[str, int]:
         """Every counter; a value that is not an integer is skipped."""
         out = {}
-        raw: Any = self._read(self.keys.counters, lambda: self.redis.hgetall(self.keys.counters), {})
+        raw: Any = self._read({}, self.redis.hgetall, self.keys.counters)
         for k, v in raw.items():
             try:
                 out[k.decode()] = int(v)
@@ -646,7 +646,7 @@ class StreamBus:
         """The run's gatekeeper pass rate so far (`filtered` from a ledger snapshot, if at hand)."""
         if filtered is None:
             filtered = self.ledger().filtered
-        raw: Any = self._read(self.keys.counters, lambda: self.redis.hget(self.keys.counters, Counter.GATEKEEPER_KEPT), None)
+        raw: Any = self._read(None, self.redis.hget, self.keys.counters, Counter.GATEKEEPER_KEPT)
         try:
             kept = int(raw or 0)
         except ValueError:
@@ -660,7 +660,7 @@ class StreamBus:
     # --- run state: policy version, learner state, run info --------------------------------------
     def policy_version(self) -> int:
         """The newest policy version the learner published (0 before the first)."""
-        raw: Any = self._read(self.keys.policy_version, lambda: self.redis.get(self.keys.policy_version), None)
+        raw: Any = self._read(None, self.redis.get, self.keys.policy_version)
         return _int(raw, 0)
 
     def set_policy_version(self, version: int) -> None:
@@ -668,7 +668,7 @@ class StreamBus:
 
     def learner_state(self) -> dict[str, str]:
         """`state`, `step`, `policy_version`, `at` as learner rank 0 last wrote them."""
-        raw: Any = self._read(self.keys.learner_state, lambda: self.redis.hgetall(self.keys.learner_state), {})
+        raw: Any = self._read({}, self.redis.hgetall, self.keys.learner_state)
         return _strings(raw)
 
     def set_learner_state(self, state: str, *, step: int, policy_version: int) -> None:
@@ -677,11 +677,11 @@ class StreamBus:
 
     def run_info(self) -> dict[str, str]:
         """The run-info hash (`RunField` names) as strings."""
-        raw: Any = self._read(self.keys.run_info, lambda: self.redis.hgetall(self.keys.run_info), {})
+        raw: Any = self._read({}, self.redis.hgetall, self.keys.run_info)
         return _strings(raw)
 
     def run_field(self, field: RunField) -> str | None:
-        raw: Any = self._read(self.keys.run_info, lambda: self.redis.hget(self.keys.run_info, field), None)
+        raw: Any = self._read(None, self.redis.hget, self.keys.run_info, field)
         return None if raw is None else raw.decode("utf-8", "replace")
 
     def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
@@ -713,14 +713,9 @@ class StreamBus:
     def control_requests(self) -> dict[str, ControlRequest]:
         """Pending operator requests by kind. One that does not parse is removed and counted."""
         out: dict[str, ControlRequest] = {}
-        try:
-            requests: Any = self.redis.hgetall(self.keys.control)
-        except redis.ResponseError as exc:
-            if WRONGTYPE not in str(exc):
-                raise
-            # Not a hash: no request can be read from it, nor posted to it. Replaced (a no-op
-            # HDEL does it, atomically and counted), like a request that does not parse.
-            self.write("HDEL", self.keys.control, "-")
+        requests: Any = self._read(None, self.redis.hgetall, self.keys.control)
+        if requests is None:  # not a hash: no request can be read from it, nor posted to it
+            self.write("HDEL", self.keys.control, "-")  # a no-op HDEL replaces it (write's wrong-type rule)
             return out
         for field, raw in requests.items():
             kind = field.decode("utf-8", "replace")
@@ -772,7 +767,7 @@ class StreamBus:
         now = time.time()
         out = []
         for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(kind), count=200):
-            raw = self._read(key, functools.partial(self.redis.get, key), None)
+            raw = self._read(None, self.redis.get, key)
             if raw is None:  # expired between the scan and the read (or not a string)
                 continue
             try:
@@ -815,7 +810,7 @@ class StreamBus:
         """Final stats of every instance of `kind` that wrote them, by instance id."""
         out = {}
         for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(kind)):
-            stats: Any = self._read(key, functools.partial(self.redis.hgetall, key), None)
+            stats: Any = self._read(None, self.redis.hgetall, key)
             if not stats:  # expired since the scan, or not a hash
                 continue
             try:
