@@ -103,12 +103,23 @@ class SafeMetadataReader(FileSystemReader):
     the storage file names; the rest of the method is torch 2.13's (rank-specific metadata path,
     storage_meta, load id)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read: dict[Any, Metadata] = {}
+        """Metadata by path: the learner reads it once before `load` (to see a refusal as
+        itself) and `load` reads it again. The pure-Python unpickler reads about 7 MB/s, so a
+        large model's metadata is worth reading once."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise _refuse(f"is a {type(metadata).__name__}, not DCP Metadata")
-        _check_storage_files(metadata)
+        path = self._get_metadata_path(kwargs.get("rank"))
+        if path not in self._read:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise _refuse(f"is a {type(metadata).__name__}, not DCP Metadata")
+            _check_storage_files(metadata)
+            self._read[path] = metadata
+        metadata = self._read[path]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -275,9 +275,19 @@ def test_verification_runs_before_the_pickled_metadata_is_read(tmp_path: Path, m
         return real_read(self, *args, **kwargs)
 
     monkeypatch.setattr(ckpt_mod, "verify_checkpoint", verify)
+    from learner.dcp_reader import MetadataUnpickler
+
+    real_unpickle = MetadataUnpickler.load
+
+    def unpickle(self: MetadataUnpickler) -> Any:
+        calls.append("unpickle")
+        return real_unpickle(self)
+
     monkeypatch.setattr(FileSystemReader, "read_metadata", read_metadata)
+    monkeypatch.setattr(MetadataUnpickler, "load", unpickle)
     load_checkpoint(path, rank=0, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
-    assert calls[:2] == ["verify", "read_metadata"]
+    assert calls[:3] == ["verify", "read_metadata", "unpickle"]
+    assert calls.count("unpickle") == 1 < calls.count("read_metadata")  # read twice, unpickled once
 
 
 # --- atomic and durable -------------------------------------------------------------------------------------
