@@ -100,13 +100,8 @@ class StreamSource:
         the one Redis recorded later, and the ledger's count of training jobs issued (which the
         same script that issues them moves, so it is never behind, even when the learner died
         between issuing and recording its cursor, or the recorded cursor is garbage)."""
-        recorded = self.bus.run_field(RunField.DATA_CURSOR)
-        try:
-            later = int(recorded or 0)
-        except ValueError:
-            self.bus.skip_bad_value(self.bus.keys.run_info, f"data_cursor {recorded!r} is not an integer", recorded or "")
-            later = 0
-        self.feeder.cursor = max(checkpoint_cursor, later, self.bus.ledger().issued)
+        recorded = self.bus.run_int(RunField.DATA_CURSOR)
+        self.feeder.cursor = max(checkpoint_cursor, recorded, self.bus.ledger().issued)
 
     # --- collecting -------------------------------------------------------------------------------
     def collect(self, policy_version: int) -> list[Picked] | None:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from pydantic import TypeAdapter, ValidationError
@@ -59,6 +59,7 @@ from services.contracts.keys import (
 from services.contracts.schemas import ControlRequest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Fields = dict[bytes, bytes]
 Entry = tuple[str, Fields]
@@ -416,6 +417,17 @@ class StreamBus:
             return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
         return self._fenced(self._call, [], list(command))
 
+    def _int_at(self, key: Any, raw: bytes | None, default: T) -> int | T:
+        """An integer read from `key`; anything else is skipped and counted like any malformed
+        value, and reads as `default` (as does a missing value)."""
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            self.skip_bad_value(key, f"{raw!r} is not an integer", raw)
+            return default
+
     def _read(self, default: Any, read: Callable[..., Any], key: Any, *args: Any) -> Any:
         """`read(key, *args)` (a client method: `hgetall`, `get`, ...), where a key of the wrong
         type (a hash where a string belongs, ...) is a malformed value like any other: skipped
@@ -647,12 +659,8 @@ class StreamBus:
         if filtered is None:
             filtered = self.ledger().filtered
         raw: Any = self._read(None, self.redis.hget, self.keys.counters, Counter.GATEKEEPER_KEPT)
-        try:
-            kept = int(raw or 0)
-        except ValueError:
-            self.skip_bad_value(self.keys.counters, f"{Counter.GATEKEEPER_KEPT} holds {raw!r}, not an integer", raw)
-            return None
-        return pass_rate(kept, filtered)
+        kept = 0 if raw is None else self._int_at(self.keys.counters, raw, None)
+        return None if kept is None else pass_rate(kept, filtered)
 
     def dead_letter_count(self) -> int:
         return int(self.redis.xlen(self.keys.dead))
@@ -661,7 +669,7 @@ class StreamBus:
     def policy_version(self) -> int:
         """The newest policy version the learner published (0 before the first)."""
         raw: Any = self._read(None, self.redis.get, self.keys.policy_version)
-        return _int(raw, 0)
+        return self._int_at(self.keys.policy_version, raw, 0)
 
     def set_policy_version(self, version: int) -> None:
         self.write("SET", self.keys.policy_version, version)
@@ -683,6 +691,10 @@ class StreamBus:
     def run_field(self, field: RunField) -> str | None:
         raw: Any = self._read(None, self.redis.hget, self.keys.run_info, field)
         return None if raw is None else raw.decode("utf-8", "replace")
+
+    def run_int(self, field: RunField, default: int = 0) -> int:
+        """An integer run-info field (`default` when absent or not an integer: counted)."""
+        return self._int_at(self.keys.run_info, self._read(None, self.redis.hget, self.keys.run_info, field), default)
 
     def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
         self.write("HSET", self.keys.run_info, *(x for k, v in fields.items() for x in (str(k), v)))
@@ -840,14 +852,6 @@ class StreamBus:
 
 def _strings(raw: Mapping[bytes, bytes]) -> dict[str, str]:
     return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
-
-
-def _int(raw: bytes | None, default: int) -> int:
-    try:
-        return int(raw) if raw is not None else default
-    except ValueError:
-        log.warning("expected an integer in Redis, found %r; using %d", raw, default)
-        return default
 
 
 def _entry_id(pending: Any) -> str:
