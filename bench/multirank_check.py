@@ -16,6 +16,7 @@ Prints a table and, as its last line, `max_abs_param_diff=<largest |param(W) - p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -88,10 +89,17 @@ def worker(model_dir: str, out: str) -> None:
         metrics = trainer.train_step(batch, policy_version=1)
         params = {n: t.cpu().clone() for n, t in trainer.named_full_params()}
         results[mode] = {"metrics": metrics, "grads": grads, "params": params}
+        # The sharded model holds the process group: free it now, while the interpreter is whole.
+        # A trainer in a reference cycle would otherwise be collected during interpreter
+        # finalization, tearing down gloo's threads there, which can abort the rank (SIGABRT,
+        # "terminate called without an active exception") after its work is done.
+        del trainer
+        gc.collect()
     if rank == 0:
         torch.save(results, out)
     dist.barrier()  # no rank leaves (closing its sockets) while another still talks to it
     dist.destroy_process_group()
+    gc.collect()
 
 
 def record_clipped_gradients(trainer: Any) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ docs/algorithm.md s9; `max_staleness: 0` is the synchronous algorithm).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from datetime import timedelta
@@ -146,14 +147,7 @@ def main(cfg: DapoConfig) -> int:
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
     try:
-        trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
-        checkpoints = Checkpoints(
-            cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
-            save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
-        )
-        parts = rank0_collaborators(cfg, backend, stop) if rank == 0 else null_collaborators()
-        loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
-        return loop.run()
+        return _train(cfg, rank, world, backend, stop)
     except (LeaseHeldError, FencedError) as exc:  # another learner trains this run: not a crash to debug
         log.error("%s", exc)
         return EXIT_NOT_THE_LEARNER
@@ -165,4 +159,20 @@ def main(cfg: DapoConfig) -> int:
             (Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE).write_text(message + "\n")
         return EXIT_CHECKPOINT_REFUSED
     finally:
+        # The sharded model holds the process group, and the loop's objects refer to each other:
+        # collect them now, while the interpreter is whole. Left to interpreter finalization,
+        # gloo's threads are torn down there, which can abort the process (SIGABRT) after a run
+        # that finished.
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _train(cfg: DapoConfig, rank: int, world: int, backend: str, stop: StopFlag) -> int:
+    trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
+    checkpoints = Checkpoints(
+        cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
+        save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
+    )
+    parts = rank0_collaborators(cfg, backend, stop) if rank == 0 else null_collaborators()
+    loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
+    return loop.run()
