@@ -103,12 +103,34 @@ return {found, redis.call(unpack(ARGV))}
 _KEY_TYPE_OF_WRITE = {"HSET": "hash", "HINCRBY": "hash", "HDEL": "hash", "SADD": "set", "XADD": "stream"}
 """The type a write command needs its key (its first argument) to hold: what `write` may replace."""
 
+# Counting inside the writing scripts (the ledger, the counters). A planted value must not fail
+# the script after its stream writes are done (Redis does not roll a script back) nor every later
+# one: a hash key of another type is replaced, a field that is not an integer (or would
+# overflow) restarts at the increment. Returns what it repaired ('' = nothing) for the caller to
+# log and count as a bad value. Any other error (out of memory) fails the script as before.
+_COUNT = """
+local function count(key, field, n)
+  local reply = redis.pcall('HINCRBY', key, field, n)
+  if type(reply) ~= 'table' or not reply.err then return '' end
+  if string.find(reply.err, 'WRONGTYPE', 1, true) then
+    redis.call('DEL', key)
+  elseif string.find(reply.err, 'not an integer', 1, true) or string.find(reply.err, 'overflow', 1, true) then
+    redis.call('HDEL', key, field)
+  else
+    error(reply)  -- fails the script with Redis's own error
+  end
+  redis.call('HINCRBY', key, field, n)
+  return field .. ': ' .. reply.err
+end
+"""
+
 # KEYS: upstream, downstream ("" = none), ledger, counters
 # ARGV: group, entry id, ledger field ("" = none), counter field ("" = none), downstream MAXLEN
 # ("" = unbounded), then field/value pairs for XADD downstream.
-_HOP = _FENCE + """
+# Returns {1 (0: already acknowledged by someone else, nothing written), ledger repair, counter repair}.
+_HOP = _FENCE + _COUNT + """
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if acked == 0 then return 0 end
+if acked == 0 then return {0, '', ''} end
 redis.call('XDEL', KEYS[1], ARGV[2])
 if KEYS[2] ~= '' and #ARGV > 5 then
   local kv = {}
@@ -119,26 +141,27 @@ if KEYS[2] ~= '' and #ARGV > 5 then
     redis.call('XADD', KEYS[2], '*', unpack(kv))
   end
 end
-if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
-if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
-return 1
+local ledger_repair, counter_repair = '', ''
+if ARGV[3] ~= '' then ledger_repair = count(KEYS[3], ARGV[3], 1) end
+if ARGV[4] ~= '' then counter_repair = count(KEYS[4], ARGV[4], 1) end
+return {1, ledger_repair, counter_repair}
 """
 
 # KEYS: prompts stream, ledger. ARGV: ledger field, n_fields, then n_fields*2 values per job,
-# repeated.
-_ISSUE = _FENCE + """
+# repeated. Returns {jobs appended, ledger repair}.
+_ISSUE = _FENCE + _COUNT + """
 local n = tonumber(ARGV[2])
-local count = 0
+local appended = 0
 local i = 3
 while i <= #ARGV do
   local kv = {}
   for j = i, i + 2 * n - 1 do kv[#kv + 1] = ARGV[j] end
   redis.call('XADD', KEYS[1], '*', unpack(kv))
-  count = count + 1
+  appended = appended + 1
   i = i + 2 * n
 end
-redis.call('HINCRBY', KEYS[2], ARGV[1], count)
-return count
+local repair = count(KEYS[2], ARGV[1], appended)
+return {appended, repair}
 """
 
 
@@ -158,9 +181,13 @@ return renewed
 """
 
 # Read-only, so Redis runs it even at maxmemory (a MULTI/EXEC would be refused there).
-# KEYS: ledger, then every stage stream. Returns [HGETALL ledger, XLEN stream...].
+# KEYS: ledger, then every stage stream. Returns [the ledger key's type, HGETALL ledger (empty
+# unless a hash), XLEN stream...].
 _LEDGER = """
-local out = {redis.call('HGETALL', KEYS[1])}
+local kind = redis.call('TYPE', KEYS[1]).ok
+local fields = {}
+if kind == 'hash' then fields = redis.call('HGETALL', KEYS[1]) end
+local out = {kind, fields}
 for i = 2, #KEYS do out[#out + 1] = redis.call('XLEN', KEYS[i]) end
 return out
 """
@@ -309,11 +336,13 @@ class LedgerSnapshot:
     eval_issued: int = 0
     evaluated: int = 0
     eval_dead: int = 0
+    damaged: bool = False
+    """The ledger held a planted value (read as 0, skipped and counted): its figures are not the run's."""
 
     @property
     def balanced(self) -> bool:
         ended = self.trained + self.filtered + self.stale + self.dead + self.evaluated + self.eval_dead
-        return self.issued + self.eval_issued == ended + self.in_flight
+        return not self.damaged and self.issued + self.eval_issued == ended + self.in_flight
 
     @property
     def eval_in_flight(self) -> int:
@@ -337,7 +366,11 @@ class LedgerSnapshot:
             "eval_dead": self.eval_dead,
             "in_flight": self.in_flight,
             "balanced": self.balanced,
+            "damaged": self.damaged,
         }
+
+
+LEDGER_FIELDS = frozenset({LEDGER_ISSUED, LEDGER_EVAL_ISSUED, *LEDGER_OUTCOMES})
 
 
 def pass_rate(kept: int, filtered: int) -> float | None:
@@ -462,7 +495,9 @@ class StreamBus:
                 raise ValueError("every issued job must have the same fields in the same order")
             for name in names:
                 argv += [name, job[name]]
-        return int(self._fenced(self._issue_script, [self.keys.prompts.stream, self.keys.ledger], argv))
+        appended, repair = self._fenced(self._issue_script, [self.keys.prompts.stream, self.keys.ledger], argv)
+        self._count_repair(self.keys.ledger, repair)
+        return int(appended)
 
     # --- consuming --------------------------------------------------------------------------
     def read(self, stage: Stage, *, count: int, block_ms: int | None) -> list[Entry]:
@@ -575,7 +610,16 @@ class StreamBus:
         for name, value in (fields or {}).items():
             argv += [name, value]
         keys = [stage.stream, downstream or "", self.keys.ledger, self.keys.counters]
-        return bool(self._fenced(self._hop_script, keys, argv))
+        done, ledger_repair, counter_repair = self._fenced(self._hop_script, keys, argv)
+        self._count_repair(self.keys.ledger, ledger_repair)
+        self._count_repair(self.keys.counters, counter_repair)
+        return bool(done)
+
+    def _count_repair(self, key: str, repair: bytes | str) -> None:
+        """A writing script met a planted value where it counts (`_COUNT`) and replaced it."""
+        if repair:
+            text = repair.decode("utf-8", "replace") if isinstance(repair, bytes) else repair
+            self.skip_bad_value(key, f"{text}; replaced, its count starts again", text)
 
     def hand_back(self, stage: Stage, entry_id: str, fields: Fields) -> bool:
         """Return an unfinished entry to the head of the work queue (used on SIGTERM)."""
@@ -616,13 +660,24 @@ class StreamBus:
 
     # --- observing --------------------------------------------------------------------------
     def ledger(self) -> LedgerSnapshot:
-        """One consistent snapshot (a read-only script, so it works at maxmemory too)."""
-        flat, *lengths = self._ledger(keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)])
-        c = {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        """One consistent snapshot (a read-only script, so it works at maxmemory too).
+
+        A planted value (a ledger key of another type, a count that is not an integer) is skipped
+        and counted, and reads as 0: the services go on, and the next count replaces it. The
+        counts it held are lost, so the ledger no longer balances, which the run reports."""
+        kind, flat, *lengths = self._ledger(keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)])
+        damaged = kind not in (b"hash", b"none")
+        if damaged:  # planted: the next count replaces it
+            self.skip_bad_value(self.keys.ledger, f"a {kind.decode('utf-8', 'replace')} where a hash belongs")
+        counts: dict[str, int] = {}
+        for field, raw in zip(flat[::2], flat[1::2], strict=True):
+            name, value = field.decode("utf-8", "replace"), self._int_at(self.keys.ledger, raw, None)
+            damaged |= value is None and name in LEDGER_FIELDS  # a stray field takes nothing from the counts
+            counts[name] = value or 0
         return LedgerSnapshot(
-            issued=c.get(LEDGER_ISSUED, 0), eval_issued=c.get(LEDGER_EVAL_ISSUED, 0),
-            **{name: c.get(name, 0) for name in LEDGER_OUTCOMES},
-            in_flight=sum(int(n) for n in lengths),
+            issued=counts.get(LEDGER_ISSUED, 0), eval_issued=counts.get(LEDGER_EVAL_ISSUED, 0),
+            **{name: counts.get(name, 0) for name in LEDGER_OUTCOMES},
+            in_flight=sum(int(n) for n in lengths), damaged=damaged,
         )
 
     def depths(self) -> dict[str, int]:

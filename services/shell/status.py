@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.contracts.bus import StreamBus, open_bus
+from services.contracts.bus import LedgerSnapshot, StreamBus, open_bus
 from services.contracts.keys import RunField, restarts_counter
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,20 @@ class _Skipped:
         return default
 
 
+def _intact(ledger: LedgerSnapshot) -> LedgerSnapshot:
+    """A damaged ledger is shown as unknown, not as counts that are not the run's."""
+    if ledger.damaged:
+        raise ValueError("a count in the ledger is not an integer, or the ledger is not a hash")
+    return ledger
+
+
 def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
     """The run's state as a JSON-able dict; sections whose Redis values are malformed read as
     empty / None and are counted in `skipped_values`."""
     keys, skipped = bus.keys, _Skipped()
     state: dict[str, str] = skipped.read("learner_state", bus.learner_state, {})
     info: dict[str, str] = skipped.read("run_info", bus.run_info, {})
-    ledger = skipped.read("ledger", lambda: bus.ledger().as_dict(), None)
+    ledger = skipped.read("ledger", lambda: _intact(bus.ledger()).as_dict(), None)
     records: list[Any] = skipped.read("metrics", lambda: bus.recent_metrics(20), [])
     metrics = [m for m in records if isinstance(m, dict)]
     instances = _instances(skipped.read("heartbeats", bus.live_instances, []), skipped)

@@ -1,7 +1,7 @@
 """A hostile Redis, with real processes: while `dapo run` trains, garbage is written every half
 second into every key the services read (heartbeats, the control hash, the learner state, the
 policy version, run info, the weights stream, every stage stream, the metrics stream, the
-counters, final stats), and some keys are replaced by values of the wrong type (a string where
+counters, a stray ledger field, final stats), and some keys are replaced by values of the wrong type (a string where
 a hash belongs, a hash where a string belongs). The learner is killed once meanwhile, so that
 its successor starts from a planted data cursor and policy version. Nothing dies of it: each
 malformed value is skipped and counted (or dead-lettered, for stream entries; a wrongly typed
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.keys import Keys, RunField
+from services.contracts.keys import Counter, Keys, RunField
 from tests.helpers import finish, learner_step, pid_of, pids, process_gone, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -44,6 +44,7 @@ def vandal(r: redis.Redis, keys: Keys, stop: threading.Event) -> None:
                                           "junk": junk or b"?"})
         pipe.set(keys.policy_version, b"v" + junk)
         pipe.hset(keys.counters, "junk", junk or b"?")
+        pipe.hset(keys.ledger, "junk", junk or b"?")  # read by every service's flow control
         pipe.hset(keys.final_stats("rollout", "evil"), mapping={"policy_version": b'"x"', "idle_fraction": b"[1]"})
         pipe.xadd(keys.weights, {"ann": junk or b"?"})
         pipe.xadd(keys.metrics, {"m": junk or b"?"})
@@ -56,6 +57,8 @@ def vandal(r: redis.Redis, keys: Keys, stop: threading.Event) -> None:
             pipe.delete(keys.policy_version)
             pipe.hset(keys.policy_version, "x", junk or b"?")
             pipe.hset(keys.heartbeat("rollout", "typed"), "id", b"x")
+            # A counter the gatekeeper's hop script increments: the script restarts it.
+            pipe.hset(keys.counters, str(Counter.GATEKEEPER_KEPT), b"x" + junk)
             pipe.expire(keys.heartbeat("rollout", "typed"), 30)
         pipe.execute(raise_on_error=False)  # some writes meet a key of the wrong type: so be it
 

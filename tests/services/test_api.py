@@ -62,7 +62,7 @@ def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamB
     status = client.get("/status").json()
     assert status["policy_version"] == 7
     assert status["ledger"] == {"issued": 3, "trained": 0, "filtered": 0, "stale": 0, "dead": 0, "eval_issued": 0,
-                                "evaluated": 0, "eval_dead": 0, "in_flight": 3, "balanced": True}
+                                "evaluated": 0, "eval_dead": 0, "in_flight": 3, "balanced": True, "damaged": False}
     assert status["stream_depths"]["rollout"] == 3
     assert status["last_metrics"]["critic/rewards/mean"] == 0.25
     assert status["throughput"]["tokens_per_s"] == pytest.approx(150, rel=0.05)

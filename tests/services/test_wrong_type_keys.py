@@ -81,3 +81,62 @@ def test_a_writer_replaces_a_key_of_the_wrong_type(bus: StreamBus, fenced: bool)
     assert bus.run_field(RunField.DATA_CURSOR) == "42"
     assert bus.policy_version() == 7
     assert bad_values(bus) == 2  # learner state and run info were replaced; SET overwrites any type anyway
+
+
+# --- the ledger: counted inside the scripts that move work, read by every service ------------------
+def issue_and_hop_one(bus: StreamBus) -> None:
+    """Issue one training job and move it from the prompts stream to the next stage, counting
+    nothing (what a rollout replica does with it)."""
+    assert bus.issue([{"job": b"1"}]) == 1
+    [(entry_id, _)] = bus.read(bus.keys.prompts, count=1, block_ms=None)
+    assert bus.hop(bus.keys.prompts, entry_id, downstream=bus.keys.rollouts.stream, fields={"x": b"1"})
+
+
+def test_a_ledger_of_the_wrong_type_reads_as_empty_and_is_replaced_by_the_next_count(bus: StreamBus) -> None:
+    bus.redis.set(bus.keys.ledger, "garbage")
+    assert bus.ledger().damaged and bus.ledger().issued == 0 and bad_values(bus) == 1
+    issue_and_hop_one(bus)  # was refused (WRONGTYPE inside the script) for every service
+    ledger = bus.ledger()
+    assert (ledger.issued, ledger.in_flight) == (1, 1) and ledger.balanced
+    assert bad_values(bus) == 2  # the read, then the replacement
+
+
+def test_a_ledger_count_that_is_not_an_integer_is_skipped_and_restarts_at_the_next_count(bus: StreamBus) -> None:
+    bus.issue([{"job": b"0"}])
+    bus.redis.hset(bus.keys.ledger, mapping={"issued": "lots", "junk": "\xff"})
+    ledger = bus.ledger()
+    assert ledger.issued == 0 and ledger.damaged and not ledger.balanced  # the count is lost: reported, not hidden
+    assert bad_values(bus) == 2
+    issue_and_hop_one(bus)
+    assert int(bus.redis.hget(bus.keys.ledger, "issued")) == 1
+    assert bad_values(bus) == 3
+    bus.redis.hdel(bus.keys.ledger, "junk")
+    assert not bus.ledger().damaged
+
+
+def test_a_stray_field_in_the_ledger_is_skipped_without_damaging_it(bus: StreamBus) -> None:
+    issue_and_hop_one(bus)
+    bus.redis.hset(bus.keys.ledger, "junk", "x")
+    ledger = bus.ledger()
+    assert ledger.balanced and not ledger.damaged and bad_values(bus) == 1
+
+
+def test_a_hop_that_meets_planted_counts_moves_its_entry_exactly_once(bus: StreamBus) -> None:
+    """The script's stream writes come before its counts, and Redis does not roll a script back:
+    a count that failed would leave the entry moved but uncounted, and the caller retrying."""
+    gate = bus.keys.scored  # the gatekeeper's stage
+    bus.redis.xadd(gate.stream, {"g": b"1"})
+    [(entry_id, _)] = bus.read(gate, count=1, block_ms=None)
+    bus.redis.hset(bus.keys.ledger, "filtered", "x")
+    bus.redis.hset(bus.keys.counters, Counter.GATEKEEPER_KEPT, "9" * 30)  # an integer past 64 bits
+    assert bus.hop(gate, entry_id, outcome="filtered", counter=Counter.GATEKEEPER_KEPT)
+    assert bus.redis.xlen(gate.stream) == 0 and bus.redis.xpending(gate.stream, gate.group)["pending"] == 0
+    assert bus.ledger().filtered == 1
+    assert bus.counters()[Counter.GATEKEEPER_KEPT] == 1
+    assert bad_values(bus) == 2
+
+
+def test_a_count_that_would_overflow_is_restarted(bus: StreamBus) -> None:
+    bus.redis.hset(bus.keys.ledger, "issued", str(2**63 - 1))
+    assert bus.issue([{"job": b"1"}]) == 1
+    assert bus.ledger().issued == 1 and bad_values(bus) == 1
