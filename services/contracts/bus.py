@@ -351,8 +351,10 @@ class LedgerSnapshot:
 
     @property
     def train_in_flight(self) -> int:
-        """Training jobs still in a stream: what admission control and the drain look at."""
-        return self.in_flight - self.eval_in_flight
+        """Training jobs still in a stream: what admission control and the drain look at.
+        The evaluation lane's share is bounded by what the streams hold (a no-op for an intact
+        ledger), so a damaged ledger can skew admission for a while but never stall it."""
+        return self.in_flight - min(max(self.eval_in_flight, 0), self.in_flight)
 
     def as_dict(self) -> dict[str, int | bool]:
         return {

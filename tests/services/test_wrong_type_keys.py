@@ -140,3 +140,14 @@ def test_a_count_that_would_overflow_is_restarted(bus: StreamBus) -> None:
     bus.redis.hset(bus.keys.ledger, "issued", str(2**63 - 1))
     assert bus.issue([{"job": b"1"}]) == 1
     assert bus.ledger().issued == 1 and bad_values(bus) == 1
+
+
+def test_a_damaged_evaluation_count_cannot_stall_admission(bus: StreamBus) -> None:
+    """Admission control waits while training jobs are in flight: an evaluation count lost to a
+    planted value must not make it see training work that is not there (or less than none)."""
+    issue_and_hop_one(bus)
+    bus.issue([{"job": b"e"}], evaluation=True)
+    bus.redis.hset(bus.keys.ledger, mapping={"eval_issued": "x", "evaluated": 3})
+    assert bus.ledger().train_in_flight == 2  # at most what the streams hold (not 2 + 3)
+    bus.redis.hset(bus.keys.ledger, mapping={"eval_issued": 1, "evaluated": "x", "eval_dead": -5})
+    assert bus.ledger().train_in_flight == 0
