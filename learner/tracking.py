@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import logging
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +65,29 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
+WANDB_RUN_ID_FILE = "wandb-run-id"
+_WANDB_RUN_ID = re.compile(r"[a-z0-9]{1,64}")
+
+
+def wandb_run_id(checkpoint_dir: Path) -> str:
+    """The run's W&B id, kept beside its checkpoints: a restarted or resumed learner logs into
+    the same W&B run (W&B needs the id to resume; `resume="allow"` alone starts a new one), and a
+    fresh run, whose launcher sets the earlier checkpoints aside with this file, gets a new one.
+    Steps a restored learner repeats are below what W&B has seen: it drops those rows, with a
+    warning, and the run continues from the first new step."""
+    path = checkpoint_dir / WANDB_RUN_ID_FILE
+    try:
+        kept = path.read_text().strip()
+    except OSError:
+        kept = ""
+    if _WANDB_RUN_ID.fullmatch(kept):
+        return kept
+    run_id = secrets.token_hex(8)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class Trackers:
     def __init__(self, cfg: DapoConfig) -> None:
         self.writers: list[Any] = []
@@ -79,7 +103,10 @@ class Trackers:
                 raise RuntimeError(
                     "tracking.wandb_project is set but the wandb package is not installed (pip install '.[wandb]')"
                 ) from exc
-            self.wandb = wandb.init(project=cfg.tracking.wandb_project, name=cfg.run_name, config=cfg.model_dump(mode="json"), resume="allow")
+            self.wandb = wandb.init(
+                project=cfg.tracking.wandb_project, name=cfg.run_name, config=cfg.model_dump(mode="json"),
+                id=wandb_run_id(cfg.checkpoint_dir), resume="allow",
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and "/" in k}

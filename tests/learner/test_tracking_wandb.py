@@ -120,3 +120,27 @@ def test_without_wandb_installed_the_error_says_how_to_install_it(
         RuntimeError, match=r"wandb package is not installed \(pip install '\.\[wandb\]'\)"
     ):
         Trackers(wandb_config(tmp_path))
+
+
+def test_a_restarted_learner_logs_into_the_same_run_and_a_fresh_run_gets_its_own(
+    tmp_path: Path, fake_wandb: types.SimpleNamespace
+) -> None:
+    cfg = wandb_config(tmp_path)
+    Trackers(cfg).close()
+    Trackers(cfg).close()  # the learner restarted (or the run resumed): same checkpoint store
+    first, again = fake_wandb.inits
+    assert first["id"] == again["id"] and first["resume"] == "allow"
+    other = wandb_config(tmp_path / "other")  # a run with its own checkpoint store
+    Trackers(other).close()
+    assert fake_wandb.inits[2]["id"] != first["id"]
+
+
+def test_a_garbled_run_id_file_is_replaced_rather_than_sent_to_wandb(
+    tmp_path: Path, fake_wandb: types.SimpleNamespace
+) -> None:
+    cfg = wandb_config(tmp_path)
+    cfg.checkpoint_dir.mkdir(parents=True)
+    (cfg.checkpoint_dir / "wandb-run-id").write_text("../../etc\n")
+    Trackers(cfg).close()
+    [init] = fake_wandb.inits
+    assert init["id"].isalnum() and init["id"] == (cfg.checkpoint_dir / "wandb-run-id").read_text().strip()
