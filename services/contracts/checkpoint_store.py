@@ -30,9 +30,10 @@ is a pickle). It detects a tampered, truncated, partially written, missing or ad
 does NOT guarantee: whoever can write the store can also write a consistent manifest, so it is no
 defence against a writer with full access to the store; keep the store writable only by the
 learner (the Kubernetes manifests mount it read-only in every other pod). Nor does it cover a file
-swapped between verification and loading, and rollout replicas load `hf/` (safetensors, no pickle)
-without checking it. A checkpoint written before manifests (with a pickled `rng.pt`) is still
-listed, but the learner refuses to load it.
+swapped between verification and loading. Rollout replicas check only what they read, the `hf/`
+export (`verify_subtree`): a damaged file elsewhere in the step does not stop a replica, only the
+learner. A checkpoint written before manifests (with a pickled `rng.pt`) is still listed, but the
+learner and the replicas refuse to load it.
 
 Retention keeps the newest `keep_last` committed checkpoints plus any marked `keep`; abandoned
 steps are never deleted automatically (they use disk until an operator removes them).
@@ -251,14 +252,24 @@ def retire_newer(root: str | Path, step: int) -> list[int]:
 
 
 # --- the manifest -------------------------------------------------------------------------------------
-def hashed_files(path: Path) -> tuple[dict[str, int], list[str]]:
+def hashed_files(path: Path, under: str = "") -> tuple[dict[str, int], list[str]]:
     """(size of every regular file the manifest covers, by path relative to `path`; problems).
 
-    A symlink or any other non-regular entry is a problem, never followed: the manifest speaks
-    for the bytes inside the checkpoint directory only."""
+    `under` (a directory of the checkpoint, e.g. "hf") limits the walk to that directory; an
+    absent one holds no files. A symlink or any other non-regular entry is a problem, never
+    followed: the manifest speaks for the bytes inside the checkpoint directory only."""
     sizes: dict[str, int] = {}
     problems: list[str] = []
-    for d, subdirs, files in os.walk(path):
+    top = path / under
+    if under:  # os.walk follows a symlink given as its top: check the top itself first
+        try:
+            if not stat.S_ISDIR(top.lstat().st_mode):
+                return sizes, [f"{under} is not a directory"]
+        except FileNotFoundError:
+            return sizes, problems
+        except OSError as exc:
+            return sizes, [f"{under} could not be listed ({exc})"]
+    for d, subdirs, files in os.walk(top):
         for name in [*files, *subdirs]:
             p = Path(d) / name
             rel = p.relative_to(path).as_posix()
@@ -324,10 +335,13 @@ def read_manifest(path: Path) -> tuple[dict[str, FileDigest], str]:
     return files, hashlib.sha256(raw).hexdigest()
 
 
-def check_listing(path: Path, manifest: dict[str, FileDigest]) -> tuple[list[str], dict[str, int]]:
+def check_listing(path: Path, manifest: dict[str, FileDigest], under: str = "") -> tuple[list[str], dict[str, int]]:
     """(files missing, added, of the wrong size or not regular, against the manifest; the files
-    left to hash, with their sizes). Reads no file's contents."""
-    sizes, problems = hashed_files(path)
+    left to hash, with their sizes). Reads no file's contents. `under` limits both sides to one
+    directory of the checkpoint (the manifest's entries below it, the files found in it)."""
+    if under:
+        manifest = {n: d for n, d in manifest.items() if n.startswith(f"{under}/")}
+    sizes, problems = hashed_files(path, under)
     problems += [f"{n} is listed in {MANIFEST} but missing" for n in sorted(manifest.keys() - sizes.keys())]
     problems += [f"{n} is not in {MANIFEST}" for n in sorted(sizes.keys() - manifest.keys())]
     common = sorted(sizes.keys() & manifest.keys())
@@ -348,3 +362,14 @@ def verify_files(path: Path, manifest: dict[str, FileDigest], names: Iterable[st
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return [p for p in pool.map(check, names) if p is not None]
+
+
+def verify_subtree(path: Path, under: str, *, threads: int) -> list[str]:
+    """Check only the files under `path/under` against the checkpoint's manifest, for a reader that
+    loads nothing else (a rollout replica reads `hf/`): what `check_listing` and `verify_files`
+    find there, in one process. CheckpointRefused when the manifest is missing or malformed.
+
+    Cost: hashes every byte under `under` once (see `learner/checkpoint.py` for measured rates)."""
+    manifest, _ = read_manifest(path)
+    problems, sizes = check_listing(path, manifest, under)
+    return problems + verify_files(path, manifest, sorted(sizes), threads=threads)

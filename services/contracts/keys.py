@@ -70,6 +70,9 @@ class Counter(StrEnum):
     """A replica ended up on an older policy version than it held (must stay 0 in a healthy run)."""
     REPLICA_STORE_CATCH_UPS = "replica_store_catch_ups"
     """Replicas that caught up by loading the newest checkpoint instead of a broadcast."""
+    REPLICA_REFUSED_CHECKPOINTS = "replica_refused_checkpoints"
+    """Checkpoints a replica refused to load because their `hf/` export did not match the
+    manifest (or had none); each counted once per replica. Must stay 0 in a healthy run."""
 
 
 def restarts_counter(service: str) -> str:

@@ -57,4 +57,5 @@ def test_replica_hung_mid_sync_is_dropped_and_catches_up_from_the_checkpoint_sto
     assert summary["steps"] == 40 and summary["restarts"] == {}
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
     assert counters.get("replica_version_regressions", 0) == 0
+    assert counters.get("replica_refused_checkpoints", 0) == 0  # the learner's own checkpoints verify
     assert set(summary["replica_final_versions"].values()) == {summary["policy_version"]}

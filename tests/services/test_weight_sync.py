@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.contracts.bus import StreamBus, connect
+from services.contracts.checkpoint_store import file_digest, write_manifest
 from services.contracts.keys import Counter, Keys
 from services.contracts.runtime import StopFlag
 from services.contracts.weight_sync import (
@@ -232,6 +233,7 @@ def test_catch_up_from_store_after_losing_contact(bus: StreamBus, tmp_path: Path
     step = tmp_path / "ckpt" / "step_7"
     (step / "hf").mkdir(parents=True)
     (step / "trainer.json").write_text(json.dumps({"policy_version": 5}))
+    write_manifest(step, 7, {"trainer.json": file_digest(step / "trainer.json")})  # replicas load only what verifies
     (step / "COMMITTED").touch()
     bus.set_policy_version(1)
     assert not sub.catch_up()  # within max_staleness: wait for the learner

@@ -17,11 +17,18 @@ while the replica generates, not after its batch):
 - after a failed broadcast, falls back to the newest committed checkpoint (an engine that may
   hold half old, half new weights must not generate);
 - catches up from the checkpoint store after losing contact (a local read instead of a
-  broadcast), and reports the policy version held (through the heartbeat, `on_change`).
+  broadcast), and reports the policy version held (through the heartbeat, `on_change`);
+- loads from the store only an `hf/` export that matches its checkpoint's manifest, as the
+  learner verifies before it loads: a checkpoint that does not (no manifest, a file changed,
+  added, missing or a symlink) is refused, logged with its step and files, counted
+  (`replica_refused_checkpoints`), and the next older one that verifies is loaded instead, else
+  the base model.
 
 What this does NOT guarantee: that the replica holds the newest version; only that the version
 it reports is the one its engine holds. A replica that is not named by any announcement (e.g.
-quarantined) waits for the learner's catch-up sync or the store catch-up.
+quarantined) waits for the learner's catch-up sync or the store catch-up. Verification does not
+cover a file swapped between the check and the load, nor a writer who rewrites the manifest too
+(`services/contracts/checkpoint_store.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +45,14 @@ import redis
 import torch
 
 from services.contracts.bus import StreamBus
-from services.contracts.checkpoint_store import latest_checkpoint
+from services.contracts.checkpoint_store import (
+    MARKER,
+    CheckpointInfo,
+    CheckpointRefused,
+    latest_checkpoint,
+    list_checkpoints,
+    verify_subtree,
+)
 from services.contracts.config import DapoConfig
 from services.contracts.keys import Counter
 from services.contracts.runtime import StopFlag
@@ -50,6 +64,13 @@ STORE_CHECK_S = 5.0
 """How often `sync` considers a catch-up from the checkpoint store."""
 WATCH_BLOCK_MS = 1000
 """The announcement watcher's blocking read; it also bounds how long it takes to notice a stop."""
+HF_EXPORT = "hf"
+"""The part of a checkpoint a replica reads (and so verifies): its Hugging Face export."""
+HASH_THREADS = 4
+"""Files of an export hashed at once while verifying it (hashlib releases the GIL; a large model's
+export is several safetensors shards)."""
+MAX_NAMED = 10
+"""Problems spelled out in a refusal's log line; the rest are counted."""
 
 
 class WeightSink(Protocol):
@@ -87,6 +108,8 @@ class WeightSubscriber:
         # they were loaded from the store. A late-completing old broadcast does not look recent.
         self.weights_from = time.time()
         self._store_checked = 0.0
+        self._refused: set[tuple[Path, float]] = set()
+        """Checkpoints (path, commit time) this replica refused: never hashed or counted again."""
         self.announced = threading.Event()
         """Set by the watcher thread the moment an announcement is appended: `between_steps`
         (and a slowed-down replica's sleep) react to it at once instead of polling Redis."""
@@ -301,12 +324,46 @@ class WeightSubscriber:
 
     # --- the checkpoint store --------------------------------------------------------------------
     def load_published(self) -> None:
-        """Load the newest committed checkpoint (or the base model): after a failed broadcast,
-        and at start. The learner's catch-up sync brings the replica the rest of the way."""
+        """Load the newest committed checkpoint whose export verifies (or the base model): after a
+        failed broadcast, and at start. The learner's catch-up sync brings the replica the rest of
+        the way."""
+        self._load_from_store(self._newest_verified(above=-1))
+
+    def catch_up(self) -> bool:
+        """Catch up from the checkpoint store after losing contact; True when it loaded.
+
+        A replica that had no weights for longer than a broadcast may take (it was hung,
+        partitioned, or its syncs failed) and is more than max_staleness behind the learner loads
+        the newest committed checkpoint that verifies, when that is newer than what it holds: a
+        local read instead of a broadcast. The learner's catch-up sync then brings it the rest of
+        the way. A replica in a working group never does this."""
+        if time.time() - self.weights_from < self.lost_contact_s:
+            return False
+        published = self.bus.policy_version()
+        if published - self.policy_version <= self.max_staleness:
+            return False
         latest = latest_checkpoint(self.checkpoint_dir)
-        if latest is not None and (latest.path / "hf").is_dir():
-            self.engine.load_weights_from_dir(str(latest.path / "hf"))
-            version = int(latest.meta.get("policy_version", 0))
+        if latest is None or _version(latest) <= self.policy_version:
+            return False
+        found = self._newest_verified(above=self.policy_version)
+        if found is None:  # every newer one refused (each logged once): wait for the learner's sync
+            return False
+        log.warning("holding version %d while the learner is at %d: loading checkpoint step %d",
+                    self.policy_version, published, found.step)
+        try:
+            self._load_from_store(found)
+        except (OSError, RuntimeError, ValueError):  # retention removed it since the check, the engine failed...
+            log.exception("could not load checkpoint step %d; waiting for the learner's sync", found.step)
+            self.weights_from = time.time()  # don't retry at once
+            return False
+        self.bus.incr(Counter.REPLICA_STORE_CATCH_UPS)
+        return True
+
+    def _load_from_store(self, checkpoint: CheckpointInfo | None) -> None:
+        """Load `checkpoint`'s export (verified by the caller), or the base model when None."""
+        if checkpoint is not None:
+            self.engine.load_weights_from_dir(str(checkpoint.path / HF_EXPORT))
+            version = _version(checkpoint)
         else:
             self.engine.load_weights_from_dir(self.base_model_path)
             version = 0
@@ -314,29 +371,51 @@ class WeightSubscriber:
         log.info("loaded published weights: policy version %d", version)
         self._hold(version, "the checkpoint store")
 
-    def catch_up(self) -> bool:
-        """Catch up from the checkpoint store after losing contact; True when it loaded.
+    def _newest_verified(self, above: int) -> CheckpointInfo | None:
+        """The newest committed checkpoint holding a policy version above `above` whose `hf/`
+        export matches its manifest; None when there is none. Each one refused on the way is
+        logged (its step and files) and counted, once: it is not hashed again (a step saved again
+        is a new checkpoint, with a new commit time).
 
-        A replica that had no weights for longer than a broadcast may take (it was hung,
-        partitioned, or its syncs failed) and is more than max_staleness behind the learner loads
-        the newest committed checkpoint when that is newer than what it holds: a local read
-        instead of a broadcast. The learner's catch-up sync then brings it the rest of the way.
-        A replica in a working group never does this."""
-        if time.time() - self.weights_from < self.lost_contact_s:
-            return False
-        published = self.bus.policy_version()
-        if published - self.policy_version <= self.max_staleness:
-            return False
-        latest = latest_checkpoint(self.checkpoint_dir)
-        if latest is None or not (latest.path / "hf").is_dir() or int(latest.meta.get("policy_version", 0)) <= self.policy_version:
-            return False
-        log.warning("holding version %d while the learner is at %d: loading checkpoint step %d",
-                    self.policy_version, published, latest.step)
-        try:
-            self.load_published()
-        except (OSError, RuntimeError, ValueError):  # retention removed it meanwhile, a bad file...
-            log.exception("could not load checkpoint step %d; waiting for the learner's sync", latest.step)
-            self.weights_from = time.time()  # don't retry at once
-            return False
-        self.bus.incr(Counter.REPLICA_STORE_CATCH_UPS)
-        return True
+        Only `hf/` is checked (`verify_subtree`): the manifest's entries below it, and no file there
+        that it does not list. A checkpoint without a manifest (written before manifests) is
+        refused, as the learner refuses it.
+
+        Cost: every byte of the export accepted, and of each one refused for its contents, is read
+        once more before the load. At the SHA-256 rate measured for the learner (about 550 MiB/s a
+        thread, `learner/checkpoint.py`) a 64 GB export in 5 GB shards takes about half a minute on
+        HASH_THREADS threads and two minutes on one, more when the disk is slower; the heartbeat
+        thread keeps beating meanwhile. That is paid only at start, after a failed broadcast and on
+        a store catch-up, all rare: broadcasts never touch the store and hash nothing."""
+        for checkpoint in reversed(list_checkpoints(self.checkpoint_dir)):
+            key = (checkpoint.path, checkpoint.committed_at)
+            if key in self._refused or _version(checkpoint) <= above:
+                continue
+            try:
+                problems = verify_subtree(checkpoint.path, HF_EXPORT, threads=HASH_THREADS)
+            except CheckpointRefused as exc:
+                problems = [str(exc)]
+            if not problems:
+                if (checkpoint.path / HF_EXPORT).is_dir():
+                    return checkpoint
+                continue  # saved without an export (`checkpoint.save_hf` off) and none listed
+            if not _still_committed(checkpoint):
+                continue  # retention or a save of the same step replaced it meanwhile: not damage
+            self._refused.add(key)
+            self.bus.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
+            more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
+            log.error("refusing to load checkpoint step %d (%s): %s%s",
+                      checkpoint.step, checkpoint.path, "; ".join(problems[:MAX_NAMED]), more)
+        return None
+
+
+def _version(checkpoint: CheckpointInfo) -> int:
+    return int(checkpoint.meta.get("policy_version", 0))
+
+
+def _still_committed(checkpoint: CheckpointInfo) -> bool:
+    """The checkpoint listed is still the one at its path (not deleted, not replaced)."""
+    try:
+        return (checkpoint.path / MARKER).stat().st_mtime == checkpoint.committed_at
+    except OSError:
+        return False
