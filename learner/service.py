@@ -15,6 +15,8 @@ import contextlib
 import gc
 import logging
 import os
+import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +35,7 @@ from learner.publish import NullPublisher
 from learner.report import CompletionSampler, NullReporter, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
-from services.contracts.bus import FencedError, open_bus
+from services.contracts.bus import FencedError, StreamBus, open_bus
 from services.contracts.checkpoint_store import CheckpointRefused
 from services.contracts.config import ConfigError, DapoConfig
 from services.contracts.data import load_prompts
@@ -86,12 +88,24 @@ def make_share(rank: int) -> Share:
     return share
 
 
-def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[str, Any]:
-    """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
-    from transformers import AutoConfig, AutoTokenizer
+@dataclass(frozen=True)
+class RunClaim:
+    """What rank 0 holds once it is this run's learner: its Redis connection, fenced by the lease."""
 
+    bus: StreamBus
+    lease: LearnerLease
+    instance: str
+
+
+def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
+    """Rank 0 connects to Redis and takes the learner lease (raises LeaseHeldError after
+    `learner.lease_wait_s` when another learner holds it)."""
     if not cfg.redis_url:
         raise ConfigError("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
+    if cfg.learner.lease_wait_s <= cfg.learner.lease_ttl_s:
+        log.warning("learner.lease_wait_s (%.0f s) is not above learner.lease_ttl_s (%.0f s): a learner restarted after "
+                    "an unclean exit may still find its predecessor's lease, and exit as not the learner",
+                    cfg.learner.lease_wait_s, cfg.learner.lease_ttl_s)
     inst = instance_id("learner")
     # At maxmemory rank 0 pauses on the refused write, even when asked to stop: giving up half
     # way through a step could record groups as trained in Redis but not in a checkpoint; if
@@ -100,6 +114,14 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag) -> dict[s
     bus = open_bus(cfg.redis_url, cfg.queue.namespace, inst)
     lease = LearnerLease(bus, holder=inst, ttl_s=cfg.learner.lease_ttl_s)
     lease.acquire(cfg.learner.lease_wait_s, stop.event)  # before any write: one learner per run
+    return RunClaim(bus, lease, inst)
+
+
+def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag, claim: RunClaim) -> dict[str, Any]:
+    """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    bus, lease, inst = claim.bus, claim.lease, claim.instance
     bus.check_memory_policy()
     bus.ensure_groups()
     alg, le = cfg.algorithm, cfg.learner
@@ -149,7 +171,8 @@ def main(cfg: DapoConfig) -> int:
     try:
         return _train(cfg, rank, world, backend, stop)
     except (LeaseHeldError, FencedError) as exc:  # another learner trains this run: not a crash to debug
-        log.error("%s", exc)
+        if rank == 0:
+            log.error("%s", exc)
         return EXIT_NOT_THE_LEARNER
     except CheckpointRefused as exc:
         message = (f"{exc}. Move that step out of {cfg.checkpoint_dir} (or restore it from a copy you trust) and start "
@@ -158,21 +181,39 @@ def main(cfg: DapoConfig) -> int:
         with contextlib.suppress(OSError):  # every rank refuses alike; any of them may say so
             (Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE).write_text(message + "\n")
         return EXIT_CHECKPOINT_REFUSED
+    except BaseException as exc:  # a crash: its traceback must not keep the model alive (below)
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         # The sharded model holds the process group, and the loop's objects refer to each other:
         # collect them now, while the interpreter is whole. Left to interpreter finalization,
-        # gloo's threads are torn down there, which can abort the process (SIGABRT) after a run
-        # that finished.
+        # gloo's threads are torn down there, which can abort the process (SIGABRT), turning
+        # the exit code the orchestrator acts on (3, 4, 0) into a crash.
         gc.collect()
         dist.destroy_process_group()
 
 
 def _train(cfg: DapoConfig, rank: int, world: int, backend: str, stop: StopFlag) -> int:
+    share = make_share(rank)
+    # Rank 0 takes the lease before anything is loaded, and every rank learns the verdict: when
+    # another learner holds the run, every rank exits EXIT_NOT_THE_LEARNER. Otherwise the other
+    # ranks would fail on a collective rank 0 left, and torchrun (learner_torchrun) might report
+    # their failure, a crash worth a retry, instead of rank 0's.
+    claim: RunClaim | None = None
+    refusal: str | None = None
+    if rank == 0:
+        try:
+            claim = claim_the_run(cfg, stop)
+        except LeaseHeldError as exc:
+            refusal = str(exc)
+    refusal = share(refusal)
+    if refusal is not None:
+        raise LeaseHeldError(refusal)
     trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
     checkpoints = Checkpoints(
         cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
         save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
     )
-    parts = rank0_collaborators(cfg, backend, stop) if rank == 0 else null_collaborators()
-    loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
+    parts = rank0_collaborators(cfg, backend, stop, claim) if claim is not None else null_collaborators()
+    loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=share, stop=stop, **parts)
     return loop.run()

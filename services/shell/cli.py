@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.contracts.config import ConfigError, DapoConfig, load_config
+from services.contracts.runtime import EXIT_BAD_CONFIG
 
 log = logging.getLogger("dapo")
 
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except ConfigError as exc:
         sys.stderr.write(f"dapo {args.command}: {exc}\n")
-        return 2
+        return EXIT_BAD_CONFIG
     except KeyboardInterrupt:
         return 130
 

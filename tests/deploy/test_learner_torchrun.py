@@ -21,6 +21,7 @@ import yaml
 
 from services.contracts.runtime import (
     CHECKPOINT_REFUSED_FILE,
+    EXIT_BAD_CONFIG,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_NOT_THE_LEARNER,
     free_port,
@@ -79,6 +80,7 @@ def run_container(tmp_path: Path, nproc: int, codes: str) -> subprocess.Complete
 @pytest.mark.parametrize(("nproc", "codes", "expected"), [
     (1, "4", EXIT_CHECKPOINT_REFUSED),
     (1, "3", EXIT_NOT_THE_LEARNER),
+    (1, "2", EXIT_BAD_CONFIG),
     (1, "1", 1),
     (1, "0", 0),
     (2, "wait,4", EXIT_CHECKPOINT_REFUSED),  # one rank refuses; torchrun ends the other
@@ -136,4 +138,5 @@ def test_a_refused_checkpoint_outranks_other_failures() -> None:
     assert container_exit_code([EXIT_NOT_THE_LEARNER, EXIT_CHECKPOINT_REFUSED, -15]) == EXIT_CHECKPOINT_REFUSED
     assert container_exit_code([1, EXIT_NOT_THE_LEARNER]) == EXIT_NOT_THE_LEARNER
     assert container_exit_code([-9]) == 1  # a rank killed by a signal (OOM): a crash, retried
-    assert container_exit_code([2, 5]) == 1
+    assert container_exit_code([EXIT_BAD_CONFIG, 5]) == EXIT_BAD_CONFIG  # every rank reads the same configuration
+    assert container_exit_code([5, 6]) == 1

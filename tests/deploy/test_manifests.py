@@ -38,7 +38,12 @@ import yaml
 
 from services.contracts.config import load_config
 from services.contracts.keys import Keys
-from services.contracts.runtime import EXIT_CHECKPOINT_REFUSED, EXIT_NOT_THE_LEARNER, free_port
+from services.contracts.runtime import (
+    EXIT_BAD_CONFIG,
+    EXIT_CHECKPOINT_REFUSED,
+    EXIT_NOT_THE_LEARNER,
+    free_port,
+)
 from services.shell.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -671,6 +676,7 @@ def test_learner_job_fails_at_once_on_the_learners_verdicts(overlay: str) -> Non
     action = {
         "checkpoint refused": pod_failure_action(rules, failed_pod(learner["name"], EXIT_CHECKPOINT_REFUSED)),
         "not the learner": pod_failure_action(rules, failed_pod(learner["name"], EXIT_NOT_THE_LEARNER)),
+        "bad config": pod_failure_action(rules, failed_pod(learner["name"], EXIT_BAD_CONFIG)),
         "crash": pod_failure_action(rules, failed_pod(learner["name"], 1)),
         "OOM-killed": pod_failure_action(rules, failed_pod(learner["name"], 137)),
         "stopped by hand (kubectl delete pod)": pod_failure_action(rules, failed_pod(learner["name"], 143)),
@@ -679,7 +685,8 @@ def test_learner_job_fails_at_once_on_the_learners_verdicts(overlay: str) -> Non
         "init container exited 4": pod_failure_action(rules, failed_pod(learner["name"], 4, init="prepare")),
     }
     assert action == {
-        "checkpoint refused": "FailJob", "not the learner": "FailJob", "crash": "Count", "OOM-killed": "Count",
+        "checkpoint refused": "FailJob", "not the learner": "FailJob", "bad config": "FailJob", "crash": "Count",
+        "OOM-killed": "Count",
         "stopped by hand (kubectl delete pod)": "Count", "drained": "Ignore", "preempted, killed": "Ignore",
         "init container exited 4": "Count",
     }

@@ -6,6 +6,7 @@ twice."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,66 @@ def test_a_second_learner_waits_then_exits_naming_the_holder(tmp_path: Path, red
     summary = finish(proc, tmp_path)
     assert summary["steps"] == 20 and summary["ledger"]["balanced"], summary["ledger"]
     assert summary["counters"].get("trained_twice", 0) == 0
+
+
+RANK_SCRIPT = """
+import sys
+from pathlib import Path
+from services.contracts.config import load_config
+from learner.service import main
+cfg = load_config(sys.argv[1], sys.argv[3:])
+code = main(cfg)
+Path(sys.argv[2]).write_text(str(code))
+sys.exit(code)
+"""
+
+
+def test_every_rank_learns_that_rank_0_is_not_the_runs_learner(tmp_path: Path, redis_url: str) -> None:
+    """Only rank 0 talks to Redis; the others must still exit EXIT_NOT_THE_LEARNER, not fail on a
+    collective rank 0 left. Two ranks as plain processes (no torchrun to end one early), each
+    recording what `learner.service.main` returned."""
+    from services.contracts.keys import Keys
+    from services.contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
+
+    redis.Redis.from_url(redis_url).set(Keys("dapo").learner_lease, "7:learner-elsewhere", ex=300)
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(REPO / "configs" / "tiny.yaml"), str(tmp_path / f"rank{rank}.code"),
+             f"output_dir={tmp_path}", "learner.lease_wait_s=1", "learner.backend=gloo", "learner.collective_timeout_s=20"],
+            cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1", "RANK": str(rank),
+                           "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    errors = [proc.communicate(timeout=180)[1] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [EXIT_NOT_THE_LEARNER] * 2, errors[1][-3000:]
+    assert [(tmp_path / f"rank{rank}.code").read_text() for rank in (0, 1)] == [str(EXIT_NOT_THE_LEARNER)] * 2
+
+
+def test_every_rank_of_a_learner_that_is_not_the_runs_learner_exits_3(tmp_path: Path, redis_url: str) -> None:
+    """A two-rank learner started while another learner holds the lease, run as the learner Job's
+    container runs it (through learner_torchrun): rank 0 finds the lease held and every rank
+    exits EXIT_NOT_THE_LEARNER, so the container exits 3 and the Job fails at once, whichever
+    rank torchrun sees end first. A rank that failed on a collective rank 0 left would exit 1: a
+    crash, retried."""
+    from services.contracts.keys import Keys
+    from services.contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
+
+    redis.Redis.from_url(redis_url).set(Keys("dapo").learner_lease, "7:learner-elsewhere", ex=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.shell.learner_torchrun", "--nnodes=1", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+         "-m", "services.shell.cli", "learner", "--config", str(REPO / "configs" / "tiny.yaml"),
+         f"output_dir={tmp_path}", "learner.lease_wait_s=1", "learner.backend=gloo"],
+        cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_NOT_THE_LEARNER, out[-3000:]
+    # torchrun's table of failed ranks: each exited 3, or was still exiting 3 when torchrun ended
+    # it on the first failure (SIGTERM); none failed on its own.
+    exit_codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert "3" in exit_codes and set(exit_codes) <= {"3", "-15"}, out[-3000:]
+    assert "learner-elsewhere" in out
