@@ -46,6 +46,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from services.contracts.keys import (
+    LEDGER_DAMAGED,
     LEDGER_DEAD,
     LEDGER_EVAL_DEAD,
     LEDGER_EVAL_ISSUED,
@@ -107,9 +108,11 @@ _KEY_TYPE_OF_WRITE = {"HSET": "hash", "HINCRBY": "hash", "HDEL": "hash", "SADD":
 # the script after its stream writes are done (Redis does not roll a script back) nor every later
 # one: a hash key of another type is replaced, a field that is not an integer (or would
 # overflow) restarts at the increment. Returns what it repaired ('' = nothing) for the caller to
-# log and count as a bad value. Any other error (out of memory) fails the script as before.
+# log and count as a bad value. The ledger keeps a mark (LEDGER_DAMAGED) once a count of it was
+# lost: its figures are not the run's for the rest of the run, though each reads as an integer
+# again. Any other error fails the script as before.
 _COUNT = """
-local function count(key, field, n)
+local function count(key, field, n, damage_mark)
   local reply = redis.pcall('HINCRBY', key, field, n)
   if type(reply) ~= 'table' or not reply.err then return '' end
   if string.find(reply.err, 'WRONGTYPE', 1, true) then
@@ -120,6 +123,7 @@ local function count(key, field, n)
     error(reply)  -- fails the script with Redis's own error
   end
   redis.call('HINCRBY', key, field, n)
+  if damage_mark ~= '' then redis.call('HSET', key, damage_mark, 1) end
   return field .. ': ' .. reply.err
 end
 """
@@ -127,12 +131,20 @@ end
 # KEYS: upstream, downstream ("" = none), ledger, counters
 # ARGV: group, entry id, ledger field ("" = none), counter field ("" = none), downstream MAXLEN
 # ("" = unbounded), then field/value pairs for XADD downstream.
-# Returns {1 (0: already acknowledged by someone else, nothing written), ledger repair, counter repair}.
+# Returns {1 (0: already acknowledged by someone else, nothing written), ledger repair, counter
+# repair, downstream repair}. A downstream key of another type is replaced (its consumer group
+# comes back with the readers' `ensure_groups`): failing the XADD after the XACK would lose the entry.
 _HOP = _FENCE + _COUNT + """
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if acked == 0 then return {0, '', ''} end
+if acked == 0 then return {0, '', '', ''} end
 redis.call('XDEL', KEYS[1], ARGV[2])
+local downstream_repair = ''
 if KEYS[2] ~= '' and #ARGV > 5 then
+  local kind = redis.call('TYPE', KEYS[2]).ok
+  if kind ~= 'stream' and kind ~= 'none' then
+    redis.call('DEL', KEYS[2])
+    downstream_repair = 'a ' .. kind .. ' where a stream belongs'
+  end
   local kv = {}
   for i = 6, #ARGV do kv[#kv + 1] = ARGV[i] end
   if ARGV[5] ~= '' then
@@ -142,9 +154,9 @@ if KEYS[2] ~= '' and #ARGV > 5 then
   end
 end
 local ledger_repair, counter_repair = '', ''
-if ARGV[3] ~= '' then ledger_repair = count(KEYS[3], ARGV[3], 1) end
-if ARGV[4] ~= '' then counter_repair = count(KEYS[4], ARGV[4], 1) end
-return {1, ledger_repair, counter_repair}
+if ARGV[3] ~= '' then ledger_repair = count(KEYS[3], ARGV[3], 1, '""" + LEDGER_DAMAGED + """') end
+if ARGV[4] ~= '' then counter_repair = count(KEYS[4], ARGV[4], 1, '') end
+return {1, ledger_repair, counter_repair, downstream_repair}
 """
 
 # KEYS: prompts stream, ledger. ARGV: ledger field, n_fields, then n_fields*2 values per job,
@@ -160,7 +172,7 @@ while i <= #ARGV do
   appended = appended + 1
   i = i + 2 * n
 end
-local repair = count(KEYS[2], ARGV[1], appended)
+local repair = count(KEYS[2], ARGV[1], appended, '""" + LEDGER_DAMAGED + """')
 return {appended, repair}
 """
 
@@ -612,16 +624,19 @@ class StreamBus:
         for name, value in (fields or {}).items():
             argv += [name, value]
         keys = [stage.stream, downstream or "", self.keys.ledger, self.keys.counters]
-        done, ledger_repair, counter_repair = self._fenced(self._hop_script, keys, argv)
+        done, ledger_repair, counter_repair, downstream_repair = self._fenced(self._hop_script, keys, argv)
         self._count_repair(self.keys.ledger, ledger_repair)
         self._count_repair(self.keys.counters, counter_repair)
+        if downstream:
+            self._count_repair(downstream, downstream_repair)
         return bool(done)
 
     def _count_repair(self, key: str, repair: bytes | str) -> None:
-        """A writing script met a planted value where it counts (`_COUNT`) and replaced it."""
+        """A writing script met a planted value where it writes (a count, `_COUNT`, or the
+        downstream stream) and replaced it."""
         if repair:
             text = repair.decode("utf-8", "replace") if isinstance(repair, bytes) else repair
-            self.skip_bad_value(key, f"{text}; replaced, its count starts again", text)
+            self.skip_bad_value(key, f"{text}; replaced", text)
 
     def hand_back(self, stage: Stage, entry_id: str, fields: Fields) -> bool:
         """Return an unfinished entry to the head of the work queue (used on SIGTERM)."""
@@ -666,7 +681,8 @@ class StreamBus:
 
         A planted value (a ledger key of another type, a count that is not an integer) is skipped
         and counted, and reads as 0: the services go on, and the next count replaces it. The
-        counts it held are lost, so the ledger no longer balances, which the run reports."""
+        counts it held are lost, so the snapshot is `damaged` (never balanced) from then on, for
+        the rest of the run (`LEDGER_DAMAGED`), which the run summary and /status report."""
         kind, flat, *lengths = self._ledger(keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)])
         damaged = kind not in (b"hash", b"none")
         if damaged:  # planted: the next count replaces it
@@ -676,6 +692,7 @@ class StreamBus:
             name, value = field.decode("utf-8", "replace"), self._int_at(self.keys.ledger, raw, None)
             damaged |= value is None and name in LEDGER_FIELDS  # a stray field takes nothing from the counts
             counts[name] = value or 0
+        damaged |= LEDGER_DAMAGED in counts  # a count was lost earlier and restarted (`_COUNT`)
         return LedgerSnapshot(
             issued=counts.get(LEDGER_ISSUED, 0), eval_issued=counts.get(LEDGER_EVAL_ISSUED, 0),
             **{name: counts.get(name, 0) for name in LEDGER_OUTCOMES},

@@ -284,7 +284,7 @@ def _run_families(page: _Page, status: dict[str, Any]) -> None:
     page.gauge("paused", "1 while training is paused by an operator request.", _flag(status["paused"]))
     ledger = status["ledger"] or {}
     for outcome, count in ledger.items():
-        if outcome not in ("balanced", "in_flight"):
+        if outcome not in ("balanced", "in_flight", "damaged"):  # counts of prompt jobs only
             page.add("counter", f"ledger_{outcome}", f"Prompt jobs {outcome}.", [({}, count)])
     page.gauge("ledger_in_flight", "Prompt jobs in flight.", ledger.get("in_flight"))
     page.gauge("ledger_balanced", "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead + in flight.",

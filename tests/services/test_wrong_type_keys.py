@@ -97,7 +97,8 @@ def test_a_ledger_of_the_wrong_type_reads_as_empty_and_is_replaced_by_the_next_c
     assert bus.ledger().damaged and bus.ledger().issued == 0 and bad_values(bus) == 1
     issue_and_hop_one(bus)  # was refused (WRONGTYPE inside the script) for every service
     ledger = bus.ledger()
-    assert (ledger.issued, ledger.in_flight) == (1, 1) and ledger.balanced
+    assert (ledger.issued, ledger.in_flight) == (1, 1)
+    assert ledger.damaged and not ledger.balanced  # what the planted key replaced is lost
     assert bad_values(bus) == 2  # the read, then the replacement
 
 
@@ -111,7 +112,8 @@ def test_a_ledger_count_that_is_not_an_integer_is_skipped_and_restarts_at_the_ne
     assert int(bus.redis.hget(bus.keys.ledger, "issued")) == 1
     assert bad_values(bus) == 3
     bus.redis.hdel(bus.keys.ledger, "junk")
-    assert not bus.ledger().damaged
+    # Every count reads as an integer again, but one was lost: the ledger stays damaged.
+    assert bus.ledger().damaged and not bus.ledger().balanced
 
 
 def test_a_stray_field_in_the_ledger_is_skipped_without_damaging_it(bus: StreamBus) -> None:
@@ -131,8 +133,8 @@ def test_a_hop_that_meets_planted_counts_moves_its_entry_exactly_once(bus: Strea
     bus.redis.hset(bus.keys.counters, Counter.GATEKEEPER_KEPT, "9" * 30)  # an integer past 64 bits
     assert bus.hop(gate, entry_id, outcome="filtered", counter=Counter.GATEKEEPER_KEPT)
     assert bus.redis.xlen(gate.stream) == 0 and bus.redis.xpending(gate.stream, gate.group)["pending"] == 0
-    assert bus.ledger().filtered == 1
-    assert bus.counters()[Counter.GATEKEEPER_KEPT] == 1
+    assert bus.ledger().filtered == 1 and bus.ledger().damaged
+    assert bus.counters()[Counter.GATEKEEPER_KEPT] == 1  # a counter is a statistic: restarted, no mark
     assert bad_values(bus) == 2
 
 
@@ -151,3 +153,15 @@ def test_a_damaged_evaluation_count_cannot_stall_admission(bus: StreamBus) -> No
     assert bus.ledger().train_in_flight == 2  # at most what the streams hold (not 2 + 3)
     bus.redis.hset(bus.keys.ledger, mapping={"eval_issued": 1, "evaluated": "x", "eval_dead": -5})
     assert bus.ledger().train_in_flight == 0
+
+
+def test_a_downstream_stream_of_the_wrong_type_is_replaced_and_the_entry_arrives(bus: StreamBus) -> None:
+    """The hop acknowledges upstream before it appends downstream: a downstream key that refused
+    the append would lose the entry. It is replaced, and its readers get their group back."""
+    bus.redis.set(bus.keys.rollouts.stream, "garbage")
+    issue_and_hop_one(bus)
+    assert bad_values(bus) == 1
+    assert bus.read(bus.keys.rollouts, count=10, block_ms=None) == []  # the group went with the key: recreated
+    [(_, fields)] = bus.read(bus.keys.rollouts, count=10, block_ms=None)
+    assert fields == {b"x": b"1"}
+    assert bus.ledger().balanced
