@@ -204,3 +204,27 @@ def test_catch_up_skips_a_damaged_checkpoint_once_and_takes_the_next_good_one(
     assert holds(engine, tiny_model_dir, 3)
     assert bus.counters().get(Counter.REPLICA_STORE_CATCH_UPS) == 1
     assert bus.counters().get(Counter.REPLICA_REFUSED_CHECKPOINTS) == 1
+
+
+def test_a_checkpoint_retired_while_it_is_checked_sends_the_replica_to_the_newest_one(
+    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Retention (keep_last 1) deletes step 2 while the replica hashes it, just after the learner
+    committed step 3: not damage, and not a reason to fall back to the base model; the store is
+    listed again and step 3 loaded."""
+    store = tmp_path / "ckpt"
+    retired = commit(store, 2, tiny_model_dir)
+
+    def check_while_retention_runs(path: Path, under: str, *, threads: int) -> list[str]:
+        if path == retired and retired.exists():
+            commit(store, 3, tiny_model_dir)
+            shutil.rmtree(retired)
+            return [f"{under}/{WEIGHTS}: missing"]
+        return verify_subtree(path, under, threads=threads)
+
+    monkeypatch.setattr(weight_sync_subscriber, "verify_subtree", check_while_retention_runs)
+    sub = subscriber(bus, engine, store, tiny_model_dir)
+    sub.load_published()
+    assert engine.loaded == [str(store / "step_3" / "hf")] and sub.policy_version == 3
+    assert holds(engine, tiny_model_dir, 3)
+    assert Counter.REPLICA_REFUSED_CHECKPOINTS not in bus.counters()

@@ -71,6 +71,8 @@ HASH_THREADS = 4
 export is several safetensors shards)."""
 MAX_NAMED = 10
 """Problems spelled out in a refusal's log line; the rest are counted."""
+STORE_RESCANS = 3
+"""Listings of the store tried when checkpoints keep changing under the check (retention)."""
 
 
 class WeightSink(Protocol):
@@ -386,7 +388,20 @@ class WeightSubscriber:
         thread, `learner/checkpoint.py`) a 64 GB export in 5 GB shards takes about half a minute on
         HASH_THREADS threads and two minutes on one, more when the disk is slower; the heartbeat
         thread keeps beating meanwhile. That is paid only at start, after a failed broadcast and on
-        a store catch-up, all rare: broadcasts never touch the store and hash nothing."""
+        a store catch-up, all rare: broadcasts never touch the store and hash nothing.
+
+        A checkpoint that retention deleted (or a save of the same step replaced) while it was
+        being checked is not damage: the store is listed again, up to STORE_RESCANS times, so a
+        newer checkpoint saved meanwhile is found rather than an older one or the base model."""
+        for _ in range(STORE_RESCANS):
+            found, changed = self._scan(above)
+            if found is not None or not changed:
+                return found
+        return None
+
+    def _scan(self, above: int) -> tuple[CheckpointInfo | None, bool]:
+        """One pass over the store, newest first: (the first that verifies, whether one listed
+        changed under the check)."""
         for checkpoint in reversed(list_checkpoints(self.checkpoint_dir)):
             key = (checkpoint.path, checkpoint.committed_at)
             if key in self._refused or _version(checkpoint) <= above:
@@ -397,16 +412,16 @@ class WeightSubscriber:
                 problems = [str(exc)]
             if not problems:
                 if (checkpoint.path / HF_EXPORT).is_dir():
-                    return checkpoint
+                    return checkpoint, False
                 continue  # saved without an export (`checkpoint.save_hf` off) and none listed
             if not _still_committed(checkpoint):
-                continue  # retention or a save of the same step replaced it meanwhile: not damage
+                return None, True  # retention or a save of the same step replaced it meanwhile
             self._refused.add(key)
             self.bus.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
             more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
             log.error("refusing to load checkpoint step %d (%s): %s%s",
                       checkpoint.step, checkpoint.path, "; ".join(problems[:MAX_NAMED]), more)
-        return None
+        return None, False
 
 
 def _version(checkpoint: CheckpointInfo) -> int:
