@@ -84,7 +84,9 @@ def wandb_run_id(checkpoint_dir: Path) -> str:
         return kept
     run_id = secrets.token_hex(8)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id + "\n")
+    partial = path.with_name(f".{WANDB_RUN_ID_FILE}.{run_id}")  # a crash mid-write leaves no torn id
+    partial.write_text(run_id + "\n")
+    partial.replace(path)
     return run_id
 
 
