@@ -30,8 +30,9 @@ from services.contracts.keys import Stage
 log = logging.getLogger(__name__)
 
 EXIT_BAD_CONFIG = 2
-"""Exit status of a service whose configuration or command line was refused (the error names
-what was wrong): not worth a restart, which would read the same configuration."""
+"""Exit status of a service whose configuration or command line was refused, or whose model
+could not be fetched from the Hub (`ConfigError`; the message names what was wrong). Restarts
+are left to the supervisor's limit: a fetch may fail for a moment."""
 EXIT_NOT_THE_LEARNER = 3
 """Exit status of a learner that found (or lost) the learner lease to another learner. Worth a
 restart: a crashed learner's successor can find its predecessor's lease until it expires."""

@@ -11,15 +11,15 @@ restarted. This runs torchrun in this process, with the same arguments, and exit
     4        a rank exited with EXIT_CHECKPOINT_REFUSED: the newest checkpoint failed
              verification; restarting meets the same files, an operator must act
     3        a rank exited with EXIT_NOT_THE_LEARNER: another learner holds this run's lease
-    2        a rank exited with EXIT_BAD_CONFIG: the configuration was refused; every retry
-             would read the same one
+    2        a rank exited with EXIT_BAD_CONFIG: the configuration was refused, or the model
+             could not be fetched (the Job retries it: a fetch may fail for a moment)
     1        any other failure of a rank (a crash: the next attempt resumes from the newest
              committed checkpoint)
     128 + N  torchrun was stopped by signal N (143 for SIGTERM) and passed it to its ranks
              (SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT): the learner checkpointed and
              exited 0, but the run is not finished, so the Job must not count the pod complete
 
-The Job's podFailurePolicy (deploy/k8s/base/learner.yaml) fails the Job at once on 2, 3 and 4. It
+The Job's podFailurePolicy (deploy/k8s/base/learner.yaml) fails the Job at once on 3 and 4. It
 reads the codes only: the learner's `learner-refused-checkpoint.txt` is not consulted here, so a
 file left by an earlier refusal cannot fail a later healthy start.
 
@@ -51,8 +51,8 @@ EXPLANATIONS = {
     "that step out of the checkpoint directory (or restore it from a copy you trust), then start the learner again",
     EXIT_NOT_THE_LEARNER: "another learner holds this run's lease (the holder is named in the log above): stop "
     "it, or wait for it to finish, before starting this one",
-    EXIT_BAD_CONFIG: "the learner refused its configuration or command line (the log above says what was wrong): "
-    "fix it, then start the learner again",
+    EXIT_BAD_CONFIG: "the learner refused its configuration, or could not fetch its model (the log above says "
+    "which): fix the configuration, or check the network and the model's id",
 }
 
 

@@ -685,7 +685,7 @@ def test_learner_job_fails_at_once_on_the_learners_verdicts(overlay: str) -> Non
         "init container exited 4": pod_failure_action(rules, failed_pod(learner["name"], 4, init="prepare")),
     }
     assert action == {
-        "checkpoint refused": "FailJob", "not the learner": "FailJob", "bad config": "FailJob", "crash": "Count",
+        "checkpoint refused": "FailJob", "not the learner": "FailJob", "bad config": "Count", "crash": "Count",
         "OOM-killed": "Count",
         "stopped by hand (kubectl delete pod)": "Count", "drained": "Ignore", "preempted, killed": "Ignore",
         "init container exited 4": "Count",
