@@ -99,20 +99,9 @@ class StreamSource:
         back would issue (and train) groups twice: take the furthest of the checkpoint's cursor,
         the one Redis recorded later, and the ledger's count of training jobs issued (which the
         same script that issues them moves, so it is never behind, even when the learner died
-        between issuing and recording its cursor, or the recorded cursor is garbage).
-
-        Going too far skips prompts: while the ledger is whole and Redis never lost the run, the
-        cursor runs ahead of the ledger's count by at most one admission (jobs built, then their
-        issue refused), so a recorded cursor beyond that was not written by a learner. It is
-        skipped and counted, like any malformed value."""
+        between issuing and recording its cursor, or the recorded cursor is garbage)."""
         recorded = self.bus.run_int(RunField.DATA_CURSOR)
-        ledger = self.bus.ledger()
-        trusted_ledger = not ledger.damaged and self.bus.run_field(RunField.REDIS_DATA_LOST_AT) is None
-        if trusted_ledger and recorded > ledger.issued + self.feeder.limit:
-            self.bus.skip_bad_value(self.bus.keys.run_info, f"data cursor {recorded} is past the {ledger.issued} jobs "
-                                    f"the ledger counts as issued (+{self.feeder.limit} for one admission)", str(recorded))
-            recorded = 0
-        self.feeder.cursor = max(checkpoint_cursor, recorded, ledger.issued)
+        self.feeder.cursor = max(checkpoint_cursor, recorded, self.bus.ledger().issued)
 
     # --- collecting -------------------------------------------------------------------------------
     def collect(self, policy_version: int) -> list[Picked] | None:
