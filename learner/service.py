@@ -181,8 +181,13 @@ def main(cfg: DapoConfig) -> int:
         with contextlib.suppress(OSError):  # every rank refuses alike; any of them may say so
             (Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE).write_text(message + "\n")
         return EXIT_CHECKPOINT_REFUSED
-    except BaseException as exc:  # a crash: its traceback must not keep the model alive (below)
-        traceback.clear_frames(exc.__traceback__)
+    except BaseException as exc:  # a crash: its tracebacks must not keep the model alive (below)
+        seen: set[int] = set()
+        cause: BaseException | None = exc
+        while cause is not None and id(cause) not in seen:  # the exception and those it wraps
+            seen.add(id(cause))
+            traceback.clear_frames(cause.__traceback__)
+            cause = cause.__cause__ or cause.__context__
         raise
     finally:
         # The sharded model holds the process group, and the loop's objects refer to each other:
@@ -194,26 +199,52 @@ def main(cfg: DapoConfig) -> int:
 
 
 def _train(cfg: DapoConfig, rank: int, world: int, backend: str, stop: StopFlag) -> int:
-    share = make_share(rank)
-    # Rank 0 takes the lease before anything is loaded, and every rank learns the verdict: when
-    # another learner holds the run, every rank exits EXIT_NOT_THE_LEARNER. Otherwise the other
-    # ranks would fail on a collective rank 0 left, and torchrun (learner_torchrun) might report
-    # their failure, a crash worth a retry, instead of rank 0's.
+    claim = _claim_on_every_rank(cfg, rank, world, stop)
+    try:
+        trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
+        checkpoints = Checkpoints(
+            cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
+            save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
+        )
+        parts = rank0_collaborators(cfg, backend, stop, claim) if claim is not None else null_collaborators()
+        loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
+    except BaseException:
+        if claim is not None:  # never trained: the next learner need not wait out the lease's TTL
+            claim.lease.release()
+        raise
+    return loop.run()  # releases the lease when it ends
+
+
+def _claim_on_every_rank(cfg: DapoConfig, rank: int, world: int, stop: StopFlag) -> RunClaim | None:
+    """Rank 0 takes the lease before anything is loaded (its claim; None on the other ranks), and
+    every rank learns the verdict: when another learner holds the run, every rank exits
+    EXIT_NOT_THE_LEARNER. Otherwise the other ranks would fail on a collective rank 0 left, and
+    torchrun (learner_torchrun) might report their failure, a crash worth a retry, instead.
+
+    The verdict travels over a gloo group of its own, whose timeout covers rank 0's wait for the
+    lease (up to learner.lease_wait_s, longer than the training group's collective timeout)."""
     claim: RunClaim | None = None
-    refusal: str | None = None
+    verdict: tuple[str, str] | None = None  # ("lease" | "failed", why)
+    failure: BaseException | None = None
     if rank == 0:
         try:
             claim = claim_the_run(cfg, stop)
         except LeaseHeldError as exc:
-            refusal = str(exc)
-    refusal = share(refusal)
-    if refusal is not None:
-        raise LeaseHeldError(refusal)
-    trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
-    checkpoints = Checkpoints(
-        cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
-        save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
-    )
-    parts = rank0_collaborators(cfg, backend, stop, claim) if claim is not None else null_collaborators()
-    loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=share, stop=stop, **parts)
-    return loop.run()
+            verdict = ("lease", str(exc))
+        except Exception as exc:  # no Redis, a bad URL: rank 0 raises it, the others stop at once
+            verdict, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
+    if world > 1:
+        wait = timedelta(seconds=cfg.learner.lease_wait_s + cfg.learner.collective_timeout_s)
+        group = dist.new_group(backend="gloo", timeout=wait)
+        box: list[Any] = [verdict]
+        dist.broadcast_object_list(box, src=0, group=group)
+        dist.destroy_process_group(group)
+        verdict = box[0]
+    if failure is not None:
+        raise failure
+    if verdict is not None:
+        kind, why = verdict
+        if kind == "lease":
+            raise LeaseHeldError(why)
+        raise RuntimeError(f"learner rank 0 could not claim the run: {why}")
+    return claim

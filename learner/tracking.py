@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import logging
+import os
 import re
 import secrets
 from dataclasses import dataclass
@@ -85,7 +86,10 @@ def wandb_run_id(checkpoint_dir: Path) -> str:
     run_id = secrets.token_hex(8)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{WANDB_RUN_ID_FILE}.{run_id}")  # a crash mid-write leaves no torn id
-    partial.write_text(run_id + "\n")
+    with partial.open("w") as f:
+        f.write(run_id + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     partial.replace(path)
     return run_id
 

@@ -58,7 +58,8 @@ def test_every_rank_learns_that_rank_0_is_not_the_runs_learner(tmp_path: Path, r
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", RANK_SCRIPT, str(REPO / "configs" / "tiny.yaml"), str(tmp_path / f"rank{rank}.code"),
-             f"output_dir={tmp_path}", "learner.lease_wait_s=1", "learner.backend=gloo", "learner.collective_timeout_s=20"],
+             # Rank 0 waits for the lease longer than a collective may take: the verdict must still arrive.
+             f"output_dir={tmp_path}", "learner.lease_wait_s=6", "learner.backend=gloo", "learner.collective_timeout_s=2"],
             cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1", "RANK": str(rank),
                            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -95,3 +96,22 @@ def test_every_rank_of_a_learner_that_is_not_the_runs_learner_exits_3(tmp_path: 
     exit_codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
     assert "3" in exit_codes and set(exit_codes) <= {"3", "-15"}, out[-3000:]
     assert "learner-elsewhere" in out
+
+
+def test_a_learner_that_fails_before_training_gives_the_lease_back(tmp_path: Path, redis_url: str) -> None:
+    """The lease is taken before the model loads: a learner whose model does not load must not
+    hold the run for the lease's TTL (its restart would wait that long, or exit as not the
+    learner)."""
+    from services.contracts.keys import Keys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # no model_type: transformers refuses it
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.shell.cli", "learner", "--config", str(REPO / "configs" / "tiny.yaml"),
+         f"output_dir={tmp_path}", f"model.path={model}", "learner.lease_ttl_s=300"],
+        cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode not in (0, 3), proc.stderr[-3000:]
+    assert "holding the learner lease" in proc.stderr
+    assert redis.Redis.from_url(redis_url).get(Keys("dapo").learner_lease) is None

@@ -393,15 +393,16 @@ class WeightSubscriber:
         A checkpoint that retention deleted (or a save of the same step replaced) while it was
         being checked is not damage: the store is listed again, up to STORE_RESCANS times, so a
         newer checkpoint saved meanwhile is found rather than an older one or the base model."""
-        for _ in range(STORE_RESCANS):
-            found, changed = self._scan(above)
+        for rescans_left in reversed(range(STORE_RESCANS)):
+            found, changed = self._scan(above, rescan=rescans_left > 0)
             if found is not None or not changed:
                 return found
         return None
 
-    def _scan(self, above: int) -> tuple[CheckpointInfo | None, bool]:
+    def _scan(self, above: int, *, rescan: bool) -> tuple[CheckpointInfo | None, bool]:
         """One pass over the store, newest first: (the first that verifies, whether one listed
-        changed under the check)."""
+        changed under the check). With `rescan`, a change ends the pass (the caller lists the
+        store again); without, the pass goes on to older checkpoints."""
         for checkpoint in reversed(list_checkpoints(self.checkpoint_dir)):
             key = (checkpoint.path, checkpoint.committed_at)
             if key in self._refused or _version(checkpoint) <= above:
@@ -414,8 +415,10 @@ class WeightSubscriber:
                 if (checkpoint.path / HF_EXPORT).is_dir():
                     return checkpoint, False
                 continue  # saved without an export (`checkpoint.save_hf` off) and none listed
-            if not _still_committed(checkpoint):
-                return None, True  # retention or a save of the same step replaced it meanwhile
+            if not _still_committed(checkpoint):  # retention or a save of the same step replaced it meanwhile
+                if rescan:
+                    return None, True
+                continue
             self._refused.add(key)
             self.bus.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
             more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
