@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from services.contracts.checkpoint_store import (
+    HASH_THREADS,
+    HF_EXPORT,
     KEEP,
     MARKER,
     CheckpointInfo,
@@ -51,6 +53,7 @@ from services.contracts.checkpoint_store import (
     check_listing,
     clean_stale,
     commit_dir,
+    describe_problems,
     file_digest,
     fsync_path,
     fsync_tree,
@@ -69,11 +72,6 @@ from services.contracts.checkpoint_store import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-HASH_THREADS = 4
-"""Files hashed at once per rank (hashlib releases the GIL, so threads overlap)."""
-MAX_NAMED = 10
-"""Problems spelled out in a refusal; the rest are counted."""
 
 
 # --- ranks ---------------------------------------------------------------------------------------------
@@ -166,7 +164,7 @@ def save_checkpoint(
         full_meta = {**meta, "step": step, "scheduler": scheduler.state_dict(), "saved_at": time.time()}
         write_durable(tmp / "trainer.json", json.dumps(full_meta, indent=1).encode())
         if hf_export is not None:
-            hf_export(tmp / "hf")
+            hf_export(tmp / HF_EXPORT)
         if keep:
             write_durable(tmp / KEEP, b"")
     barrier()
@@ -226,8 +224,7 @@ def verify_checkpoint(path: Path, rank: int) -> None:
     if len({sha for sha, _ in verdicts}) > 1:
         found.append("the ranks read different manifest.json files")
     if found:
-        more = f" (and {len(found) - MAX_NAMED} more)" if len(found) > MAX_NAMED else ""
-        raise CheckpointRefused(f"refusing checkpoint {path}: " + "; ".join(found[:MAX_NAMED]) + more)
+        raise CheckpointRefused(f"refusing checkpoint {path}: {describe_problems(found)}")
 
 
 def load_checkpoint(path: Path, *, rank: int, model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from services.contracts.keys import (
     LEDGER_DEAD,
     LEDGER_EVAL_DEAD,
     LEDGER_EVAL_ISSUED,
+    LEDGER_FIELDS,
     LEDGER_ISSUED,
     LEDGER_OUTCOMES,
     Counter,
@@ -382,9 +383,6 @@ class LedgerSnapshot:
             "balanced": self.balanced,
             "damaged": self.damaged,
         }
-
-
-LEDGER_FIELDS = frozenset({LEDGER_ISSUED, LEDGER_EVAL_ISSUED, *LEDGER_OUTCOMES})
 
 
 def pass_rate(kept: int, filtered: int) -> float | None:

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 MARKER = "COMMITTED"
 KEEP = "keep"
 MANIFEST = "manifest.json"
+HF_EXPORT = "hf"
+"""The step's Hugging Face export: what rollout replicas and `from_pretrained` load."""
 ABANDONED = "abandoned"
 TMP_PREFIX = ".tmp-step_"
 TRASH_PREFIX = ".trash-step_"
@@ -68,6 +70,10 @@ UNHASHED = frozenset({MANIFEST, MARKER})
 """The files the manifest does not cover: itself, and the marker written after it."""
 CHUNK = 8 << 20
 """Bytes read per hashing call: bounded memory for files of any size."""
+HASH_THREADS = 4
+"""Files hashed at once per process (hashlib releases the GIL, so threads overlap)."""
+MAX_NAMED = 10
+"""Problems spelled out in a refusal; the rest are counted."""
 
 
 class CheckpointRefused(RuntimeError):
@@ -87,7 +93,7 @@ class CheckpointInfo:
         return {
             "step": self.step,
             "path": str(self.path),
-            "hf_path": str(self.path / "hf"),
+            "hf_path": str(self.path / HF_EXPORT),
             "committed_at": self.committed_at,
             "keep": self.keep,
             "policy_version": self.meta.get("policy_version"),
@@ -364,7 +370,13 @@ def verify_files(path: Path, manifest: dict[str, FileDigest], names: Iterable[st
         return [p for p in pool.map(check, names) if p is not None]
 
 
-def verify_subtree(path: Path, under: str, *, threads: int) -> list[str]:
+def describe_problems(problems: list[str]) -> str:
+    """A refusal's problems: the first MAX_NAMED, and how many more."""
+    more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
+    return "; ".join(problems[:MAX_NAMED]) + more
+
+
+def verify_subtree(path: Path, under: str, *, threads: int = HASH_THREADS) -> list[str]:
     """Check only the files under `path/under` against the checkpoint's manifest, for a reader that
     loads nothing else (a rollout replica reads `hf/`): what `check_listing` and `verify_files`
     find there, in one process. CheckpointRefused when the manifest is missing or malformed.

@@ -24,6 +24,8 @@ LEDGER_EVAL_DEAD = "eval_dead"
 LEDGER_TRAIN_OUTCOMES = (LEDGER_TRAINED, LEDGER_FILTERED, LEDGER_STALE, LEDGER_DEAD)
 LEDGER_EVAL_OUTCOMES = (LEDGER_EVALUATED, LEDGER_EVAL_DEAD)
 LEDGER_OUTCOMES = (*LEDGER_TRAIN_OUTCOMES, *LEDGER_EVAL_OUTCOMES)
+LEDGER_FIELDS = frozenset({LEDGER_ISSUED, LEDGER_EVAL_ISSUED, *LEDGER_OUTCOMES})
+"""Every count the ledger holds."""
 LEDGER_DAMAGED = "damaged"
 """Not a count: set once a count in the ledger held a planted value and was restarted, so the
 ledger is known not to balance for the rest of the run."""

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from services.contracts.bus import LedgerSnapshot, StreamBus, open_bus
-from services.contracts.keys import RunField, restarts_counter
+from services.contracts.keys import LEDGER_FIELDS, RunField, restarts_counter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -284,7 +284,7 @@ def _run_families(page: _Page, status: dict[str, Any]) -> None:
     page.gauge("paused", "1 while training is paused by an operator request.", _flag(status["paused"]))
     ledger = status["ledger"] or {}
     for outcome, count in ledger.items():
-        if outcome not in ("balanced", "in_flight", "damaged"):  # counts of prompt jobs only
+        if outcome in LEDGER_FIELDS:  # counts of prompt jobs; not `balanced`, `damaged`, `in_flight`
             page.add("counter", f"ledger_{outcome}", f"Prompt jobs {outcome}.", [({}, count)])
     page.gauge("ledger_in_flight", "Prompt jobs in flight.", ledger.get("in_flight"))
     page.gauge("ledger_balanced", "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead + in flight.",

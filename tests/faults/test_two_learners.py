@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.contracts.keys import Keys
+from services.contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -27,7 +29,7 @@ def test_a_second_learner_waits_then_exits_naming_the_holder(tmp_path: Path, red
          "learner.lease_wait_s=2"],
         cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url}, capture_output=True, text=True, timeout=300,
     )
-    assert second.returncode == 3, second.stderr[-3000:]
+    assert second.returncode == EXIT_NOT_THE_LEARNER, second.stderr[-3000:]
     assert "another learner holds the learner lease" in second.stderr and ":learner-" in second.stderr
     summary = finish(proc, tmp_path)
     assert summary["steps"] == 20 and summary["ledger"]["balanced"], summary["ledger"]
@@ -50,9 +52,6 @@ def test_every_rank_learns_that_rank_0_is_not_the_runs_learner(tmp_path: Path, r
     """Only rank 0 talks to Redis; the others must still exit EXIT_NOT_THE_LEARNER, not fail on a
     collective rank 0 left. Two ranks as plain processes (no torchrun to end one early), each
     recording what `learner.service.main` returned."""
-    from services.contracts.keys import Keys
-    from services.contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
-
     redis.Redis.from_url(redis_url).set(Keys("dapo").learner_lease, "7:learner-elsewhere", ex=300)
     port = free_port()
     ranks = [
@@ -72,14 +71,10 @@ def test_every_rank_learns_that_rank_0_is_not_the_runs_learner(tmp_path: Path, r
 
 
 def test_every_rank_of_a_learner_that_is_not_the_runs_learner_exits_3(tmp_path: Path, redis_url: str) -> None:
-    """A two-rank learner started while another learner holds the lease, run as the learner Job's
-    container runs it (through learner_torchrun): rank 0 finds the lease held and every rank
-    exits EXIT_NOT_THE_LEARNER, so the container exits 3 and the Job fails at once, whichever
-    rank torchrun sees end first. A rank that failed on a collective rank 0 left would exit 1: a
-    crash, retried."""
-    from services.contracts.keys import Keys
-    from services.contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
-
+    """The real two-rank learner through the learner Job's container command (learner_torchrun),
+    started while another learner holds the lease: the container exits 3, which fails the Job at
+    once, and its log names the holder. Which rank torchrun sees end first is a race that this
+    test rarely loses; the test above pins that every rank returns 3."""
     redis.Redis.from_url(redis_url).set(Keys("dapo").learner_lease, "7:learner-elsewhere", ex=300)
     proc = subprocess.run(
         [sys.executable, "-m", "services.shell.learner_torchrun", "--nnodes=1", "--nproc-per-node=2",
@@ -102,8 +97,6 @@ def test_a_learner_that_fails_before_training_gives_the_lease_back(tmp_path: Pat
     """The lease is taken before the model loads: a learner whose model does not load must not
     hold the run for the lease's TTL (its restart would wait that long, or exit as not the
     learner)."""
-    from services.contracts.keys import Keys
-
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")  # no model_type: transformers refuses it

@@ -190,9 +190,9 @@ def test_catch_up_skips_a_damaged_checkpoint_once_and_takes_the_next_good_one(
 
     hashed: list[str] = []
 
-    def recorded_verify(path: Path, under: str, *, threads: int) -> list[str]:
+    def recorded_verify(path: Path, under: str) -> list[str]:
         hashed.append(path.name)
-        return verify_subtree(path, under, threads=threads)
+        return verify_subtree(path, under)
 
     monkeypatch.setattr(weight_sync_subscriber, "verify_subtree", recorded_verify)
     assert not sub.catch_up()  # the refused step is neither hashed nor counted again
@@ -215,12 +215,12 @@ def test_a_checkpoint_retired_while_it_is_checked_sends_the_replica_to_the_newes
     store = tmp_path / "ckpt"
     retired = commit(store, 2, tiny_model_dir)
 
-    def check_while_retention_runs(path: Path, under: str, *, threads: int) -> list[str]:
+    def check_while_retention_runs(path: Path, under: str) -> list[str]:
         if path == retired and retired.exists():
             commit(store, 3, tiny_model_dir)
             shutil.rmtree(retired)
             return [f"{under}/{WEIGHTS}: missing"]
-        return verify_subtree(path, under, threads=threads)
+        return verify_subtree(path, under)
 
     monkeypatch.setattr(weight_sync_subscriber, "verify_subtree", check_while_retention_runs)
     sub = subscriber(bus, engine, store, tiny_model_dir)

@@ -46,9 +46,11 @@ import torch
 
 from services.contracts.bus import StreamBus
 from services.contracts.checkpoint_store import (
+    HF_EXPORT,
     MARKER,
     CheckpointInfo,
     CheckpointRefused,
+    describe_problems,
     latest_checkpoint,
     list_checkpoints,
     verify_subtree,
@@ -64,13 +66,6 @@ STORE_CHECK_S = 5.0
 """How often `sync` considers a catch-up from the checkpoint store."""
 WATCH_BLOCK_MS = 1000
 """The announcement watcher's blocking read; it also bounds how long it takes to notice a stop."""
-HF_EXPORT = "hf"
-"""The part of a checkpoint a replica reads (and so verifies): its Hugging Face export."""
-HASH_THREADS = 4
-"""Files of an export hashed at once while verifying it (hashlib releases the GIL; a large model's
-export is several safetensors shards)."""
-MAX_NAMED = 10
-"""Problems spelled out in a refusal's log line; the rest are counted."""
 STORE_RESCANS = 3
 """Listings of the store tried when checkpoints keep changing under the check (retention)."""
 
@@ -386,7 +381,7 @@ class WeightSubscriber:
         Cost: every byte of the export accepted, and of each one refused for its contents, is read
         once more before the load. At the SHA-256 rate measured for the learner (about 550 MiB/s a
         thread, `learner/checkpoint.py`) a 64 GB export in 5 GB shards takes about half a minute on
-        HASH_THREADS threads and two minutes on one, more when the disk is slower; the heartbeat
+        `checkpoint_store.HASH_THREADS` (4) threads and two minutes on one, more when the disk is slower; the heartbeat
         thread keeps beating meanwhile. That is paid only at start, after a failed broadcast and on
         a store catch-up, all rare: broadcasts never touch the store and hash nothing.
 
@@ -408,7 +403,7 @@ class WeightSubscriber:
             if key in self._refused or _version(checkpoint) <= above:
                 continue
             try:
-                problems = verify_subtree(checkpoint.path, HF_EXPORT, threads=HASH_THREADS)
+                problems = verify_subtree(checkpoint.path, HF_EXPORT)
             except CheckpointRefused as exc:
                 problems = [str(exc)]
             if not problems:
@@ -421,9 +416,8 @@ class WeightSubscriber:
                 continue
             self._refused.add(key)
             self.bus.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
-            more = f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
-            log.error("refusing to load checkpoint step %d (%s): %s%s",
-                      checkpoint.step, checkpoint.path, "; ".join(problems[:MAX_NAMED]), more)
+            log.error("refusing to load checkpoint step %d (%s): %s", checkpoint.step, checkpoint.path,
+                      describe_problems(problems))
         return None, False
 
 
