@@ -148,7 +148,8 @@ def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
     info = ensure_tiny_base(
         Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
         batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, eval_every=spec.sft_eval_every,
-        vocab_size=spec.vocab_size, max_new_tokens=cfg.rollout.max_response_len,
+        samples_per_problem=spec.sft_eval_samples_per_problem, vocab_size=spec.vocab_size,
+        max_new_tokens=cfg.rollout.max_response_len,
         model_kwargs={"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "num_heads": spec.num_heads,
                       "num_kv_heads": spec.num_heads, "intermediate_size": spec.intermediate_size},
     )

@@ -48,7 +48,7 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     versions = summary["replica_final_versions"]
     assert len(versions) == 2 and set(versions.values()) == {summary["policy_version"]}
     # The parameters changed: the exported final model differs from the base model.
-    cfg_model = REPO / "runs" / "cache" / "tiny-qwen2-arith"
+    cfg_model = REPO / "runs" / "cache" / "tiny-qwen2-arith-v2"
     base, final = load_file(cfg_model / "model.safetensors"), load_file(out / "final_model" / "model.safetensors")
     changed = sum(not torch.equal(base[k], final[k]) for k in base)
     assert changed == len(base)
@@ -95,6 +95,6 @@ def test_tiny_run_with_two_learner_ranks(tmp_path: Path) -> None:
     assert set(summary["replica_final_versions"].values()) == {summary["policy_version"]}
     rng = sorted(p.name for p in (out / "checkpoints" / "step_8" / "rng").iterdir())
     assert len(rng) == 2, rng  # one per rank
-    base = load_file(REPO / "runs" / "cache" / "tiny-qwen2-arith" / "model.safetensors")
+    base = load_file(REPO / "runs" / "cache" / "tiny-qwen2-arith-v2" / "model.safetensors")
     final = load_file(out / "final_model" / "model.safetensors")
     assert all(not torch.equal(base[k], final[k]) for k in base)

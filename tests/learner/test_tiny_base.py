@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from services.demo.tiny_base import (
     tiny_qwen2_config,
     train_tokenizer,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 SAMPLES = [
     "Tom has 23 apples and buys 45 more. How many apples does Tom have?\nAnswer: 68",
@@ -193,38 +196,86 @@ def _small_build_kwargs() -> dict[str, Any]:
     }
 
 
-def test_build_stops_at_first_evaluation_in_band(
+def _scripted_accuracy(
+    monkeypatch: pytest.MonkeyPatch, by_step: dict[int, float]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Replace the accuracy check by `by_step` (the build seeds each evaluation with its step
+    when seed=0); returns the weights each step was evaluated with."""
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    def fake(model: torch.nn.Module, *args: Any, seed: int, **kwargs: Any) -> float:
+        snapshots[seed] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return by_step[seed]
+
+    monkeypatch.setattr(tiny_base, "sampling_accuracy", fake)
+    return snapshots
+
+
+def test_build_keeps_the_checkpoint_closest_to_the_band_centre(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    scripted = iter([0.0, 0.05, 0.3, 0.3, 0.3])
-    monkeypatch.setattr(tiny_base, "sampling_accuracy", lambda *a, **k: next(scripted))
+    """Not the first evaluation in the band (0.21 at step 15) but the one nearest its centre,
+    and no evaluation after the first one above the band."""
+    by_step = {5: 0.0, 10: 0.05, 15: 0.21, 20: 0.26, 25: 0.33, 30: 0.25}
+    _scripted_accuracy(monkeypatch, by_step)
     info = _small_build(
-        tmp_path / "m", max_sft_steps=50, eval_every=5, batch_size=4, target_acc=(0.15, 0.45)
+        tmp_path / "m", max_sft_steps=50, eval_every=5, batch_size=4, target_acc=(0.2, 0.3)
     )
-    assert info["steps"] == 15 and info["in_band"] is True and info["accuracy"] == 0.3
-    assert [e["step"] for e in info["evals"]] == [5, 10, 15]
+    assert info["steps"] == 20 and info["in_band"] is True and info["accuracy"] == 0.26
+    assert [e["step"] for e in info["evals"]] == [5, 10, 15, 20, 25]
+    # Below half the band's low edge, the one-sample screen stands in for the measurement.
+    assert ["accuracy" in e for e in info["evals"]] == [False, False, True, True, True]
 
 
 def test_build_keeps_closest_checkpoint_when_none_in_band(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    accuracies = iter([0.0, 0.9, 0.45, 0.95])
-    snapshots: list[dict[str, torch.Tensor]] = []
-
-    def fake_accuracy(model: torch.nn.Module, *args: Any, **kwargs: Any) -> float:
-        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        return next(accuracies)
-
-    monkeypatch.setattr(tiny_base, "sampling_accuracy", fake_accuracy)
+    snapshots = _scripted_accuracy(monkeypatch, {5: 0.0, 10: 0.05, 15: 0.6, 20: 0.2})
     out = tmp_path / "m"
     info = _small_build(out, max_sft_steps=20, eval_every=5, batch_size=4, target_acc=(0.1, 0.4))
     assert info["in_band"] is False
-    assert info["steps"] == 15 and info["accuracy"] == 0.45  # closest to the band
+    assert info["steps"] == 10 and info["accuracy"] == 0.05  # closest to the centre, 0.25
+    assert sorted(snapshots) == [5, 10, 15]  # 0.6 is past the band: the build stopped there
     saved = load_file(str(out / "model.safetensors"))
-    chosen, last = snapshots[2], snapshots[3]
     name = "model.layers.0.mlp.up_proj.weight"
-    assert torch.equal(saved[name], chosen[name])
-    assert not torch.equal(saved[name], last[name])
+    assert torch.equal(saved[name], snapshots[10][name])
+    assert not torch.equal(saved[name], snapshots[15][name])
+
+
+def test_build_is_deterministic_whatever_the_callers_threads(tmp_path: Path) -> None:
+    """Two builds, one called with 2 threads and one with 1, write the same weights and measure
+    the same accuracies; the digest in build_info is that of the saved weights, and another seed
+    gives other weights (the digest is not a constant)."""
+    threads = torch.get_num_threads()
+    infos = []
+    try:
+        for n, name in ((2, "a"), (1, "b")):
+            torch.set_num_threads(n)
+            infos.append(_small_build(tmp_path / name, max_sft_steps=20, eval_every=10))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads  # the build restores the caller's setting
+    first, second = infos
+    assert first["weights_sha256"] == second["weights_sha256"]
+    assert first["evals"] == second["evals"]
+    saved: Any = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert tiny_base.weights_sha256(saved) == first["weights_sha256"]
+    other = _small_build(tmp_path / "c", max_sft_steps=20, eval_every=10, seed=1)
+    assert other["weights_sha256"] != first["weights_sha256"]
+
+
+def test_sampling_accuracy_with_a_seed_repeats(tmp_path: Path) -> None:
+    _small_build(tmp_path / "m", max_sft_steps=30, eval_every=30)
+    model: Any = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    tok: Any = AutoTokenizer.from_pretrained(tmp_path / "m")
+    records = [parse_row(r) for r in synth_rows(16, seed=7)]
+    state = torch.get_rng_state()
+    runs = [
+        tiny_base.sampling_accuracy(model, tok, records, samples_per_problem=4, seed=3)
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
 
 
 def test_build_rejects_bad_arguments(tmp_path: Path) -> None:
@@ -236,10 +287,12 @@ def test_build_rejects_bad_arguments(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_build_lands_in_band(tmp_path: Path) -> None:
-    """The tuned defaults reach the target band on difficulty-1 problems (~1 min on 2 cores)."""
-    info = build_tiny_base(
-        tmp_path / "m", train_rows=synth_rows(4000, seed=0), eval_rows=synth_rows(128, seed=1000)
-    )
-    assert info["in_band"] is True
-    assert 0.15 <= info["accuracy"] <= 0.45
+def test_demo_base_is_the_one_the_readme_records(tiny_cache: None) -> None:
+    """The tiny preset's base, as `dapo run` builds it (the session's cached build): its
+    accuracy lies in the preset's band, and on x86_64 its weights are the ones whose digest the
+    README records, so the demo a user gets is the one the README measured."""
+    info = json.loads((REPO / "runs/cache/tiny-qwen2-arith-v2" / BUILD_INFO).read_text())
+    assert info["in_band"] is True and 0.20 <= info["accuracy"] <= 0.30
+    if platform.machine() == "x86_64" and info["torch_version"] == "2.13.0":
+        readme = (REPO / "README.md").read_text(encoding="utf-8")
+        assert f"`{info['weights_sha256']}`" in readme
