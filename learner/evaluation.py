@@ -13,10 +13,16 @@ together (counted `evaluated` in the ledger). A learner that restarts mid-round 
 results over and finishes the round: every job's tag carries the round's step, version and size,
 so nothing about a round lives only in the process.
 
-Replicas may already hold a newer policy than the round's (generation is asynchronous); every
-result records the version that generated it, and the round reports the largest difference as
-`eval/policy_version_lag`. A round that lost jobs to the dead-letter stream is reported once the
-whole evaluation lane has nothing left in flight, over the problems it has (`eval/problems`).
+Replicas may already hold a newer policy than the round's (generation is asynchronous). An
+evaluation job takes no in-flight weight update, so each result's responses come from one
+version, which it records (`EvalResult.policy_version_min` / `_max`); the round reports the
+versions it measured: `eval/policy_version_max` (the newest, the policy the accuracy belongs to
+when the round is uniform), `eval/policy_version_min`, and `eval/policy_version_lag` (the newest
+minus the version the round was issued for). A round whose min and max differ mixed policies
+(replicas at different versions); its log line names the range.
+
+A round that lost jobs to the dead-letter stream is reported once the whole evaluation lane has
+nothing left in flight, over the problems it has (`eval/problems`).
 """
 
 from __future__ import annotations
@@ -102,9 +108,11 @@ class _Round:
             "eval/clip_ratio": sum(r.truncated for r in results) / samples,
             "eval/problems": float(len(results)),
             "eval/samples_per_problem": float(self.tag.samples),
-            "eval/policy_version_lag": float(max(r.policy_version for r in results) - self.tag.policy_version),
+            "eval/policy_version_min": float(min(r.policy_version_min for r in results)),
+            "eval/policy_version_max": float(max(r.policy_version_max for r in results)),
             "eval/rl_seconds": self.tag.rl_seconds,
         }
+        out["eval/policy_version_lag"] = out["eval/policy_version_max"] - self.tag.policy_version
         if issued_at is not None:
             out["eval/seconds"] = time.monotonic() - issued_at
         return out
@@ -203,7 +211,12 @@ class EvalLane:
         if not rnd.complete:
             log.warning("evaluation of step %d lost %d of %d problems (dead-lettered)", step,
                         rnd.tag.problems - len(rnd.results), rnd.tag.problems)
-        log.info("evaluation of step %d: avg@%d = %.3f over %d problems", step, rnd.tag.samples, metrics["eval/acc"], len(rnd.results))
+        # Replicas at different versions may take a round's jobs: normal when asynchronous, and
+        # said in the same line so the accuracy is read against the policies it measured.
+        low, high = int(metrics["eval/policy_version_min"]), int(metrics["eval/policy_version_max"])
+        log.info("evaluation of step %d: avg@%d = %.3f over %d problems, policy versions %s",
+                 step, rnd.tag.samples, metrics["eval/acc"], len(rnd.results),
+                 low if low == high else f"{low}..{high}")
         return step, metrics
 
 

@@ -7,6 +7,7 @@ of the model's end tokens (`rollout/end_tokens.py`), not only at the tokenizer's
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -15,7 +16,7 @@ import torch
 from rollout.sample import Sample
 from services.contracts.config import DapoConfig
 
-__all__ = ["BetweenSteps", "Engine", "Sample", "make_engine"]
+__all__ = ["BetweenSteps", "Engine", "Sample", "make_engine", "replica_seed"]
 
 
 BetweenSteps = Callable[[], int]
@@ -51,16 +52,29 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def make_engine(cfg: DapoConfig, model_dir: str | None = None) -> Engine:
+def replica_seed(seed: int, replica_id: str) -> int:
+    """The sampling seed of one replica: derived from `rollout.seed` and the replica id, so two
+    replicas given the same prompt sample different responses, and a replica keeps its seed when
+    restarted under the same id. sha256, not `hash()`, which differs between processes."""
+    digest = hashlib.sha256(f"{seed}:{replica_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF  # vLLM seeds numpy: < 2**32
+
+
+def make_engine(
+    cfg: DapoConfig, model_dir: str | None = None, *, replica_id: str | None = None
+) -> Engine:
+    """The configured engine; seeded per replica when `replica_id` is given, else with
+    `rollout.seed` itself (a single engine: offline evaluation, benchmarks)."""
     path = model_dir or cfg.model.path
+    seed = cfg.rollout.seed if replica_id is None else replica_seed(cfg.rollout.seed, replica_id)
     if cfg.rollout.engine == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg, path)
+        return VLLMEngine(cfg, path, seed=seed)
     from rollout.hf_engine import HFEngine
 
     if cfg.rollout.torch_threads:
         import torch
 
         torch.set_num_threads(cfg.rollout.torch_threads)
-    return HFEngine(path, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    return HFEngine(path, dtype=cfg.model.dtype, seed=seed)

@@ -4,7 +4,10 @@ Same interface as the vLLM engine. Sampling uses `generate` with the raw logits 
 behaviour log-prob of each sampled token is that of the distribution actually sampled from:
 log_softmax(logits / temperature), renormalised over the top-p nucleus when top_p < 1 (the same
 quantity as vLLM's "processed" log-probs). With top_p = 1 (training) this is exactly what the
-learner recomputes.
+learner recomputes. No other setting shapes sampling: the model's own generation config (a
+repetition penalty, top-k, min-p...) is replaced by one that keeps only its end tokens
+(`rollout.generation_config`), since transformers fills every setting `generate` is not given
+from it.
 
 A response ends at the first of the model's end tokens (`rollout.end_tokens.end_token_ids`: the
 tokenizer's eos and every eos of the generation config), which it keeps, with finish reason
@@ -12,7 +15,9 @@ tokenizer's eos and every eos of the generation config), which it keeps, with fi
 
 In-flight weight updates: `between_steps` runs after every sampled token (a stopping criterion
 that never stops), so new weights are copied into the model between two decode steps; the
-logits of each later token, and so its log-prob, come from the new weights.
+logits of each later token, and so its log-prob, come from the new weights. A sample's
+`versions` are the lowest and highest version that sampled any of its tokens (a version can go
+down: after a failed broadcast the replica reloads an older checkpoint).
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ import logging
 from collections.abc import Callable, Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from rollout.end_tokens import end_token_ids
+from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
 from services.contracts.weight_sync import DTYPES
 
@@ -62,6 +74,11 @@ class _EveryStep(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
+def _version_range(versions: list[int]) -> tuple[int, int]:
+    """(lowest, highest) of the versions that sampled a response's tokens."""
+    return min(versions), max(versions)
+
+
 class HFEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
@@ -70,6 +87,11 @@ class HFEngine:
         self.end_ids = end_token_ids(model_dir, self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.end_ids[0])
+        # generate() takes every setting it is not given from here: keep the end tokens only.
+        log_ignored_settings(model_dir)
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.end_ids, pad_token_id=self.pad_id
+        )
         self.generator = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
 
@@ -101,7 +123,7 @@ class HFEngine:
         for row in range(new.shape[0]):
             toks = new[row].tolist()
             end, reason = response_end(toks, self.end_ids)
-            versions = (hook.versions[0], hook.versions[max(end, 1) - 1]) if hook else None
+            versions = _version_range(hook.versions[: max(end, 1)]) if hook else None
             samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, versions))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 

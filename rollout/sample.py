@@ -14,6 +14,7 @@ class Sample:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     versions: tuple[int, int] | None = None
-    """(oldest, newest) policy version that sampled a token of this response, as returned by the
-    engine's `between_steps` hook; they differ when new weights arrived while it was generated.
+    """(lowest, highest) policy version that sampled a token of this response, over every
+    version the engine's `between_steps` hook returned while it was generated (not the first and
+    the last: a failed broadcast and a reload of an older checkpoint lower the version).
     None when generated without the hook (then no weights can have changed mid-generation)."""

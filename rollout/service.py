@@ -3,13 +3,23 @@
 Loop: between generation batches, sync weights (`services.contracts.weight_sync.WeightSubscriber`:
 broadcasts, catch-up from the checkpoint store), and between decode steps too (in-flight updates:
 a broadcast is taken mid-batch, responses continue under the new weights, and each records the
-oldest and newest version that sampled it); take up to `rollout.prompts_per_batch` prompt
+lowest and highest version that sampled it); take up to `rollout.prompts_per_batch` prompt
 jobs; make sure the weights held are at least as new as each job's `policy_version` (waiting for
 the learner's catch-up broadcast if not); generate `group_size` responses per job with behaviour
 log-probs (an evaluation job: `eval.samples` responses with the eval sampling settings); forward
 each group to the rollouts stream with one atomic hop. The heartbeat reports the policy version held and the idle fraction.
 On SIGTERM the current batch finishes (a batch is short), unstarted jobs are handed back, and the
 process exits.
+
+An evaluation batch takes no in-flight update when the engine receives broadcasts in the
+background (the transformers engine): an evaluation round then measures one policy, every token
+of its responses comes from the weights held when the batch started, and that version is what its
+groups record (it may be newer than the job's `policy_version`). An engine that receives a
+broadcast only between its decode steps (vLLM's) would keep the learner's broadcast waiting for
+the whole batch (up to `learner.collective_timeout_s`, then a failed broadcast), so its
+evaluation batches take updates as training batches do; either way each group records the
+lowest and highest version that sampled it, and the learner's round reports that spread
+(`eval/policy_version_min`, `eval/policy_version_max`).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from typing import Any
 
 import redis
 
-from rollout.engine import Engine, make_engine
+from rollout.engine import BetweenSteps, Engine, make_engine
 from services.contracts.bus import Entry, StreamBus, is_oom
 from services.contracts.config import DapoConfig
 from services.contracts.faults import stretch
@@ -103,9 +113,12 @@ class RolloutWorker:
         n, temperature, top_p = (ro.group_size, ro.temperature, ro.top_p) if tag is None else (tag.samples, ev.temperature, ev.top_p)
         stage, start, synced, held = self.bus.keys.prompts, time.monotonic(), self.weights.sync_s, self.policy_version
         self._step_at = start
+        # An evaluation measures one policy where holding costs the learner nothing (docstring).
+        hold = tag is not None and self.weights.background
+        between_steps = self._holding(held) if hold else self._between_steps
         outputs = self.engine.generate(
             [job.prompt_ids for _, job in jobs], n=n, max_tokens=ro.max_response_len, temperature=temperature, top_p=top_p,
-            between_steps=self._between_steps,
+            between_steps=between_steps,
         )
         seconds = time.monotonic() - start
         self.busy_s += seconds - (self.weights.sync_s - synced)  # in-flight syncs count as syncing
@@ -129,6 +142,17 @@ class RolloutWorker:
         version = self.weights.between_steps()
         self._step_at = time.monotonic()
         return version
+
+    def _holding(self, held: int) -> BetweenSteps:
+        """The hook for an evaluation batch: keeps the weights of version `held` (a broadcast
+        announced meanwhile is taken after the batch); only the fault suite's slowdown runs."""
+
+        def between_steps() -> int:
+            stretch("rollout.slowdown", time.monotonic() - self._step_at, self.stop.event)
+            self._step_at = time.monotonic()
+            return held
+
+        return between_steps
 
     def run(self) -> None:
         """Sync weights, take jobs, generate, hop; until asked to stop."""
@@ -173,7 +197,7 @@ def main(cfg: DapoConfig) -> int:
     cfg = with_local_model(cfg)  # an hf:// model: its snapshot in the Hugging Face cache
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
-    engine = make_engine(cfg)
+    engine = make_engine(cfg, replica_id=ctx.inst)  # a seed of its own per replica
     worker = RolloutWorker(cfg, ctx.bus, engine, ctx.inst, ctx.stop)
     worker.hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)
     log.info("rollout replica %s ready", ctx.inst)

@@ -5,7 +5,10 @@ The behaviour log-prob of each sampled token is that of the distribution actuall
 vLLM's `logprobs_mode="processed_logprobs"` returns log_softmax(logits / temperature) after the
 top-k/top-p mask (the default, `raw_logprobs`, ignores the temperature). With top_p = 1.0 (the
 paper's training setting) this equals what the transformers engine and the learner compute; with
-top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does not.
+top_p < 1 vLLM renormalises over the nucleus, which the transformers engine does not. Nothing
+else shapes sampling: the engine starts with `generation_config="vllm"`, so the model's own
+sampling defaults (`rollout.generation_config`) never apply, and every `SamplingParams` is built
+here with vLLM's neutral values for the rest (no top-k, min-p or penalties).
 
 Every request stops at any of the model's end tokens (`rollout.end_tokens.end_token_ids`, passed
 as `stop_token_ids`), which stays in the response with finish reason "stop": the same rule as the
@@ -23,9 +26,11 @@ In-flight weight updates: `generate` queues its requests and drives the engine s
 itself (what `LLM.generate` does inside), calling `between_steps` between two engine steps, so a
 swap lands between decode steps while requests keep running; their KV cache so far stays, and
 later tokens are sampled (with their log-probs) under the new weights. The prefix-cache reset
-waits until no request runs (vLLM refuses it before). A sample's newest version is the one held
-when its request finished (with n > 1, when all n samples had): exact for the oldest, an upper
-bound for the newest of a sample that finished earlier.
+waits until no request runs (vLLM refuses it before). A sample's `versions` are the lowest and
+highest version `between_steps` returned until its request finished (a version can go down:
+after a failed broadcast the replica reloads an older checkpoint); with n > 1, until all n
+samples had, so a sample that finished earlier may have its range widened by versions that
+sampled none of its tokens.
 
 vLLM starts its engine core (and, on CPU, a worker) in child processes, so a script that builds
 this engine needs an `if __name__ == "__main__":` guard.
@@ -44,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.end_tokens import end_token_ids
+from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
 from services.contracts.config import DapoConfig
 from services.contracts.weight_sync import WeightStream
@@ -109,13 +115,16 @@ def _eager_children(enabled: bool) -> Iterator[None]:
 class VLLMEngine:
     """One vLLM engine (one rollout replica); `tensor_parallel_size` workers inside it."""
 
-    def __init__(self, cfg: DapoConfig, model_dir: str) -> None:
+    def __init__(self, cfg: DapoConfig, model_dir: str, *, seed: int | None = None) -> None:
+        """`seed`: this replica's sampling seed (`rollout.engine.replica_seed`); default
+        `rollout.seed`."""
         from transformers import AutoTokenizer
         from vllm import LLM
         from vllm.platforms import current_platform
 
         ro = cfg.rollout
         self.end_ids = end_token_ids(model_dir, AutoTokenizer.from_pretrained(model_dir).eos_token_id)
+        log_ignored_settings(model_dir)
         memory: dict[str, Any]
         if current_platform.is_cpu():
             memory = _cpu_kv_cache_args(ro.cpu_kv_cache_gib)
@@ -128,10 +137,11 @@ class VLLMEngine:
                 dtype=cfg.model.dtype,
                 tensor_parallel_size=ro.tensor_parallel_size,
                 enforce_eager=ro.enforce_eager,
-                seed=ro.seed,
+                seed=ro.seed if seed is None else seed,
                 max_model_len=cfg.data.max_prompt_len + ro.max_response_len,
                 worker_extension_cls=WORKER_EXTENSION,
                 logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # the model's sampling defaults never apply
                 **memory,
             )
         self.startup_seconds = time.monotonic() - start
@@ -186,24 +196,30 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        oldest = version = between_steps() if between_steps is not None else -1
+        version = between_steps() if between_steps is not None else -1
+        seen = (version, version)  # lowest and highest version held since the requests started
         llm.enqueue(inputs, params, use_tqdm=False)
-        finished: dict[int, tuple[Any, int]] = {}  # request number -> (output, version when it finished)
+        # request number -> (output, versions seen until it finished)
+        finished: dict[int, tuple[Any, tuple[int, int]]] = {}
         self.generating = True
         try:
             while llm.llm_engine.has_unfinished_requests():
                 for out in llm.llm_engine.step():
                     if out.finished:  # request ids number the prompts in order, as LLM.generate sorts them
-                        finished[int(out.request_id)] = (out, version)
+                        finished[int(out.request_id)] = (out, seen)
                 if between_steps is not None and llm.llm_engine.has_unfinished_requests():
                     version = between_steps()  # may swap weights in (update_weights) before the next step
+                    seen = (min(seen[0], version), max(seen[1], version))
         finally:
             self.generating = False
             if self.prefix_cache_stale:
                 self._reset_prefix_cache()
         return [
-            [_to_sample(c, None if between_steps is None else (oldest, newest)) for c in sorted(out.outputs, key=lambda c: c.index)]
-            for out, newest in (finished[rid] for rid in sorted(finished))
+            [
+                _to_sample(c, None if between_steps is None else versions)
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            for out, versions in (finished[rid] for rid in sorted(finished))
         ]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

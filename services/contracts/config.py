@@ -219,7 +219,10 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (paper: 1.0)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling (paper: 1.0 in training)."""
+    """Nucleus sampling (paper: 1.0 in training). Only 1.0 is accepted: the learner's log-probs
+    are of the whole temperature-scaled softmax, so responses sampled from a nucleus would be
+    off-policy with nothing to correct it (`eval.top_p` is free: evaluation trains nothing).
+    No other sampling setting exists: the model's own generation config is not applied."""
     prompts_per_batch: PositiveInt = 8
     """Prompt jobs taken from the queue per generation call; weights swap between calls."""
     tensor_parallel_size: PositiveInt = 1
@@ -231,6 +234,18 @@ class RolloutConfig(_Section):
     """CPU threads for the transformers engine (None = torch's default). On a small machine
     running several processes, 1 avoids oversubscription, which costs far more than it gains."""
     seed: int = 0
+    """Base sampling seed; each replica samples with its own seed derived from this and its
+    replica id (`rollout.engine.replica_seed`), so replicas given one prompt differ."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_is_what_the_learner_computes(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(
+                f"rollout.top_p={value}: the learner computes log-probs over the whole softmax, "
+                "so training rollouts must sample with top_p 1.0 (set eval.top_p for evaluation)"
+            )
+        return value
 
 
 # --------------------------------------------------------------------------------------------

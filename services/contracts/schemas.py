@@ -24,9 +24,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
-3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message."""
+3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message.
+4: `EvalResult.policy_version` became `policy_version_min` / `policy_version_max`."""
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -94,8 +95,9 @@ class Response(_Msg):
     finish_reason: FinishReason
     text: str = ""
     versions: tuple[int, int] | None = None
-    """(oldest, newest) policy version that sampled its tokens; they differ when new weights
-    arrived while it was generated (an in-flight update). None: not recorded."""
+    """(lowest, highest) policy version that sampled its tokens; they differ when the weights
+    changed while it was generated (an in-flight update, or a reload of an older checkpoint after
+    a failed broadcast). None: not recorded."""
 
 
 class RolloutGroup(_Msg):
@@ -103,8 +105,9 @@ class RolloutGroup(_Msg):
 
     job: PromptJob
     policy_version: int
-    """The oldest version of the weights that generated any token of this group: staleness and
-    the off-policy correction are judged by it (`Response.versions` has the range)."""
+    """The lowest version of the weights that generated any token of this group: staleness and
+    the off-policy correction are judged by it (`Response.versions` has the range). An evaluation
+    group takes no in-flight update: all its tokens come from this version."""
     replica_id: str
     responses: list[Response]
     gen_seconds: float = 0.0
@@ -128,20 +131,33 @@ class EvalResult(_Msg):
 
     group_id: str
     tag: EvalTag
-    policy_version: int
-    """Version of the weights that generated the responses (at least the round's)."""
+    policy_version_min: int
+    """Lowest policy version that generated a token of the responses (at least the round's
+    `tag.policy_version`: a replica may hold a newer one when it takes the job)."""
+    policy_version_max: int
+    """Highest such version: the policy the result measures. Equal to `policy_version_min`
+    unless the engine took a weight update mid-generation, which evaluation jobs never do."""
     correct: int = Field(ge=0)
     samples: int = Field(ge=1)
     response_tokens: int = Field(ge=0)
     truncated: int = Field(ge=0)
     """Responses cut at `rollout.max_response_len`."""
 
+    @property
+    def policy_version(self) -> int:
+        """The policy the result measures (`policy_version_max`)."""
+        return self.policy_version_max
+
     @classmethod
     def of(cls, group: RolloutGroup) -> EvalResult:
         if group.job.eval is None or group.acc is None:
             raise SchemaError(f"group {group.job.group_id} is not a scored evaluation group")
+        held = (group.policy_version, group.policy_version)  # responses that recorded no range
+        ranges = [r.versions or held for r in group.responses]
         return cls(
-            group_id=group.job.group_id, tag=group.job.eval, policy_version=group.policy_version,
+            group_id=group.job.group_id, tag=group.job.eval,
+            policy_version_min=min(low for low, _ in ranges),
+            policy_version_max=max(high for _, high in ranges),
             correct=sum(bool(a) for a in group.acc), samples=len(group.responses),
             response_tokens=sum(len(r.token_ids) for r in group.responses),
             truncated=sum(r.finish_reason == "length" for r in group.responses),

@@ -151,7 +151,7 @@ class RolloutHost(_StageHost):
         from rollout.service import RolloutWorker
 
         log.info("loading %s engine from %s", self.cfg.rollout.engine, self.cfg.model.path)
-        self.engine = make_engine(self.cfg)
+        self.engine = make_engine(self.cfg, replica_id=self.id)  # a seed of its own per replica
         self.worker = RolloutWorker(self.cfg, self.bus, self.engine, self.id, self.stop)
 
     def work(self) -> None:

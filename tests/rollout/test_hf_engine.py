@@ -82,3 +82,22 @@ def test_weights_swapped_between_decode_steps_sample_the_rest(tiny_model_dir: Pa
                     checked += 1
             assert logp == pytest.approx(float(torch.log_softmax(logits.float(), -1)[tok]), abs=1e-4)
     assert checked > 0
+
+
+def test_versions_are_the_lowest_and_highest_the_hook_returned(tiny_model_dir: Path) -> None:
+    """The version can go down mid-generation (a failed broadcast, then a reload of an older
+    checkpoint): tokens 0, 1, 2.. are sampled under versions 5, 6, 4, 4..; a response's range is
+    the min and max over its own tokens, not (first, last)."""
+    engine = HFEngine(str(tiny_model_dir), seed=0)
+    returned = iter([5, 6])
+
+    def between_steps() -> int:
+        return next(returned, 4)
+
+    [group] = engine.generate(
+        [[5, 6, 7, 8]], n=6, max_tokens=5, temperature=1.0, top_p=1.0, between_steps=between_steps
+    )
+    expected = {1: (5, 5), 2: (5, 6)}
+    assert any(len(s.token_ids) > 2 for s in group)
+    for s in group:
+        assert s.versions == expected.get(len(s.token_ids), (4, 6))

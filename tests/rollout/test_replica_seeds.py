@@ -1,0 +1,47 @@
+"""Every replica samples with a seed of its own, derived from `rollout.seed` and its replica id:
+two replicas given the same prompt do not generate the same responses, and a replica id always
+maps to the same seed, in any process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rollout.engine import make_engine, replica_seed
+from services.contracts.config import DapoConfig, build_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(model_dir: Path, seed: int = 0) -> DapoConfig:
+    return build_config({
+        "model": {"path": str(model_dir)}, "data": {"train_path": "unused.jsonl"},
+        "rollout": {"engine": "transformers", "seed": seed},
+    })
+
+
+def test_replica_seeds_differ_by_id_and_config_seed_and_are_stable_across_processes() -> None:
+    a, b = replica_seed(0, "rollout-host-1"), replica_seed(0, "rollout-host-2")
+    assert a != b and replica_seed(1, "rollout-host-1") != a
+    assert replica_seed(0, "rollout-host-1") == a and 0 <= a < 2**31
+    code = "from rollout.engine import replica_seed; print(replica_seed(0, 'rollout-host-1'))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout) == a
+
+
+def test_replicas_given_the_same_prompt_sample_different_tokens(tiny_model_dir: Path) -> None:
+    cfg = _config(tiny_model_dir)
+
+    def sample(replica_id: str) -> list[list[int]]:
+        engine = make_engine(cfg, replica_id=replica_id)
+        [group] = engine.generate([[5, 6, 7, 8]], n=2, max_tokens=8, temperature=1.0, top_p=1.0)
+        return [s.token_ids for s in group]
+
+    first = sample("rollout-host-1")
+    assert sample("rollout-host-2") != first
+    assert sample("rollout-host-1") == first  # the same replica id: the same seed
