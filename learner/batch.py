@@ -8,7 +8,9 @@ The logits that score response token t sit at position P - 1 + t, so the trainer
 once and then each response in a slot of width R, with an attention mask that lets every slot
 see the prompt and itself only. Each response then sees exactly the tokens and positions it sees
 in its own row, so log-probs and gradients are those of the row layout, while a group's prompt is
-computed once instead of G times. Advantages are computed here, after dynamic
+computed once instead of G times. That holds only where the model applies the 4-D mask exactly
+as given: under `PACKED_ATTENTION` (sdpa), and in full-attention layers only
+(`packed_layout_problem`). Advantages are computed here, after dynamic
 sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token, sum to
 the response return, which is normalised within the group (s3) and shared by every token.
 """
@@ -16,7 +18,7 @@ the response return, which is normalised within the group (s3) and shared by eve
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -138,6 +140,39 @@ def pack_groups(mb: TrainBatch) -> PackedGroups:
     t = torch.arange(R).repeat(S)  # (S*R,)
     keep = torch.where(t == 0, P - 1, P + torch.arange(S).repeat_interleave(R) * R + t - 1)
     return PackedGroups(input_ids, position_ids, mask.unsqueeze(1), keep, rows)
+
+
+PACKED_ATTENTION = "sdpa"
+"""The attention implementation the trainer loads the policy with, the one under which the packed
+layout gives each response exactly its own row's log-probs. Under eager attention the same mask
+gives log-probs up to 0.3 away from the row layout's (tests/learner/test_trainer.py)."""
+
+
+def packed_layout_problem(config: Any) -> str | None:
+    """Why `pack_groups` would not reproduce the row layout under this model config (a Hugging Face
+    `PretrainedConfig`, read for the attention it runs), or None when it does.
+
+    The packed mask is exact only when the model applies it as given: `PACKED_ATTENTION`, and
+    full attention in every layer. A sliding-window (or chunked, or linear) layer would need its
+    window measured within each slot, and the 4-D mask replaces the window the model would build
+    from the row's positions: such layers would see the whole prompt and slot instead.
+    """
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != PACKED_ATTENTION:
+        return (f"the model runs {implementation!r} attention; the packed mask is exact under "
+                f"{PACKED_ATTENTION!r} only")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # newer configs name each layer's attention
+        other = sorted(set(layer_types) - {"full_attention"})
+        if other:
+            return (f"the model has {', '.join(other)} layers (config.layer_types); the packed "
+                    "mask is full attention")
+        return None
+    window = getattr(config, "sliding_window", None)
+    # Mistral-style configs have no `use_sliding_window` switch: a window is always on.
+    if window and getattr(config, "use_sliding_window", True):
+        return f"the model uses sliding-window attention (config.sliding_window={window})"
+    return None
 
 
 def packing_saves_flops(mb: TrainBatch, *, hidden: int, intermediate: int) -> bool:

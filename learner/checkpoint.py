@@ -98,32 +98,49 @@ def rng_file(path: Path, rank: int) -> Path:
     return path / "rng" / f"rank_{rank}.safetensors"
 
 
-def save_rng(out: Path) -> None:
-    """This rank's torch CPU and CUDA generator states (uint8 tensors) and python `random`'s state
-    (JSON in the file's metadata). numpy's global generator is not saved: the learner does not use it."""
+def _state_json(state: tuple[Any, ...]) -> str:
+    version, internal, gauss = state
+    return json.dumps([version, list(internal), gauss])
+
+
+def _state_from_json(text: str) -> tuple[Any, ...]:
+    version, internal, gauss = json.loads(text)
+    return version, tuple(internal), gauss
+
+
+def save_rng(out: Path, shuffle: random.Random) -> None:
+    """This rank's torch CPU and CUDA generator states (uint8 tensors), python `random`'s state and
+    the trainer's mini-batch `shuffle` generator's (JSON in the file's metadata). numpy's global
+    generator is not saved: the learner does not use it."""
     import torch
     from safetensors.torch import save_file
 
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()  # the current device: one per rank
-    version, internal, gauss = random.getstate()
-    save_file(tensors, str(out), metadata={"python": json.dumps([version, list(internal), gauss])})
+    metadata = {"python": _state_json(random.getstate()),
+                "shuffle": _state_json(shuffle.getstate())}
+    save_file(tensors, str(out), metadata=metadata)
     fsync_path(out)
 
 
-def load_rng(path: Path) -> None:
+def load_rng(path: Path, shuffle: random.Random) -> None:
+    """Restore what `save_rng` saved; `shuffle` takes the saved mini-batch generator's state."""
     import torch
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        python = json.loads((f.metadata() or {})["python"])
+        metadata = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has keys(), no iteration)
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
-    version, internal, gauss = python
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(_state_from_json(metadata["python"]))
+    if "shuffle" in metadata:
+        shuffle.setstate(_state_from_json(metadata["shuffle"]))
+    else:  # saved before the shuffle generator was: it goes on from where this process has it
+        log.warning("%s holds no mini-batch shuffle state; the resumed run's mini-batches "
+                    "differ from the uninterrupted run's", path)
 
 
 # --- saving -----------------------------------------------------------------------------------------------
@@ -134,6 +151,7 @@ def save_checkpoint(
     model: Any,
     optimizer: Any,
     scheduler: Any,
+    shuffle: random.Random,
     rank: int,
     meta: dict[str, Any],
     hf_export: Callable[[Path], None] | None,
@@ -143,6 +161,7 @@ def save_checkpoint(
     """Write step_<step>/ on every rank (all call this); rank 0 commits. `hf_export(dir)` runs on
     rank 0 only.
 
+    `shuffle` is the trainer's mini-batch generator (saved with the RNG states).
     `barrier()` synchronises the learner ranks (torch.distributed.barrier); `keep` exempts the
     checkpoint from retention. Until rank 0's rename nothing named step_<step> exists (an earlier
     checkpoint of the same step stays whole until then).
@@ -159,7 +178,7 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))  # fsyncs its files
     rng_file(tmp, rank).parent.mkdir(exist_ok=True)
-    save_rng(rng_file(tmp, rank))
+    save_rng(rng_file(tmp, rank), shuffle)
     if rank == 0:
         full_meta = {**meta, "step": step, "scheduler": scheduler.state_dict(), "saved_at": time.time()}
         write_durable(tmp / "trainer.json", json.dumps(full_meta, indent=1).encode())
@@ -227,8 +246,11 @@ def verify_checkpoint(path: Path, rank: int) -> None:
         raise CheckpointRefused(f"refusing checkpoint {path}: {describe_problems(found)}")
 
 
-def load_checkpoint(path: Path, *, rank: int, model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    """Verify, then restore model, optimizer, scheduler and RNG (every rank); returns trainer.json.
+def load_checkpoint(
+    path: Path, *, rank: int, model: Any, optimizer: Any, scheduler: Any, shuffle: random.Random
+) -> dict[str, Any]:
+    """Verify, then restore model, optimizer, scheduler and RNG, the mini-batch `shuffle`
+    generator's included (every rank); returns trainer.json.
 
     A rank with no RNG file of its own (the run resumed on more ranks than it saved) takes rank 0's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -246,7 +268,7 @@ def load_checkpoint(path: Path, *, rank: int, model: Any, optimizer: Any, schedu
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta["scheduler"])
     own = rng_file(path, rank)
-    load_rng(own if own.exists() else rng_file(path, 0))
+    load_rng(own if own.exists() else rng_file(path, 0), shuffle)
     return meta
 
 
@@ -288,7 +310,8 @@ class Checkpoints:
         self._clean_once()
         t = self.trainer
         path = save_checkpoint(
-            self.root, step, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, rank=self.rank, meta=meta,
+            self.root, step, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+            shuffle=t.rng, rank=self.rank, meta=meta,
             hf_export=hf_export if self.save_hf else None, barrier=self.barrier, keep=keep,
         )
         if self.rank == 0:
@@ -307,7 +330,10 @@ class Checkpoints:
         if info is None:
             return None
         t = self.trainer
-        meta = load_checkpoint(info.path, rank=self.rank, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        meta = load_checkpoint(
+            info.path, rank=self.rank, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+            shuffle=t.rng,
+        )
         if self.rank == 0 and (retired := retire_newer(self.root, step)):
             log.warning("restored step %d: moved the newer steps %s to %s/abandoned/", step, retired, self.root)
         return meta

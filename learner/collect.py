@@ -3,7 +3,8 @@ source the other ranks hold (they receive their batches from rank 0).
 
 The stream source feeds prompts (admission control, `learner/feeder.py`) while it waits, reads
 the groups the gatekeeper kept, drops groups older than `max_staleness` policy versions (counted
-`stale` in the ledger), and hands out a batch once `train_batch_groups` fresh ones are in hand.
+`stale` in the ledger), and hands out a batch once `train_batch_groups` fresh ones are in hand:
+the first to arrive, or, with `max_staleness` 0, the first issued (`StreamSource.collect`).
 At start it takes over groups a previous learner had read but not trained. It accounts trained
 groups (a group id trained twice is counted and reported) and drains the pipeline at the end of
 a completed run, so every issued job is accounted for.
@@ -17,6 +18,7 @@ reason (counted `dead` in the ledger) and never reaches the trainer.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -29,6 +31,14 @@ from services.contracts.runtime import StopFlag
 from services.contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
 
 log = logging.getLogger(__name__)
+
+
+def issue_order(group: RolloutGroup) -> tuple[float, float]:
+    """Sort key: the order in which the feeder issued the group's job. Its group id ends with the
+    data cursor (`<run>-<cursor>`); an id that does not (none the feeder writes) goes after
+    those that do, by issue time."""
+    _, _, tail = group.job.group_id.rpartition("-")
+    return (int(tail) if tail.isdigit() else math.inf), group.job.issued_at
 
 
 class BatchSource(Protocol):
@@ -104,17 +114,36 @@ class StreamSource:
         self.feeder.cursor = max(checkpoint_cursor, recorded, self.bus.ledger().issued)
 
     # --- collecting -------------------------------------------------------------------------------
+    @property
+    def in_issue_order(self) -> bool:
+        """Synchronous DAPO (`max_staleness` 0) trains the first-issued kept groups, as the
+        reference truncates its kept groups in prompt order; the first to arrive would favour
+        short responses, the rest of the round being dropped as stale after the step."""
+        return self.max_staleness == 0
+
     def collect(self, policy_version: int) -> list[Picked] | None:
         """Gather fresh kept groups for up to `budget_s`: the full batch once it is in hand, else
-        None (the loop keeps the other ranks alive meanwhile). Partial batches are kept."""
+        None (the loop keeps the other ranks alive meanwhile). Partial batches are kept.
+
+        In issue order, a full hand is not enough: the batch is the `batch_groups` earliest
+        issued, so it waits until no training job is in flight outside its hands (every job
+        issued so far came back kept, or ended filtered, dead or stale). Only the ledger's
+        counts say that, not which jobs are still out, hence the whole round. That wait ends:
+        with a batch in hand admission issues nothing more (`learner/feeder.py`), so it lasts
+        until the slowest response already in flight is done, the wait the synchronous
+        reference has for its generation batch."""
         start = time.monotonic()
-        while len(self.pending) < self.batch_groups and time.monotonic() - start < self.budget_s and not self.stop.stopping:
+        while not self._ready() and time.monotonic() - start < self.budget_s:
+            if self.stop.stopping:
+                break
             if self.feeder.admit(policy_version):  # the cursor moved: record it for a restart
                 self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
             self._receive(policy_version)
             self.catch_up()
-        if len(self.pending) < self.batch_groups:
+        if not self._ready():
             return None
+        if self.in_issue_order:
+            self.pending.sort(key=lambda p: issue_order(p.group))
         batch, self.pending = self.pending[: self.batch_groups], self.pending[self.batch_groups :]
         aged = [p for p in batch if self._stale(p, policy_version)]
         if aged:  # groups left over from before the last step may have aged
@@ -124,9 +153,18 @@ class StreamSource:
             return None
         return batch
 
+    def _ready(self) -> bool:
+        if len(self.pending) < self.batch_groups:
+            return False
+        # In issue order: the pending entries are the only training jobs left in the streams.
+        return not self.in_issue_order or self.bus.ledger().train_in_flight <= len(self.pending)
+
     def _receive(self, policy_version: int) -> None:
         stage = self.bus.keys.train
-        entries = self.orphans or self.bus.read(stage, count=self.batch_groups - len(self.pending), block_ms=200)
+        # In issue order the source keeps reading past a full hand (an earlier-issued group may
+        # still come); the stream holds at most a round's jobs, which admission bounds.
+        wanted = self.batch_groups if self.in_issue_order else self.batch_groups - len(self.pending)
+        entries = self.orphans or self.bus.read(stage, count=wanted, block_ms=200)
         self.orphans = []
         for entry_id, fields in entries:
             try:

@@ -14,6 +14,11 @@ when the pass rate is very low. Every group the gatekeeper filters lowers the es
 next `admit` replaces it, which is how a high filter rate turns into more sampling rather than a
 stall. The
 cursor counts issued jobs across epochs, so a resume continues exactly where it stopped.
+
+A run with a `learner.sample_budget` issues exactly `budget_jobs` training jobs, never more: the
+admission that would cross the budget is trimmed, so every run with one budget pays for the same
+number of responses (the budget counts requested responses, filtered groups included, so what
+the gatekeeper drops later cannot make it overshoot).
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from typing import Any
 from services.contracts.bus import StreamBus
 from services.contracts.data import PromptRecord, encode_prompt
 from services.contracts.schemas import PromptJob, encode_job
+
+
+def budget_jobs(sample_budget: int | None, group_size: int) -> int | None:
+    """Training jobs a `learner.sample_budget` of responses pays for: the fewest whose responses
+    reach it (exactly budget / group_size when it divides); None without a budget."""
+    return None if sample_budget is None else -(-sample_budget // group_size)
 
 
 class PromptFeeder:
@@ -42,6 +53,7 @@ class PromptFeeder:
         shuffle: bool,
         seed: int,
         cursor: int = 0,
+        max_jobs: int | None = None,
     ) -> None:
         if not records:
             raise ValueError("the training set is empty")
@@ -50,6 +62,8 @@ class PromptFeeder:
         self.kept_ahead = kept_ahead
         self.shuffle, self.seed = shuffle, seed
         self.cursor = cursor
+        self.max_jobs = max_jobs
+        """Training jobs the run may issue in all (`budget_jobs`); None = no budget."""
         self._order: list[int] = []
         self._order_epoch = -1
         self._token_cache: dict[int, list[int]] = {}
@@ -89,6 +103,8 @@ class PromptFeeder:
         n = self.wanted(
             in_flight=ledger.train_in_flight, train_depth=self.bus.depths()["learner"], pass_rate=1.0 if rate is None else rate
         )
+        if self.max_jobs is not None:  # trim the admission that reaches the sample budget
+            n = min(n, self.max_jobs - self.cursor)
         if n <= 0:
             return 0
         jobs = []

@@ -54,6 +54,7 @@ from learner.commands import (
 from learner.control import Control
 from learner.evaluation import Evaluations, RoundReport
 from learner.export import Exporter
+from learner.feeder import budget_jobs
 from learner.publish import Publisher
 from learner.report import Reporter
 from learner.trainer import NonFiniteTrainingError
@@ -168,8 +169,8 @@ class LearnerLoop:
     def _reached_end(self) -> bool:
         """`total_steps` trained, or the sample budget spent. Only rank 0 knows what was issued
         (the others hold a null source): share the answer where every rank acts on it."""
-        budget = self.cfg.learner.sample_budget
-        spent = budget is not None and self.source.cursor * self.cfg.rollout.group_size >= budget
+        jobs = budget_jobs(self.cfg.learner.sample_budget, self.cfg.rollout.group_size)
+        spent = jobs is not None and self.source.cursor >= jobs  # the feeder issues no more
         return self.progress.step >= self.cfg.learner.total_steps or spent
 
     def _collect(self) -> Train | Wait:

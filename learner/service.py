@@ -29,7 +29,7 @@ from learner.collect import NullSource, StreamSource
 from learner.control import NullControl, RunControl
 from learner.evaluation import NullEvaluations, eval_lane
 from learner.export import HFExporter, NullExporter
-from learner.feeder import PromptFeeder
+from learner.feeder import PromptFeeder, budget_jobs
 from learner.loop import LearnerLoop, Share
 from learner.publish import NullPublisher
 from learner.report import CompletionSampler, NullReporter, RunReporter
@@ -131,6 +131,7 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag, claim: Ru
         limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
         kept_ahead=(alg.max_staleness + 1) * alg.train_batch_groups,
         max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+        max_jobs=budget_jobs(le.sample_budget, cfg.rollout.group_size),
     )
     publisher = WeightPublisher(
         bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0,

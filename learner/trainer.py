@@ -30,7 +30,9 @@ metrics say what was skipped (`actor/nonfinite_steps`, `actor/skipped_updates`);
 
 When it saves FLOPs (`learner.share_prompts`), a micro-batch runs one row per group, the prompt
 once and the responses packed behind it (`learner.batch.pack_groups`): on the CPU preset's short
-responses after longer prompts that halves the tokens the model processes.
+responses after longer prompts that halves the tokens the model processes. The model is loaded
+with the attention the packed mask needs (sdpa); a model that cannot run it, or that has
+sliding-window layers, keeps to the row layout (`auto`) or is refused at start (`always`).
 
 Log-probs and entropy come straight from the final hidden states (`ResponseHead`): the model
 runs up to its last layer, and the output projection, softmax and gather run chunk by chunk
@@ -69,8 +71,14 @@ from learner.algos import (
     log_probs_from_hidden,
     policy_loss,
 )
-from learner.batch import TrainBatch, pack_groups, packing_saves_flops
-from services.contracts.config import DapoConfig
+from learner.batch import (
+    PACKED_ATTENTION,
+    TrainBatch,
+    pack_groups,
+    packed_layout_problem,
+    packing_saves_flops,
+)
+from services.contracts.config import ConfigError, DapoConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +108,7 @@ def build_sharded_model(
     """
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = policy_from_config(config)
     model.config.use_cache = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -112,6 +120,20 @@ def build_sharded_model(
     load_local_shards(model, Path(path), rank=rank, world_size=world_size)
     _recreate_buffers(model, device)
     return model
+
+
+def policy_from_config(config: Any) -> Any:
+    """The policy (fp32, random weights) under `PACKED_ATTENTION`, whatever the model's config.json
+    asks for: the packed layout's mask is exact only there (`learner.batch.packed_layout_problem`).
+    An architecture without that implementation gets its default, and the trainer then keeps to
+    the row layout."""
+    try:
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
+        )
+    except ValueError as exc:  # transformers' refusal of an implementation the class lacks
+        log.warning("%s; loading the model with its default attention", exc)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -215,6 +237,7 @@ class Trainer:
             mp=mixed_precision(le.mixed_precision, self.device), checkpointing=le.activation_checkpointing,
         )
         self.head = ResponseHead(self.model.get_output_embeddings(), cfg.rollout.temperature)
+        self.packing_problem = self._check_packing(self.model.config)
         self.share_prompts = False  # decided per step (`_plan`)
         model = self.model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=le.lr, betas=le.betas, weight_decay=le.weight_decay)
@@ -223,8 +246,27 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.rng = random.Random(le.seed)
+        """Draws each step's mini-batch split; checkpointed with the RNG states."""
         self.nonfinite_in_a_row = 0
         """Consecutive training steps that skipped an update (not checkpointed: a restart resets it)."""
+
+    def _check_packing(self, config: Any) -> str | None:
+        """Why the packed layout would give wrong log-probs for this model, or None.
+
+        `share_prompts=always` is refused at start: an explicit request the model cannot honour
+        fails fast, naming the setting. `auto` falls back to the row layout, logged once: the
+        packed layout is only an optimisation there, and the row layout is exact under any
+        attention, so the run is still correct, only slower.
+        """
+        problem = packed_layout_problem(config)
+        setting = self.cfg.learner.share_prompts
+        if problem is not None and setting == "always":
+            raise ConfigError(f"learner.share_prompts=always cannot be honoured: {problem}. Set "
+                              "learner.share_prompts to auto or never (one row per response).")
+        if problem is not None and setting == "auto":
+            log.warning("learner.share_prompts=auto: one row per response throughout, as %s",
+                        problem)
+        return problem
 
     # --- forward -----------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -300,7 +342,9 @@ class Trainer:
         (P and R are the batch's, so the whole batch answers for every micro-batch)."""
         setting, config = self.cfg.learner.share_prompts, self.model.config
         self.share_prompts = setting == "always" or (
-            setting == "auto" and packing_saves_flops(batch, hidden=config.hidden_size, intermediate=config.intermediate_size)
+            setting == "auto" and self.packing_problem is None and packing_saves_flops(
+                batch, hidden=config.hidden_size, intermediate=config.intermediate_size
+            )
         )
         minis, groups = self._mini_batches(batch), batch.group_index.tolist()
         return minis, [self._micro_batches(rows, groups) for rows in minis]

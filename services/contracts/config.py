@@ -341,7 +341,9 @@ class LearnerConfig(_Section):
     """End the run, before `total_steps` if need be, once this many responses were requested for
     training (issued prompt jobs x `rollout.group_size`; evaluation not counted). Groups the
     gatekeeper filters count: runs with and without dynamic sampling then compare at equal
-    generation cost (`dapo ablate`). None = `total_steps` alone."""
+    generation cost (`dapo ablate`). Exact: the feeder issues ceil(budget / group_size) jobs and
+    no more (the last admission is trimmed), so a multiple of `group_size` is spent to the
+    response. None = `total_steps` alone."""
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate (paper: 1e-6 for 32B)."""
     weight_decay: float = Field(0.1, ge=0)

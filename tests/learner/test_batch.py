@@ -62,3 +62,28 @@ def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> N
     got = slots.reshape(-1, R)[packed.rows.reshape(-1).argsort()]  # back to the selected rows' order
     mask = batch.response_mask.bool()[[4, 0, 1, 2, 3, 5]]
     torch.testing.assert_close(got[mask], expected[[4, 0, 1, 2, 3, 5]][mask], rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_layout_is_refused_for_attention_that_does_not_apply_its_mask_as_given() -> None:
+    """Eager attention (packed log-probs up to 0.3 off the rows', test_trainer.py) and any layer
+    that is not full attention (the 4-D mask would drop its window) are named; sdpa full
+    attention is fine."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from learner.batch import PACKED_ATTENTION, packed_layout_problem
+
+    def qwen2(implementation: str, **extra: object) -> Qwen2Config:
+        config = Qwen2Config(num_hidden_layers=2, **extra)
+        config._attn_implementation = implementation
+        return config
+
+    assert packed_layout_problem(qwen2(PACKED_ATTENTION)) is None
+    assert "'eager'" in str(packed_layout_problem(qwen2("eager")))
+    sliding = qwen2(PACKED_ATTENTION, use_sliding_window=True, sliding_window=8,
+                    max_window_layers=1)
+    assert "sliding_attention layers" in str(packed_layout_problem(sliding))
+    mistral = MistralConfig(num_hidden_layers=2, sliding_window=8)  # no layer_types, no switch
+    mistral._attn_implementation = PACKED_ATTENTION
+    assert "sliding_window=8" in str(packed_layout_problem(mistral))
+    mistral.sliding_window = None
+    assert packed_layout_problem(mistral) is None

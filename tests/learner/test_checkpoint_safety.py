@@ -67,7 +67,8 @@ def tiny_trainer(seed: int = 0) -> SimpleNamespace:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     train(SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler))
-    return SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler)
+    return SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler,
+                           rng=random.Random(seed))
 
 
 def train(t: SimpleNamespace) -> None:
@@ -119,6 +120,30 @@ def test_saved_files_load_without_pickle_and_restore_the_rng_streams(tmp_path: P
     assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
     assert all(torch.equal(v, expected[2][k]) for k, v in params(t.model).items())
     assert t.scheduler.last_epoch == 1
+
+
+def shuffled(rng: random.Random) -> list[int]:
+    """The next permutation of 32 groups, drawn as `Trainer._mini_batches` draws it."""
+    order = list(range(32))
+    rng.shuffle(order)
+    return order
+
+
+def test_a_restored_learner_draws_the_mini_batch_shuffle_an_uninterrupted_one_would(
+    tmp_path: Path,
+) -> None:
+    """The trainer's mini-batch generator is saved with the RNG states (JSON, no pickle): after
+    a restore the next shuffle is the one the run would have drawn had it never stopped (the
+    two-rank test below checks the same with the real trainer)."""
+    t = tiny_trainer()
+    ckpt = store(tmp_path, t)
+    for _ in range(3):  # the mini-batches of a few steps
+        shuffled(t.rng)
+    save(ckpt, 1)
+    uninterrupted = shuffled(t.rng)
+    resumed = tiny_trainer()  # a fresh learner: its generator starts from the seed again
+    store(tmp_path, resumed).load(1)
+    assert shuffled(resumed.rng) == uninterrupted
 
 
 def test_no_code_loads_with_weights_only_false() -> None:
@@ -285,7 +310,8 @@ def test_verification_runs_before_the_pickled_metadata_is_read(tmp_path: Path, m
 
     monkeypatch.setattr(FileSystemReader, "read_metadata", read_metadata)
     monkeypatch.setattr(MetadataUnpickler, "load", unpickle)
-    load_checkpoint(path, rank=0, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+    load_checkpoint(path, rank=0, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                    shuffle=t.rng)
     assert calls[:3] == ["verify", "read_metadata", "unpickle"]
     assert calls.count("unpickle") == 1 < calls.count("read_metadata")  # read twice, unpickled once
 
@@ -477,6 +503,7 @@ def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(tiny_
     for r in results:
         assert "state/__1_0.distcp does not match its SHA-256" in r["refused"]
         assert r["params_restored"] and r["rng_restored"] and r["latest_after_restore"] == 1
+        assert r["shuffle_restored"]  # the trainer's mini-batch generator too
     assert results[0]["rng_draw"] != results[1]["rng_draw"]  # each rank resumed its own stream
     assert not (tmp_path / "ckpt" / "step_2").exists()
 
@@ -503,8 +530,9 @@ def _rank_main(model_dir: str, out: str) -> None:
         return {n: t.clone() for n, t in trainer.named_full_params()}
 
     saved = step_params()
+    shuffled(trainer.rng)
     ckpt.save(1, {"policy_version": 1, "data_cursor": 10}, keep=False, hf_export=export)
-    draw = torch.rand(3)
+    draw, next_shuffle = torch.rand(3), shuffled(trainer.rng)
     step_params()
     ckpt.save(2, {"policy_version": 2, "data_cursor": 20}, keep=False, hf_export=export)
     if rank == 0:
@@ -520,6 +548,7 @@ def _rank_main(model_dir: str, out: str) -> None:
     result = {
         "refused": refused, "latest_after_restore": ckpt.latest_step(), "rng_draw": draw.tolist(),
         "rng_restored": torch.equal(torch.rand(3), draw),
+        "shuffle_restored": shuffled(trainer.rng) == next_shuffle,
         "params_restored": all(torch.equal(restored[n], saved[n]) for n in saved),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
