@@ -167,7 +167,8 @@ class RolloutWorker:
                 if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
                     last_reclaim = time.monotonic()
                     entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries,
-                                               count=self.cfg.rollout.prompts_per_batch)  # at most a batch of its own and one of others'
+                                               count=self.cfg.rollout.prompts_per_batch,  # at most a batch of its own and one of others'
+                                               heartbeat_ttl_s=q.heartbeat_ttl_s)
                 if not entries:
                     entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=None)
                 if entries:  # a batch may outlast claim_idle_s: keep its claims while generating

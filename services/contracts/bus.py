@@ -220,6 +220,11 @@ dead letter is still counted in the ledger and the counters."""
 OWN_IDLE_MS = 1000
 """A consumer's own pending entry idle this long, while it holds none, is an orphan (reclaim)."""
 
+GONE_AFTER_TTLS = 2
+"""A consumer whose heartbeat is absent is gone once its pending entries sat this many heartbeat
+TTLs (`reclaim`, `heartbeat_ttl_s`); a consumer whose heartbeat is present keeps its entries
+until `queue.claim_idle_s`."""
+
 
 class FencedError(RuntimeError):
     """A write was refused because this process no longer holds the learner lease: another
@@ -558,9 +563,14 @@ class StreamBus:
             done.set()
             thread.join(timeout=5.0)  # a renewal stuck on an unresponsive Redis must not hold the worker
 
-    def reclaim(self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16) -> list[Entry]:
+    def reclaim(
+        self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16,
+        heartbeat_ttl_s: float | None = None,
+    ) -> list[Entry]:
         """Take over entries idle longer than min_idle_s (their consumer presumably died), and
-        this consumer's own pending entries idle over a second.
+        this consumer's own pending entries idle over a second. With `heartbeat_ttl_s` (the
+        stages'), also the entries of a consumer whose heartbeat is gone, once idle
+        GONE_AFTER_TTLS heartbeat TTLs (`_take_from_gone`).
 
         Call it only while holding no entries of `stage` (the stage loops call it between
         batches). Then any entry still pending under this consumer's own name is one it will
@@ -582,7 +592,59 @@ class StreamBus:
         entries += self._take(stage, {_entry_id(p) for p in others} - own_ids, int(min_idle_s * 1000), others, max_deliveries)
         if entries:
             log.warning("reclaimed %d idle entries from %s", len(entries), stage.stream)
+        if heartbeat_ttl_s is not None and len(entries) < count:
+            gone_idle_ms = int(GONE_AFTER_TTLS * heartbeat_ttl_s * 1000)
+            if gone_idle_ms < min_idle_s * 1000:  # else the line above already took them
+                entries += self._take_from_gone(stage, gone_idle_ms, count - len(entries),
+                                                max_deliveries)
         return entries
+
+    def _take_from_gone(
+        self, stage: Stage, idle_ms: int, count: int, max_deliveries: int
+    ) -> list[Entry]:
+        """Take over up to `count` pending entries, idle at least `idle_ms`, of other consumers
+        whose heartbeat key is absent (expired, or deleted at a clean exit or by the supervisor
+        that saw the process die).
+
+        Waiting out `claim_idle_s` for a consumer known to be dead leaves its work in flight for
+        minutes, and the end-of-run drain can time out with it still pending. An absent
+        heartbeat alone is not proof of death: a beat can be late, a key can expire while Redis
+        is down, and a process could read before its first beat (ours beat first, then read).
+        Requiring the entries to have sat GONE_AFTER_TTLS TTLs as well means only a consumer that
+        has not beaten for that long loses them; a live one beats every third of a TTL.
+
+        What this does NOT guarantee: a consumer that comes back after such a lapse (a process
+        paused that long) may find its entries taken and work on them in vain (at-least-once
+        work); whichever of the two hops second writes nothing, so nothing is forwarded twice.
+        The XCLAIM in `_take` re-checks the idle time, so two stages that find the same entries
+        do not both take them."""
+        pending: list[Any] = []
+        for name in self._gone_consumers(stage):
+            got: Any = self.redis.xpending_range(
+                stage.stream, stage.group, min="-", max="+", count=count - len(pending),
+                consumername=name, idle=idle_ms,
+            )
+            if got:
+                log.warning("taking over %d entries of %s from %s: its heartbeat is gone",
+                            len(got), stage.stream, _text(name))
+            pending += got
+            if len(pending) >= count:
+                break
+        return self._take(stage, {_entry_id(p) for p in pending}, idle_ms, pending, max_deliveries)
+
+    def _gone_consumers(self, stage: Stage) -> list[bytes]:
+        """Other consumers holding entries of `stage` whose heartbeat key is absent
+        (`Keys.consumer_heartbeat`)."""
+        summary: Any = self.redis.xpending(stage.stream, stage.group)
+        holders = [c["name"] for c in summary.get("consumers") or []
+                   if _text(c["name"]) != self.consumer]
+        if not holders:
+            return []
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in holders:
+                pipe.exists(self.keys.consumer_heartbeat(_text(name)))
+            beating = pipe.execute()
+        return [name for name, alive in zip(holders, beating, strict=True) if not alive]
 
     def _take(self, stage: Stage, ids: set[str], min_idle_ms: int, pending: Any, max_deliveries: int) -> list[Entry]:
         retry_ids: list[Any] = []
@@ -924,6 +986,10 @@ class StreamBus:
 
 def _strings(raw: Mapping[bytes, bytes]) -> dict[str, str]:
     return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
+
+
+def _text(name: bytes | str) -> str:
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else name
 
 
 def _entry_id(pending: Any) -> str:

@@ -429,12 +429,14 @@ class QueueConfig(_Section):
     block_ms: PositiveInt = 1000
     """How long a consumer blocks on an empty stream before checking for shutdown."""
     claim_idle_s: float = Field(300.0, gt=0)
-    """Pending entries idle longer than this are reclaimed from a dead consumer; must exceed the
-    slowest legitimate step of any stage."""
+    """Pending entries idle longer than this are reclaimed from any other consumer; must exceed
+    the slowest legitimate step of any stage. A consumer whose heartbeat is gone loses its
+    entries sooner, once they sat two `heartbeat_ttl_s` (`StreamBus.reclaim`)."""
     max_deliveries: PositiveInt = 3
     """An entry delivered this many times is dead-lettered instead of retried."""
     heartbeat_ttl_s: float = Field(30.0, gt=0)
-    """A service whose heartbeat key expired is considered gone."""
+    """A service whose heartbeat key expired is considered gone: the learner stops counting on
+    it, and the stages take over its pending entries after two TTLs."""
 
 
 class CheckpointConfig(_Section):

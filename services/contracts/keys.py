@@ -217,6 +217,16 @@ class Keys:
     def heartbeat_pattern(self, kind: str = "*") -> str:
         return self._k("hb", kind, "*")
 
+    def consumer_heartbeat(self, consumer: str) -> str:
+        """The heartbeat key of the instance reading a stream under the consumer name `consumer`.
+
+        A service reads under its instance id, `<kind>-<host>-<pid>` (`runtime.instance_id`, which
+        refuses a kind with a `-`), and beats under `heartbeat(kind, instance id)`, so the kind
+        is the name up to its first `-`. A consumer name of any other shape (the learner's drain
+        reader, a test's) maps to a key nobody writes: to the bus it is a consumer that is gone.
+        """
+        return self.heartbeat(consumer.split("-", 1)[0], consumer)
+
     def final_stats(self, kind: str, instance_id: str) -> str:
         """Hash a service writes as it exits (idle fraction, counts) for the run summary."""
         return self._k("final", kind, instance_id)

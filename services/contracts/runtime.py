@@ -1,7 +1,8 @@
 """What every long-running service shares: heartbeat, graceful stop, and the stage work loop.
 
 A stage worker (rollout, reward, gatekeeper) repeats: reclaim entries abandoned by dead
-consumers, read new entries, hand them to its handler, which finishes each with one atomic hop.
+consumers (sooner than `queue.claim_idle_s` when their heartbeat is gone: `StreamBus.reclaim`),
+read new entries, hand them to its handler, which finishes each with one atomic hop.
 The catch-all exception handler lives here, at the loop boundary only: an entry whose handler
 raised stays pending, is retried at the next reclaim (every few seconds), and is dead-lettered
 after `queue.max_deliveries` attempts.
@@ -76,7 +77,13 @@ def free_port() -> int:
 
 
 def instance_id(kind: str, pid: int | None = None) -> str:
-    """`<kind>-<host>-<pid>`: unique per process, and derivable by a supervisor on the same host."""
+    """`<kind>-<host>-<pid>`: unique per process, and derivable by a supervisor on the same host.
+
+    It is also the instance's consumer name in every stream, from which `Keys.consumer_heartbeat`
+    finds its heartbeat again, taking the kind to end at the first `-`."""
+    if "-" in kind:
+        raise ValueError(f"a service kind cannot contain '-' (got {kind!r}): its consumer name "
+                         "would not lead back to its heartbeat")
     return f"{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
@@ -152,7 +159,10 @@ def run_stage_loop(
         try:
             if time.monotonic() - last_reclaim > reclaim_every_s:
                 last_reclaim = time.monotonic()
-                entries = bus.reclaim(stage, min_idle_s=queue.claim_idle_s, max_deliveries=queue.max_deliveries, count=batch)
+                # A consumer whose heartbeat is gone loses its entries without the claim timeout.
+                entries = bus.reclaim(stage, min_idle_s=queue.claim_idle_s,
+                                      max_deliveries=queue.max_deliveries, count=batch,
+                                      heartbeat_ttl_s=queue.heartbeat_ttl_s)
             if not entries:
                 entries = bus.read(stage, count=batch, block_ms=queue.block_ms)
             if entries:

@@ -12,8 +12,8 @@ How a Serve replica differs from the CLI process:
   shutdown calls `__del__`, which sets the flag and joins the thread. As on SIGTERM, the current
   batch finishes (or its jobs are handed back) and the final stats are written. The join has no
   timeout of its own: `graceful_shutdown_timeout_s` is the bound, after which Serve kills the
-  replica and its pending entries are reclaimed after `queue.claim_idle_s` (at-least-once, as for
-  any dead worker).
+  replica and its pending entries are taken over by the other replicas once its heartbeat is
+  gone (two `queue.heartbeat_ttl_s`; at-least-once, as for any dead stage).
 - `check_health` raises once the worker thread has exited, so Serve replaces the replica.
 - Serve's default autoscaler counts HTTP requests in flight, which these deployments never
   receive. `BacklogPolicy` scales rollout replicas on the prompts stream's depth instead, which

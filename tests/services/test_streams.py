@@ -1,6 +1,6 @@
 """The stream transport against a real Redis: hops are atomic and exactly-once, reclaim and
-dead letters work, the ledger balances, and a stage worker keeps the claims of work that outlasts
-the claim timeout."""
+dead letters work, the ledger balances, a stage worker keeps the claims of work that outlasts
+the claim timeout, and takes over a dead consumer's work without waiting for that timeout."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from services.contracts.bus import Entry, StreamBus, connect
+from services.contracts.bus import GONE_AFTER_TTLS, Entry, StreamBus, connect
 from services.contracts.config import QueueConfig
 from services.contracts.keys import Keys
-from services.contracts.runtime import StopFlag, run_stage_loop
+from services.contracts.runtime import Heartbeat, StopFlag, instance_id, run_stage_loop
 from services.contracts.schemas import decode_group, encode_group, encode_job
 from services.gatekeeper import Gatekeeper, keep_group
 from tests.helpers import wait_for
@@ -161,3 +161,56 @@ def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(
     assert [fields[b"done_by"] for _, fields in bus.redis.xrange(bus.keys.rollouts.stream)] == [b"slow"]
     assert bus.redis.xpending(stage.stream, stage.group)["pending"] == 0
     assert not any(t.is_alive() for t in workers)
+
+
+def test_a_consumer_name_leads_to_its_heartbeat() -> None:
+    keys, inst = Keys("t"), instance_id("rollout")
+    assert keys.consumer_heartbeat(inst) == keys.heartbeat("rollout", inst)
+    with pytest.raises(ValueError, match="cannot contain"):
+        instance_id("roll-out")
+
+
+def test_a_stage_takes_over_a_dead_consumers_entry_before_the_claim_timeout(bus: StreamBus) -> None:
+    """A consumer that read an entry and was killed (the supervisor dropped its heartbeat) loses
+    it to a live stage once it sat GONE_AFTER_TTLS heartbeat TTLs, not after claim_idle_s
+    (300 s); a consumer whose heartbeat is present keeps its entry for as long, and a freshly
+    read entry is not taken at once even though its consumer's heartbeat is gone."""
+    issue(bus, 2)
+    ttl_s, stage = 0.5, bus.keys.prompts
+    queue = QueueConfig(claim_idle_s=300, heartbeat_ttl_s=ttl_s, block_ms=50)
+    dead_name, live_name = "rollout-host-1", "rollout-host-2"  # as `instance_id` names them
+    beats = {name: Heartbeat(bus, "rollout", name, ttl_s).start() for name in (dead_name, live_name)}
+    [(dead_id, _)] = bus.as_consumer(dead_name).read(stage, count=1, block_ms=None)
+    [(live_id, _)] = bus.as_consumer(live_name).read(stage, count=1, block_ms=None)
+    beats[dead_name].stop()
+    bus.drop_heartbeat("rollout", dead_name)  # what `dapo run` does when it sees a process die
+    taker = bus.as_consumer("rollout-host-3")
+    assert taker.reclaim(stage, min_idle_s=300, max_deliveries=3, heartbeat_ttl_s=ttl_s) == []
+
+    handled: list[str] = []
+    stop = StopFlag()
+
+    def handle(entries: list[Entry]) -> None:
+        for entry_id, _ in entries:
+            handled.append(entry_id)
+            taker.hop(stage, entry_id, downstream=bus.keys.rollouts.stream, fields={"by": b"taker"})
+
+    beats[taker.consumer] = Heartbeat(taker, "rollout", taker.consumer, ttl_s).start()
+    thread = threading.Thread(target=run_stage_loop, args=(taker, stage, handle), daemon=True,
+                              kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05})
+    started = time.monotonic()
+    thread.start()
+    try:
+        wait_for("the dead consumer's entry taken over", lambda: handled, timeout_s=30, every_s=0.05)
+        took_s = time.monotonic() - started
+        time.sleep(3 * GONE_AFTER_TTLS * ttl_s)  # the live consumer's entry is as idle by now
+    finally:
+        stop.event.set()
+        thread.join(timeout=10)
+        for beat in beats.values():
+            beat.stop()
+    assert handled == [dead_id], handled
+    assert took_s < 10  # claim_idle_s is 300
+    [pending] = bus.redis.xpending_range(stage.stream, stage.group, min="-", max="+", count=10)
+    assert (pending["message_id"].decode(), pending["consumer"]) == (live_id, live_name.encode())
+    assert pending["time_since_delivered"] >= 2 * GONE_AFTER_TTLS * ttl_s * 1000
