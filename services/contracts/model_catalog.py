@@ -196,7 +196,7 @@ def convert_gguf(gguf: Path, out: Path) -> dict[str, str]:
     tokenizer.save_pretrained(out)
     # Only what the model's own files say: the end and padding tokens. Sampling settings belong to
     # the run's config, never to the model (the rollout engines ignore them anyway).
-    GenerationConfig(
+    GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
