@@ -27,7 +27,7 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 
 def run(staleness: int, steps: int, overrides: list[str], out: Path) -> dict[str, float]:
-    subprocess.run([sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out),
+    subprocess.run([sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out),
                     "--quiet", f"learner.total_steps={steps}", f"algorithm.max_staleness={staleness}", "eval.every_steps=0",
                     "checkpoint.every_steps=0", *overrides], cwd=REPO, check=True, timeout=3600)
     summary = json.loads((out / "summary.json").read_text())

@@ -50,16 +50,16 @@ def build_model() -> Path:
 def check_sync(model_dir: Path) -> None:
     import torch.distributed as dist
 
-    from rollout.vllm_engine import VLLMEngine
-    from services.contracts.config import load_config
-    from services.contracts.runtime import free_port
-    from services.contracts.weight_sync import (
+    from contracts.config import load_config
+    from contracts.runtime import free_port
+    from contracts.weight_sync import (
         Announcement,
         WeightStream,
         broadcast_bucket,
         make_group_on_store,
         plan_buckets,
     )
+    from rollout.vllm_engine import VLLMEngine
 
     two_gpus = torch.cuda.device_count() >= 2
     backend = "nccl" if two_gpus else "gloo"
@@ -102,7 +102,7 @@ def check_sync(model_dir: Path) -> None:
 
 def short_run(model_dir: Path) -> None:
     weights = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    base = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(OUT / "run")]
+    base = [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(OUT / "run")]
     cmd = [*base,
            f"model.path={model_dir}", "model.build_tiny=null", "model.dtype=bfloat16", "rollout.engine=vllm", "rollout.replicas=1",
            "rollout.gpu_memory_utilization=0.3", "rollout.torch_threads=null", "learner.backend=nccl",

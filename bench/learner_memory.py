@@ -68,7 +68,7 @@ def reset_peak() -> None:
 
 def publication_extra_mib(trainer: Any, cfg: Any, rank: int) -> dict[str, float]:
     """Rank 0's extra peak memory while one publication's weights are gathered and staged."""
-    from services.contracts.weight_sync import WeightPublisher
+    from learner.weight_publisher import WeightPublisher
 
     publisher = None
     if rank == 0:  # staging needs no Redis; publish() (not called here) does
@@ -91,9 +91,9 @@ def worker(model_dir: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

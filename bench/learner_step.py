@@ -27,7 +27,7 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
     """One step's groups, shaped like the tiny preset's (prompt 20-40 tokens, responses 3-16)."""
-    from services.contracts.schemas import PromptJob, Response, RolloutGroup
+    from contracts.schemas import PromptJob, Response, RolloutGroup
 
     ro, groups = cfg.rollout, []
     for g in range(cfg.algorithm.train_batch_groups):
@@ -48,11 +48,11 @@ def measure(steps: int, overrides: list[str]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.service import init_distributed
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
-    from services.shell.launcher import prepare
+    from services.launcher import prepare
 
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     prepare(cfg)  # the cached base model and data

@@ -43,7 +43,7 @@ def build_model(out: Path) -> None:
 
 
 def make_groups() -> list[Any]:
-    from services.contracts.schemas import PromptJob, Response, RolloutGroup
+    from contracts.schemas import PromptJob, Response, RolloutGroup
 
     rng = random.Random(7)
     groups = []
@@ -66,9 +66,9 @@ def worker(model_dir: str, out: str) -> None:
     """One rank (under torch.distributed.run): every mode, one step each, results saved by rank 0."""
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
     backend = os.environ.get("DAPO_BENCH_BACKEND", "gloo")  # nccl: one GPU per rank (bench/gpu_check.py)
     if backend == "nccl":

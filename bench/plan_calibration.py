@@ -1,7 +1,7 @@
 """`dapo plan`'s two calibrations, with their errors: the simulation fed a measured run's
 component rates against what that run measured (step time, learner and rollout idle fractions),
 and the hardware model against published asynchronous-vs-synchronous speed-ups
-(services/shell/planning/published.toml, each with its source). Nothing is asserted here; the
+(services/planning/published.toml, each with its source). Nothing is asserted here; the
 tests hold the errors to their tolerances (tests/services/test_plan.py).
 
     .venv/bin/python bench/plan_calibration.py [--run-dir DIR]   (default: the committed fixture
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.results_file import save_result  # noqa: E402  (a module beside this script)
-from services.shell.planning.calibration import calibrate_run, predict_published, published_cases  # noqa: E402
+from services.planning.calibration import calibrate_run, predict_published, published_cases  # noqa: E402
 
 
 def main() -> int:

@@ -14,10 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
-from services.shell.redis_server import RedisServer
+from contracts.bus import StreamBus, connect
+from contracts.keys import Keys
+from contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
+from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -28,8 +28,8 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 def main() -> int:
     from safetensors import safe_open
 
-    from services.contracts.config import load_config
-    from services.contracts.weight_sync import flat_broadcast_seconds
+    from contracts.config import load_config
+    from contracts.weight_sync import flat_broadcast_seconds
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -40,7 +40,7 @@ def main() -> int:
     replicas = load_config(REPO / "configs" / "tiny.yaml", args.overrides).rollout.replicas
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        subprocess.run([sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(run),
+        subprocess.run([sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(run),
                         "--quiet", f"learner.total_steps={args.steps}", "eval.every_steps=0", "checkpoint.every_steps=0", *args.overrides],
                        cwd=REPO, check=True, timeout=3600, env={**os.environ, "DAPO_FAULTS": f"rollout.slowdown={args.slowdown}"})
         summary = json.loads((run / "summary.json").read_text())

@@ -23,8 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.inprocess_floor import seconds_to_gain  # noqa: E402  (a script beside this one)
 from bench.results_file import save_result  # noqa: E402  (a module beside this script)
+from services.inprocess import seconds_to_gain  # noqa: E402
 
 GAIN = 0.25
 
@@ -36,7 +36,7 @@ def run_floor(steps: int, overrides: list[str], out: Path) -> dict:
 
 
 def run_service(steps: int, overrides: list[str], out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out),
+    subprocess.run([sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out),
                     "--quiet", f"learner.total_steps={steps}", *overrides], cwd=REPO, check=True, timeout=3600)
     summary = json.loads((out / "summary.json").read_text())
     return {"eval_history": summary["eval_history"], "wall_seconds": summary["wall_seconds"], "ledger": summary["ledger"]}

@@ -11,7 +11,7 @@ It is deliberately not a Kubernetes livenessProbe: it depends on Redis, and rest
 worker while Redis is briefly away would throw away their work. A worker whose process dies
 ends its container anyway, and a hung worker's heartbeat expires, which `dapo status` and the
 API's /status show. The heartbeat thread also does not prove the work loop is progressing
-(see services/contracts/runtime.py).
+(see contracts/runtime.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import redis
 
-    from services.contracts.bus import open_bus
-    from services.contracts.config import ConfigError, load_config
+    from contracts.bus import open_bus
+    from contracts.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from contracts.schemas import RolloutGroup
 from learner.algos import group_advantages
-from services.contracts.schemas import RolloutGroup
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Writing and loading the learner's training state in the checkpoint store.
 
-The layout, listing, retention and manifest are the store's (`services/contracts/checkpoint_store.py`).
+The layout, listing, retention and manifest are the store's (`contracts/checkpoint_store.py`).
 Saving (every rank): everything goes to `.tmp-step_<N>/` — each rank's model and optimizer shards
 (torch.distributed.checkpoint) and RNG states, and from rank 0 trainer.json, the Hugging Face export
 and the `keep` marker when asked. After a barrier the ranks hash the files (a share each, fsyncing
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from services.contracts.checkpoint_store import (
+from contracts.checkpoint_store import (
     HASH_THREADS,
     HF_EXPORT,
     KEEP,

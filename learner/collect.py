@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from contracts.bus import Entry, Fields, StreamBus, is_evaluation
+from contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
+from contracts.runtime import StopFlag
+from contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
 from learner.commands import Picked
 from learner.feeder import PromptFeeder
-from services.contracts.bus import Entry, Fields, StreamBus, is_evaluation
-from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from contracts.bus import StreamBus
+from contracts.keys import Counter, RunField
+from contracts.lease import LearnerLease
+from contracts.runtime import Heartbeat
+from contracts.schemas import CheckpointRequest, PauseRequest, RestoreRequest
 from learner.commands import Command, Pause, Progress, Restore, SaveCheckpoint
-from services.contracts.bus import StreamBus
-from services.contracts.keys import Counter, RunField
-from services.contracts.lease import LearnerLease
-from services.contracts.runtime import Heartbeat
-from services.contracts.schemas import CheckpointRequest, PauseRequest, RestoreRequest
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from services.contracts.checkpoint_store import CheckpointRefused
+from contracts.checkpoint_store import CheckpointRefused
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 METADATA_GLOBALS = frozenset({

@@ -33,12 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from learner.commands import Progress
-from services.contracts.bus import Entry, StreamBus
-from services.contracts.config import DapoConfig
-from services.contracts.data import encode_prompt, load_eval_problems
-from services.contracts.keys import LEDGER_EVALUATED
-from services.contracts.schemas import (
+from contracts.bus import Entry, StreamBus
+from contracts.config import DapoConfig
+from contracts.data import encode_prompt, load_eval_problems
+from contracts.keys import LEDGER_EVALUATED
+from contracts.schemas import (
     EvalResult,
     EvalTag,
     PromptJob,
@@ -46,6 +45,7 @@ from services.contracts.schemas import (
     decode_eval_result,
     encode_job,
 )
+from learner.commands import Progress
 
 log = logging.getLogger(__name__)
 

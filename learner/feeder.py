@@ -28,9 +28,9 @@ import random
 import time
 from typing import Any
 
-from services.contracts.bus import StreamBus
-from services.contracts.data import PromptRecord, encode_prompt
-from services.contracts.schemas import PromptJob, encode_job
+from contracts.bus import StreamBus
+from contracts.data import PromptRecord, encode_prompt
+from contracts.schemas import PromptJob, encode_job
 
 
 def budget_jobs(sample_budget: int | None, group_size: int) -> int | None:

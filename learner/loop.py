@@ -37,6 +37,11 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 
+from contracts.checkpoint_store import CheckpointRefused
+from contracts.config import DapoConfig
+from contracts.faults import stretch
+from contracts.keys import Counter, RunField
+from contracts.schemas import RolloutGroup
 from learner.batch import build_batch
 from learner.checkpoint import CheckpointStore
 from learner.collect import BatchSource
@@ -58,11 +63,6 @@ from learner.feeder import budget_jobs
 from learner.publish import Publisher
 from learner.report import Reporter
 from learner.trainer import NonFiniteTrainingError
-from services.contracts.checkpoint_store import CheckpointRefused
-from services.contracts.config import DapoConfig
-from services.contracts.faults import stretch
-from services.contracts.keys import Counter, RunField
-from services.contracts.schemas import RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class LearnerLoop:
             raise
         if metrics.get("actor/nonfinite_steps"):
             self.control.count(Counter.NONFINITE_STEPS)
-        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/contracts/faults.py)
+        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (contracts/faults.py)
         return metrics
 
     def _timing(self, update_s: float, step_s: float) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Publishing weights to the rollout replicas, as the loop sees it.
 
-Rank 0 holds a `services.contracts.weight_sync.WeightPublisher`; the other ranks hold the null
+Rank 0 holds a `learner.weight_publisher.WeightPublisher`; the other ranks hold the null
 publisher, which only takes part in gathering the full parameters (a collective) and keeps
 nothing.
 """

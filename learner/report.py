@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from contracts.bus import StreamBus
+from contracts.config import TrackingConfig
+from contracts.keys import RunField
+from contracts.schemas import RolloutGroup
 from learner.commands import Progress
 from learner.tracking import Completion, Tracker
-from services.contracts.bus import StreamBus
-from services.contracts.config import TrackingConfig
-from services.contracts.keys import RunField
-from services.contracts.schemas import RolloutGroup
 
 log = logging.getLogger(__name__)
 

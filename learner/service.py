@@ -24,6 +24,20 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from contracts.bus import FencedError, StreamBus, open_bus
+from contracts.checkpoint_store import CheckpointRefused
+from contracts.config import ConfigError, DapoConfig
+from contracts.data import load_prompts
+from contracts.lease import LearnerLease, LeaseHeldError
+from contracts.model_source import with_local_model
+from contracts.runtime import (
+    CHECKPOINT_REFUSED_FILE,
+    EXIT_CHECKPOINT_REFUSED,
+    EXIT_NOT_THE_LEARNER,
+    StopFlag,
+    free_port,
+    instance_id,
+)
 from learner.checkpoint import Checkpoints
 from learner.collect import NullSource, StreamSource
 from learner.control import NullControl, RunControl
@@ -35,21 +49,7 @@ from learner.publish import NullPublisher
 from learner.report import CompletionSampler, NullReporter, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
-from services.contracts.bus import FencedError, StreamBus, open_bus
-from services.contracts.checkpoint_store import CheckpointRefused
-from services.contracts.config import ConfigError, DapoConfig
-from services.contracts.data import load_prompts
-from services.contracts.lease import LearnerLease, LeaseHeldError
-from services.contracts.model_source import with_local_model
-from services.contracts.runtime import (
-    CHECKPOINT_REFUSED_FILE,
-    EXIT_CHECKPOINT_REFUSED,
-    EXIT_NOT_THE_LEARNER,
-    StopFlag,
-    free_port,
-    instance_id,
-)
-from services.contracts.weight_sync import WeightPublisher
+from learner.weight_publisher import WeightPublisher
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

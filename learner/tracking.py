@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.contracts.config import DapoConfig
+from contracts.config import DapoConfig
 
 log = logging.getLogger(__name__)
 

@@ -63,6 +63,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from contracts.config import ConfigError, DapoConfig
 from learner.algos import (
     aggregate_loss,
     combine_losses,
@@ -78,7 +79,6 @@ from learner.batch import (
     packed_layout_problem,
     packing_saves_flops,
 )
-from services.contracts.config import ConfigError, DapoConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,16 @@ import logging
 from collections import defaultdict
 from typing import Any
 
+from contracts.bus import Entry, StreamBus
+from contracts.config import ConfigError, DapoConfig, RewardConfig
+from contracts.keys import Counter
+from contracts.model_source import with_local_model
+from contracts.runtime import run_stage_loop, service_context
+from contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
 from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
 from reward.result import VerifyResult
 from reward.verifiers import SandboxPool, Scorer, WorkerStartError, make_scorer
-from services.contracts.bus import Entry, StreamBus
-from services.contracts.config import ConfigError, DapoConfig, RewardConfig
-from services.contracts.keys import Counter
-from services.contracts.model_source import with_local_model
-from services.contracts.runtime import run_stage_loop, service_context
-from services.contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 

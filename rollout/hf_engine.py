@@ -34,10 +34,10 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from contracts.weight_sync import DTYPES
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
-from services.contracts.weight_sync import DTYPES
 
 log = logging.getLogger(__name__)
 

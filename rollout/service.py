@@ -1,6 +1,6 @@
 """`dapo rollout`: one rollout replica.
 
-Loop: between generation batches, sync weights (`services.contracts.weight_sync.WeightSubscriber`:
+Loop: between generation batches, sync weights (`rollout.weight_receiver.WeightReceiver`:
 broadcasts, catch-up from the checkpoint store), and between decode steps too (in-flight updates:
 a broadcast is taken mid-batch, responses continue under the new weights, and each records the
 lowest and highest version that sampled it); take up to `rollout.prompts_per_batch` prompt
@@ -30,13 +30,12 @@ from typing import Any
 
 import redis
 
-from rollout.engine import BetweenSteps, Engine, make_engine
-from services.contracts.bus import Entry, StreamBus, is_oom
-from services.contracts.config import DapoConfig
-from services.contracts.faults import stretch
-from services.contracts.model_source import with_local_model
-from services.contracts.runtime import Heartbeat, StopFlag, service_context
-from services.contracts.schemas import (
+from contracts.bus import Entry, StreamBus, is_oom
+from contracts.config import DapoConfig
+from contracts.faults import stretch
+from contracts.model_source import with_local_model
+from contracts.runtime import Heartbeat, StopFlag, service_context
+from contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
@@ -44,7 +43,8 @@ from services.contracts.schemas import (
     decode_job,
     encode_group,
 )
-from services.contracts.weight_sync import WeightSubscriber
+from rollout.engine import BetweenSteps, Engine, make_engine
+from rollout.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,11 @@ thread rings), and at least this often."""
 
 
 class RolloutWorker:
-    """The replica's loop; everything about its weights is `self.weights` (a WeightSubscriber)."""
+    """The replica's loop; everything about its weights is `self.weights` (a WeightReceiver)."""
 
     def __init__(self, cfg: DapoConfig, bus: StreamBus, engine: Engine, replica_id: str, stop: StopFlag) -> None:
         self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
-        self.weights = WeightSubscriber.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now,
+        self.weights = WeightReceiver.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now,
                                                     watch_also=(bus.keys.prompts.stream,))
         self.groups_done = 0
         self.busy_s = 0.0

@@ -14,7 +14,7 @@ Every request stops at any of the model's end tokens (`rollout.end_tokens.end_to
 as `stop_token_ids`), which stays in the response with finish reason "stop": the same rule as the
 transformers engine, whatever vLLM's own `generation_config` setting would have added.
 
-Weights arrive over the side group of `services.contracts.weight_sync` inside vLLM's worker
+Weights arrive over the side group of `contracts.weight_sync` inside vLLM's worker
 process(es): `update_weights` gets a `WeightStream` and sends its JSON form (vLLM's RPC encodes
 arguments with msgpack, which carries tensors and plain data but no arbitrary objects) through
 `collective_rpc` to `rollout.vllm_worker_ext.WeightSyncExtension`, mixed into the worker class,
@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from contracts.config import DapoConfig
+from contracts.weight_sync import WeightStream
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
-from services.contracts.config import DapoConfig
-from services.contracts.weight_sync import WeightStream
 
 if TYPE_CHECKING:
     from vllm import LLM

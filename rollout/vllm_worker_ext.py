@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from services.contracts.weight_sync import DTYPES, WeightStream, dtype_of
+from contracts.weight_sync import DTYPES, WeightStream, dtype_of
 
 log = logging.getLogger(__name__)
 

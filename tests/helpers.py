@@ -12,9 +12,9 @@ from typing import Any
 
 import redis
 
-from services.contracts.bus import StreamBus
-from services.contracts.config import DapoConfig, build_config
-from services.contracts.keys import Keys
+from contracts.bus import StreamBus
+from contracts.config import DapoConfig, build_config
+from contracts.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
     """`dapo run` on the tiny preset against the test's Redis, output in tmp_path/dapo-run.log
     (a pipe nobody reads could fill and block the launcher). No evals, no checkpoints unless
-    the overrides ask for them. `faults` is passed as DAPO_FAULTS (services/contracts/faults.py)."""
+    the overrides ask for them. `faults` is passed as DAPO_FAULTS (contracts/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
-        [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+        [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
          f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "DAPO_FAULTS": faults},
     )

@@ -2,7 +2,7 @@
 
 `synth_rows` makes word problems with integer answers, for runs that must learn within minutes
 on a CPU. Its `difficulty` knob (see `DIFFICULTY_LEVELS`) sets how hard the arithmetic is.
-Demo-only: the product reads any DAPO-Math-17K-style file through `services.contracts.data`.
+Demo-only: the product reads any DAPO-Math-17K-style file through `contracts.data`.
 """
 
 from __future__ import annotations

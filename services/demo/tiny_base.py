@@ -49,7 +49,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from services.contracts.data import PromptRecord, parse_row, render_prompt
+from contracts.data import PromptRecord, parse_row, render_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.runtime import free_port
+from contracts.runtime import free_port
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """The learner container's exit code, for real: the command of the learner Job
-(deploy/k8s/base/learner.yaml: torchrun through services.shell.learner_torchrun) with its
-`-m services.shell.cli learner` tail swapped for a fake learner whose ranks exit with chosen codes.
+(deploy/k8s/base/learner.yaml: torchrun through services.learner_torchrun) with its
+`-m services.cli learner` tail swapped for a fake learner whose ranks exit with chosen codes.
 
 The Job's podFailurePolicy (checked in test_manifests.py) fails the Job on 3 and 4 and retries
 anything else; these tests check that the container exits with those codes, which torchrun alone
@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.contracts.runtime import (
+from contracts.runtime import (
     CHECKPOINT_REFUSED_FILE,
     EXIT_BAD_CONFIG,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_NOT_THE_LEARNER,
     free_port,
 )
-from services.shell.learner_torchrun import container_exit_code
+from services.learner_torchrun import container_exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 LEARNER_JOB = REPO / "deploy" / "k8s" / "base" / "learner.yaml"
@@ -59,14 +59,14 @@ sys.exit(int(what))
 
 def container_command(tmp_path: Path, nproc: int, codes: str) -> list[str]:
     """The learner container's command from the manifest, its $(VARS) filled in for one local node,
-    running the fake learner instead of `-m services.shell.cli learner --config ...`."""
+    running the fake learner instead of `-m services.cli learner --config ...`."""
     job = next(d for d in yaml.safe_load_all(LEARNER_JOB.read_text(encoding="utf-8")) if d["kind"] == "Job")
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     env |= {"NPROC_PER_NODE": str(nproc), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     argv = [re.sub(r"\$\((\w+)\)", lambda m: str(env[m.group(1)]), arg) for arg in container["command"]]
     assert argv[0] == "python", argv
-    learner_module = argv.index("services.shell.cli") - 1  # torchrun's `-m` before the learner
+    learner_module = argv.index("services.cli") - 1  # torchrun's `-m` before the learner
     script = tmp_path / "fake_learner.py"
     script.write_text(FAKE_LEARNER, encoding="utf-8")
     return [sys.executable, *argv[1:learner_module], str(script), str(tmp_path), codes]

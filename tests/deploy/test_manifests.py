@@ -36,15 +36,15 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.runtime import (
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.runtime import (
     EXIT_BAD_CONFIG,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_NOT_THE_LEARNER,
     free_port,
 )
-from services.shell.cli import build_parser
+from services.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -88,7 +88,7 @@ def check_dapo_argv(argv: list[str], where: str) -> str:
     try:
         build_parser().parse_args(argv)
     except SystemExit as exc:
-        raise AssertionError(f"{where}: `dapo {' '.join(argv)}` does not parse with services.shell.cli.build_parser()") from exc
+        raise AssertionError(f"{where}: `dapo {' '.join(argv)}` does not parse with services.cli.build_parser()") from exc
     return argv[0]
 
 
@@ -105,13 +105,13 @@ def check_python_c(code: str, where: str) -> None:
                 importlib.import_module(alias.name)
 
 
-LEARNER_TORCHRUN = ["python", "-m", "services.shell.learner_torchrun"]
+LEARNER_TORCHRUN = ["python", "-m", "services.learner_torchrun"]
 """torchrun that exits with the learner's own code: the Kubernetes learner's command."""
 
 
 def check_invocation(argv: list[str], where: str) -> str:
-    """What a container runs: `dapo ...`, `torchrun ... -m services.shell.cli ...` (or the same
-    through `python -m services.shell.learner_torchrun`) or `python -c`.
+    """What a container runs: `dapo ...`, `torchrun ... -m services.cli ...` (or the same
+    through `python -m services.learner_torchrun`) or `python -c`.
     Returns a label of what it runs (the dapo subcommand, or `python -c`)."""
     assert argv, f"{where}: empty command"
     exe = Path(argv[0]).name
@@ -119,9 +119,9 @@ def check_invocation(argv: list[str], where: str) -> str:
         return check_dapo_argv(argv[1:], where)
     if exe == "torchrun" or argv[:3] == LEARNER_TORCHRUN:
         torchrun_args = argv[1:] if exe == "torchrun" else argv[3:]
-        assert "-m" in torchrun_args, f"{where}: torchrun without -m services.shell.cli"
+        assert "-m" in torchrun_args, f"{where}: torchrun without -m services.cli"
         i = torchrun_args.index("-m")
-        assert torchrun_args[i + 1] == "services.shell.cli", f"{where}: torchrun runs {torchrun_args[i + 1]}, not services.shell.cli"
+        assert torchrun_args[i + 1] == "services.cli", f"{where}: torchrun runs {torchrun_args[i + 1]}, not services.cli"
         assert all(a.startswith("-") for a in torchrun_args[:i]), f"{where}: torchrun arguments before -m: {torchrun_args[:i]}"
         return check_dapo_argv(torchrun_args[i + 2 :], where)
     if exe in {"python", "python3"} and argv[1:2] == ["-c"]:
@@ -130,7 +130,7 @@ def check_invocation(argv: list[str], where: str) -> str:
     if exe == "dapo-healthcheck":
         assert argv[1] in {"rollout", "reward", "gatekeeper", "learner"}, f"{where}: {argv}"
         return "dapo-healthcheck"
-    raise AssertionError(f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.shell.cli or python -c")
+    raise AssertionError(f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.cli or python -c")
 
 
 # Prose and comments: every `dapo WORD` must name a real subcommand (`-n dapo`, `namespace dapo`
@@ -158,7 +158,7 @@ def test_every_dapo_command_named_in_deploy_files_exists() -> None:
                 assert action in cmds[word], f"{where}: `dapo {word} {action}` does not exist"
             seen.add(word)
         for m in MODULE_MENTION.finditer(text):
-            assert m.group(1) in cmds, f"{path.relative_to(REPO)}: services.shell.cli {m.group(1)} is not a subcommand"
+            assert m.group(1) in cmds, f"{path.relative_to(REPO)}: services.cli {m.group(1)} is not a subcommand"
     assert seen, "no `dapo <command>` found: is the pattern still right?"
 
 
@@ -423,8 +423,8 @@ def _healthcheck_module() -> Any:
 def test_healthcheck_reports_this_hosts_heartbeat(redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import redis
 
-    from services.contracts.bus import StreamBus
-    from services.contracts.runtime import Heartbeat, instance_id
+    from contracts.bus import StreamBus
+    from contracts.runtime import Heartbeat, instance_id
 
     monkeypatch.setenv("DAPO_REDIS_URL", redis_url)
     check = _healthcheck_module().main
@@ -997,7 +997,7 @@ def test_cpu_demo_runs_the_images_and_commands_compose_ran() -> None:
         assert c["image"] == m.group(1), f"{name}: {c['image']}"
         argv = [*c.get("command", []), *c.get("args", [])]
         if name == "learner":  # torchrun on Kubernetes (ranks across nodes): the same dapo command after -m
-            argv = ["dapo", *argv[argv.index("services.shell.cli") + 1 :]]
+            argv = ["dapo", *argv[argv.index("services.cli") + 1 :]]
         assert argv == compose_argv(services[name]), f"{name}: {argv} vs compose {compose_argv(services[name])}"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.config import ConfigError
+from contracts.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
@@ -43,7 +43,7 @@ def test_serve_yaml_is_a_valid_serve_config_whose_builder_resolves() -> None:
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
-    from services.shell import ray_serve
+    from services import ray_serve
 
     raw = yaml.safe_load(SERVE_YAML.read_text())
     ServeDeploySchema.model_validate(raw)
@@ -72,7 +72,7 @@ def test_rayservice_embeds_the_same_applications() -> None:
 
 
 def test_builder_options_fail_fast() -> None:
-    from services.shell.ray_serve import app
+    from services.ray_serve import app
 
     args = _with_repo_config({"config": "configs/tiny.yaml"})
     app({**args, "overrides": "rollout.group_size=4 rollout.max_response_len=8", "rollout_replicas": "3"})
@@ -87,7 +87,7 @@ def test_builder_options_fail_fast() -> None:
 
 
 def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
-    from services.shell.ray_serve import BACKLOG_METRIC, BacklogPolicy
+    from services.ray_serve import BACKLOG_METRIC, BacklogPolicy
 
     policy = BacklogPolicy(target_backlog_per_replica=16)
 
@@ -216,8 +216,8 @@ def _keys(redis_url: str, pattern: str) -> set[str]:
 
 
 def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.contracts.keys import Keys
-    from services.shell.ray_serve import RewardHost
+    from contracts.keys import Keys
+    from services.ray_serve import RewardHost
 
     keys = Keys()
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
@@ -237,8 +237,8 @@ def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_
 def test_check_health_surfaces_a_dead_worker(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.contracts.keys import Keys
-    from services.shell.ray_serve import RewardHost, WorkerDied
+    from contracts.keys import Keys
+    from services.ray_serve import RewardHost, WorkerDied
 
     def broken(self: RewardHost) -> None:
         raise RuntimeError("verifier exploded")
@@ -282,13 +282,13 @@ def test_serve_replicas_score_prompt_jobs(
     from ray import serve
     from transformers import AutoTokenizer
 
+    from contracts.bus import StreamBus, connect
+    from contracts.data import parse_row
+    from contracts.keys import Keys
+    from contracts.schemas import decode_group
     from learner.feeder import PromptFeeder
-    from services.contracts.bus import StreamBus, connect
-    from services.contracts.data import parse_row
-    from services.contracts.keys import Keys
-    from services.contracts.schemas import decode_group
     from services.demo.synthetic import synth_rows
-    from services.shell.ray_serve import app
+    from services.ray_serve import app
 
     overrides = _overrides(redis_url, tiny_model_dir, tmp_path)
     bus = StreamBus(connect(redis_url), Keys(), consumer="test")

@@ -24,7 +24,7 @@ BUDGET = 1024  # responses: 8 steps of 16 groups x 8 without filtering
 def test_two_rungs_run_to_the_budget_and_are_reported(tmp_path: Path) -> None:
     out = tmp_path / "ladder"
     cmd = [
-        sys.executable, "-m", "services.shell.cli", "ablate", "--config", "configs/ablation.yaml", "--seeds", "1",
+        sys.executable, "-m", "services.cli", "ablate", "--config", "configs/ablation.yaml", "--seeds", "1",
         "--rungs", "grpo,dapo", "--budget-samples", str(BUDGET), "--out", str(out),
         # A base warm-started for a few steps on a small data set keeps the test short; it need
         # not be good, only the same for both rungs.

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from services.contracts.runtime import free_port
-from services.shell.redis_server import RedisServer
+from contracts.runtime import free_port
+from services.redis_server import RedisServer
 from tests.helpers import learner_step, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
         r = redis.Redis.from_url(server.url)
         env = {**__import__("os").environ, "DAPO_API_TOKEN": TOKEN}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
+            [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
              f"queue.redis_url={server.url}", f"api.port={port}", "learner.total_steps=40", "eval.every_steps=10",
              "checkpoint.every_steps=10", "checkpoint.keep_last=1"],
             cwd=REPO, env=env, stdout=LOG(tmp_path), stderr=subprocess.STDOUT, text=True,

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import build_config
-from services.contracts.keys import Keys, RunField
-from services.contracts.runtime import free_port
-from services.shell.api import create_app
-from services.shell.redis_server import RedisServer
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import Keys, RunField
+from contracts.runtime import free_port
+from services.api import create_app
+from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -44,14 +44,14 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
 def test_dashboard_renders_a_real_run(tmp_path: Path, artifacts_dir: Path) -> None:
     with RedisServer(tmp_path / "redis", appendonly=False) as server:
         run = subprocess.run(
-            [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"),
+            [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"),
              "--quiet", f"queue.redis_url={server.url}", "learner.total_steps=12", "eval.every_steps=4", "checkpoint.every_steps=0"],
             cwd=REPO, capture_output=True, text=True, timeout=900,
         )
         assert run.returncode == 0, run.stderr[-3000:]
         port = free_port()
         api = subprocess.Popen(
-            [sys.executable, "-m", "services.shell.cli", "api", "--config", str(tmp_path / "run" / "config.yaml"), f"queue.redis_url={server.url}",
+            [sys.executable, "-m", "services.cli", "api", "--config", str(tmp_path / "run" / "config.yaml"), f"queue.redis_url={server.url}",
              "--port", str(port)], cwd=REPO,
         )
         try:

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import build_config
-from services.contracts.keys import (
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import (
     LEDGER_ISSUED,
     LEDGER_OUTCOMES,
     Counter,
@@ -27,9 +27,9 @@ from services.contracts.keys import (
     RunField,
     restarts_counter,
 )
-from services.contracts.runtime import Heartbeat
-from services.shell.api import create_app
-from tests.services.test_streams import issue
+from contracts.runtime import Heartbeat
+from services.api import create_app
+from tests.contracts.test_streams import issue
 
 TOKEN = "fuzz-token"
 MUTATING = {"POST"}

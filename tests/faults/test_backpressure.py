@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from contracts.bus import OOM_PAUSE_COUNTER, StreamBus, connect
+from contracts.config import load_config
+from contracts.keys import Keys
 from learner.feeder import PromptFeeder
-from services.contracts.bus import OOM_PAUSE_COUNTER, StreamBus, connect
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.shell.redis_server import RedisServer
-from services.shell.status import run_status
+from services.redis_server import RedisServer
+from services.status import run_status
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

@@ -27,7 +27,7 @@ CASES = [
 
 @pytest.mark.parametrize("command", ["learner", "rollout", "reward", "gatekeeper", "api"])
 def test_every_service_refuses_a_bad_config(command: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "services.shell.cli", command, "--config", "configs/tiny.yaml", "algorithm.clip_low=0.9"],
+    proc = subprocess.run([sys.executable, "-m", "services.cli", command, "--config", "configs/tiny.yaml", "algorithm.clip_low=0.9"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "algorithm.clip_low=0.9" in proc.stderr
@@ -35,7 +35,7 @@ def test_every_service_refuses_a_bad_config(command: str) -> None:
 
 @pytest.mark.parametrize(("overrides", "expected"), CASES)
 def test_dapo_run_fails_fast_naming_the_key(overrides: list[str], expected: str, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path),
                            *overrides], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr
@@ -46,6 +46,6 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {path: m\n")
     for path, expected in ((tmp_path / "absent.yaml", "cannot read config file"), (bad, "not valid YAML")):
-        proc = subprocess.run([sys.executable, "-m", "services.shell.cli", "learner", "--config", str(path)],
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", str(path)],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and expected in proc.stderr

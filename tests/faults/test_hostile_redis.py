@@ -8,7 +8,7 @@ malformed value is skipped and counted (or dead-lettered, for stream entries; a 
 key a service writes is replaced), the run finishes its steps, and the ledger balances.
 
 The one key left alone is the learner lease: a value there that is not our token is, by design,
-indistinguishable from another learner holding it (`services/contracts/lease.py`), and stops
+indistinguishable from another learner holding it (`contracts/lease.py`), and stops
 this learner's writes."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.keys import Counter, Keys, RunField
+from contracts.keys import Counter, Keys, RunField
 from tests.helpers import finish, learner_step, pid_of, pids, process_gone, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

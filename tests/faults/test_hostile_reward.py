@@ -16,9 +16,9 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.schemas import (
+from contracts.bus import StreamBus, connect
+from contracts.keys import Keys
+from contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
@@ -72,7 +72,7 @@ def test_hostile_responses_are_scored_within_the_bound(verifier: str, redis_url:
     bus.ensure_groups()
     log = (tmp_path / "reward.log").open("w")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "services.shell.cli", "reward", "--config", "configs/tiny.yaml", f"model.path={tiny_model_dir}",
+        [sys.executable, "-m", "services.cli", "reward", "--config", "configs/tiny.yaml", f"model.path={tiny_model_dir}",
          f"queue.redis_url={redis_url}", f"reward.verifier={verifier}", f"reward.timeout_s={TIMEOUT_S}",
          f"reward.sandbox_workers={WORKERS}", f"output_dir={tmp_path / 'run'}", f"rollout.max_response_len={MAX_LEN}"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,

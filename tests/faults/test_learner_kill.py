@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.checkpoint_store import latest_checkpoint
-from services.shell.redis_server import RedisServer
+from contracts.checkpoint_store import latest_checkpoint
+from services.redis_server import RedisServer
 from tests.helpers import learner_step, pid_of, pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out), "--quiet",
+    cmd = [sys.executable, "-m", "services.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out), "--quiet",
            f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=5", *overrides]
     if resume:
         cmd.append("--resume")

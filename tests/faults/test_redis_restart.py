@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.shell.redis_server import RedisServer
+from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -46,9 +46,9 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
 def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> None:
     """With persistence off a restart loses the queues and the ledger: that must be detected,
     reported in /status and the counters, and the run must carry on, not hang or crash."""
-    from services.contracts.bus import StreamBus, connect
-    from services.contracts.keys import Keys
-    from services.shell.status import run_status
+    from contracts.bus import StreamBus, connect
+    from contracts.keys import Keys
+    from services.status import run_status
 
     server = RedisServer(tmp_path / "redis", appendonly=False).start()
     proc = start_run(tmp_path, server.url, "learner.total_steps=20")

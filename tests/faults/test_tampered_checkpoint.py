@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.runtime import EXIT_CHECKPOINT_REFUSED
+from contracts.runtime import EXIT_CHECKPOINT_REFUSED
 from tests.helpers import finish, start_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.keys import Keys
-from services.contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
+from contracts.keys import Keys
+from contracts.runtime import EXIT_NOT_THE_LEARNER, free_port
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -25,7 +25,7 @@ def test_a_second_learner_waits_then_exits_naming_the_holder(tmp_path: Path, red
     proc = start_run(tmp_path, redis_url, "learner.total_steps=20")
     wait_for("step 3", lambda: learner_step(redis.Redis.from_url(redis_url)) >= 3, timeout_s=600)
     second = subprocess.run(
-        [sys.executable, "-m", "services.shell.cli", "learner", "--config", str(tmp_path / "run" / "config.yaml"),
+        [sys.executable, "-m", "services.cli", "learner", "--config", str(tmp_path / "run" / "config.yaml"),
          "learner.lease_wait_s=2"],
         cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url}, capture_output=True, text=True, timeout=300,
     )
@@ -39,7 +39,7 @@ def test_a_second_learner_waits_then_exits_naming_the_holder(tmp_path: Path, red
 RANK_SCRIPT = """
 import sys
 from pathlib import Path
-from services.contracts.config import load_config
+from contracts.config import load_config
 from learner.service import main
 cfg = load_config(sys.argv[1], sys.argv[3:])
 code = main(cfg)
@@ -77,9 +77,9 @@ def test_every_rank_of_a_learner_that_is_not_the_runs_learner_exits_3(tmp_path: 
     test rarely loses; the test above pins that every rank returns 3."""
     redis.Redis.from_url(redis_url).set(Keys("dapo").learner_lease, "7:learner-elsewhere", ex=300)
     proc = subprocess.run(
-        [sys.executable, "-m", "services.shell.learner_torchrun", "--nnodes=1", "--nproc-per-node=2",
+        [sys.executable, "-m", "services.learner_torchrun", "--nnodes=1", "--nproc-per-node=2",
          "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-         "-m", "services.shell.cli", "learner", "--config", str(REPO / "configs" / "tiny.yaml"),
+         "-m", "services.cli", "learner", "--config", str(REPO / "configs" / "tiny.yaml"),
          f"output_dir={tmp_path}", "learner.lease_wait_s=1", "learner.backend=gloo"],
         cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=300,
@@ -101,7 +101,7 @@ def test_a_learner_that_fails_before_training_gives_the_lease_back(tmp_path: Pat
     model.mkdir()
     (model / "config.json").write_text("{}")  # no model_type: transformers refuses it
     proc = subprocess.run(
-        [sys.executable, "-m", "services.shell.cli", "learner", "--config", str(REPO / "configs" / "tiny.yaml"),
+        [sys.executable, "-m", "services.cli", "learner", "--config", str(REPO / "configs" / "tiny.yaml"),
          f"output_dir={tmp_path}", f"model.path={model}", "learner.lease_ttl_s=300"],
         cwd=REPO, env={**os.environ, "DAPO_REDIS_URL": redis_url}, capture_output=True, text=True, timeout=300,
     )

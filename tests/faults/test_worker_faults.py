@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.schemas import encode_group
-from services.shell.redis_server import RedisServer
-from services.shell.status import run_status
+from contracts.bus import StreamBus, connect
+from contracts.keys import Keys
+from contracts.schemas import encode_group
+from services.redis_server import RedisServer
+from services.status import run_status
+from tests.contracts.test_schemas import make_group
 from tests.helpers import finish, learner_step, pid_of, start_run, wait_for
-from tests.services.test_schemas import make_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 

@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def worker(model_dir: str, out: str) -> None:
     from bench.multirank_check import make_groups
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.batch import build_batch
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 
 def _group(finish: list[str], rewards: list[float]) -> RolloutGroup:

@@ -34,9 +34,7 @@ import pytest
 import torch
 
 from bench.multirank_check import launch_ranks
-from learner import checkpoint as ckpt_mod
-from learner.checkpoint import Checkpoints, load_checkpoint, rng_file, verify_checkpoint
-from services.contracts.checkpoint_store import (
+from contracts.checkpoint_store import (
     ABANDONED,
     MANIFEST,
     MARKER,
@@ -45,6 +43,8 @@ from services.contracts.checkpoint_store import (
     step_dir,
     temp_step_dir,
 )
+from learner import checkpoint as ckpt_mod
+from learner.checkpoint import Checkpoints, load_checkpoint, rng_file, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,7 +200,7 @@ def test_planted_metadata_runs_no_code_even_with_a_manifest_rewritten_to_match(t
     """A writer with full access to the store can plant a pickle and a manifest that agrees with
     it; the manifest check passes, and DCP's metadata reader is what stands between the pickle
     and the learner: it refuses the global the pickle names before looking it up."""
-    from services.contracts.checkpoint_store import file_digest, hashed_files, write_manifest
+    from contracts.checkpoint_store import file_digest, hashed_files, write_manifest
 
     marker = tmp_path / "payload-ran"
     t = tiny_trainer()
@@ -511,8 +511,8 @@ def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(tiny_
 def _rank_main(model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

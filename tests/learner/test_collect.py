@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from contracts.bus import StreamBus, connect
+from contracts.data import PromptRecord
+from contracts.keys import LEDGER_FILTERED, Keys
+from contracts.runtime import StopFlag
+from contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
 from learner.collect import StreamSource
 from learner.commands import Picked
 from learner.feeder import PromptFeeder, budget_jobs
-from services.contracts.bus import StreamBus, connect
-from services.contracts.data import PromptRecord
-from services.contracts.keys import LEDGER_FILTERED, Keys
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
 
 RECORD = PromptRecord(index=0, messages=[{"role": "user", "content": "1+1"}], ground_truth="2",
                       data_source="t", extra_info={})

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.bus import FencedError, StreamBus, connect
+from contracts.keys import Keys
+from contracts.lease import LearnerLease
 from learner.control import RunControl
-from services.contracts.bus import FencedError, StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.lease import LearnerLease
 
 
 def new_bus(url: str, name: str) -> StreamBus:

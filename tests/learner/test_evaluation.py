@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.bus import StreamBus, connect
+from contracts.data import PromptRecord, distinct_problems
+from contracts.keys import Counter, Keys
+from contracts.schemas import EvalResult, Response, RolloutGroup, decode_job, encode_group
+from gatekeeper.service import Gatekeeper
 from learner.commands import Progress
 from learner.evaluation import EvalLane
-from services.contracts.bus import StreamBus, connect
-from services.contracts.data import PromptRecord, distinct_problems
-from services.contracts.keys import Counter, Keys
-from services.contracts.schemas import EvalResult, Response, RolloutGroup, decode_job, encode_group
-from services.gatekeeper import Gatekeeper
 
 PROBLEMS = [([1, 2, 3], "5", "synth"), ([4, 5], "9", "synth"), ([6], "1", "synth")]
 SAMPLES = 4

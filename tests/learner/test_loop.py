@@ -16,6 +16,11 @@ import redis
 import torch
 from torch import Tensor
 
+from contracts.bus import FencedError
+from contracts.checkpoint_store import CheckpointRefused
+from contracts.config import DapoConfig, load_config
+from contracts.keys import Counter, RunField
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.collect import NullSource
 from learner.commands import (
     Command,
@@ -35,11 +40,6 @@ from learner.export import NullExporter
 from learner.loop import LearnerLoop
 from learner.publish import NullPublisher
 from learner.report import NullReporter, group_metrics
-from services.contracts.bus import FencedError
-from services.contracts.checkpoint_store import CheckpointRefused
-from services.contracts.config import DapoConfig, load_config
-from services.contracts.keys import Counter, RunField
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 REPO = Path(__file__).resolve().parents[2]
 

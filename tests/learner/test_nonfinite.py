@@ -22,17 +22,12 @@ import torch
 import torch.distributed as dist
 
 from bench.multirank_check import build_model, launch_ranks
-from learner.batch import TrainBatch, build_batch
-from learner.collect import StreamSource
-from learner.commands import Picked, Progress, Train
-from learner.feeder import PromptFeeder
-from learner.trainer import NonFiniteTrainingError, Trainer
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import DapoConfig, load_config
-from services.contracts.data import PromptRecord
-from services.contracts.keys import Counter, Keys, Stage
-from services.contracts.runtime import StopFlag, free_port
-from services.contracts.schemas import (
+from contracts.bus import StreamBus, connect
+from contracts.config import DapoConfig, load_config
+from contracts.data import PromptRecord
+from contracts.keys import Counter, Keys, Stage
+from contracts.runtime import StopFlag, free_port
+from contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
@@ -40,9 +35,14 @@ from services.contracts.schemas import (
     encode_group,
     encode_job,
 )
-from services.gatekeeper import Gatekeeper
+from gatekeeper.service import Gatekeeper
+from learner.batch import TrainBatch, build_batch
+from learner.collect import StreamSource
+from learner.commands import Picked, Progress, Train
+from learner.feeder import PromptFeeder
+from learner.trainer import NonFiniteTrainingError, Trainer
+from tests.contracts.test_schemas import make_group
 from tests.learner.test_loop import FakeSource, rank0
-from tests.services.test_schemas import make_group
 
 REPO = Path(__file__).resolve().parents[2]
 NAN, INF = float("nan"), float("inf")

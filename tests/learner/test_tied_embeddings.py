@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from contracts.config import load_config
+from contracts.runtime import free_port
 from learner.batch import build_batch
 from learner.export import HFExporter
 from learner.trainer import ResponseHead, Trainer
-from services.contracts.config import load_config
-from services.contracts.runtime import free_port
 from services.demo.synthetic import synth_rows
 from services.demo.tiny_base import train_tokenizer
 from tests.learner.test_trainer import make_groups

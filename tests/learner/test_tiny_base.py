@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import services.demo.tiny_base as tiny_base
-from services.contracts.data import parse_row, render_prompt
+from contracts.data import parse_row, render_prompt
 from services.demo.synthetic import synth_rows
 from services.demo.tiny_base import (
     BUILD_INFO,

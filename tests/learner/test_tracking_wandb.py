@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from contracts.config import DapoConfig, load_config
 from learner.tracking import COMPLETIONS_TAG, MAX_CELL_CHARS, Completion, Trackers
-from services.contracts.config import DapoConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contracts.config import ConfigError, DapoConfig, load_config
+from contracts.runtime import free_port
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.batch import PACKED_ATTENTION, build_batch
 from learner.trainer import Trainer
-from services.contracts.config import ConfigError, DapoConfig, load_config
-from services.contracts.runtime import free_port
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

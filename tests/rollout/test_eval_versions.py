@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.evaluation import _Round
-from rollout.hf_engine import HFEngine
-from rollout.service import RolloutWorker
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import (
+from contracts.bus import StreamBus, connect
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.runtime import StopFlag
+from contracts.schemas import (
     EvalResult,
     EvalTag,
     PromptJob,
@@ -28,13 +25,16 @@ from services.contracts.schemas import (
     decode_group,
     encode_job,
 )
+from learner.evaluation import _Round
+from rollout.hf_engine import HFEngine
+from rollout.service import RolloutWorker
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8]
 
 
 class UpdateMidGeneration:
-    """Stands in for the replica's `WeightSubscriber`: holds `version`, and when the engine asks
+    """Stands in for the replica's `WeightReceiver`: holds `version`, and when the engine asks
     between decode steps, swaps in `new` weights after the 2nd sampled token (version + 1)."""
 
     def __init__(self, engine: HFEngine, version: int) -> None:

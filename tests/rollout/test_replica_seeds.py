@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from contracts.config import DapoConfig, build_config
 from rollout.engine import make_engine, replica_seed
-from services.contracts.config import DapoConfig, build_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from contracts.config import ConfigError, build_config
 from rollout.generation_config import ignored_settings
 from rollout.hf_engine import HFEngine
-from services.contracts.config import ConfigError, build_config
 
 
 @pytest.fixture()

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from contracts.bus import StreamBus, connect
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.runtime import StopFlag
+from contracts.schemas import PromptJob, decode_group, encode_job
 from rollout import service
 from rollout.sample import Sample
 from rollout.service import RolloutWorker
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import PromptJob, decode_group, encode_job
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from contracts.config import build_config
 from rollout.engine import make_engine, replica_seed
-from services.contracts.config import build_config
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed"

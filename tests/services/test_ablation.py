@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import load_config
-from services.shell.ablation import (
+from contracts.config import load_config
+from services.ablation import (
     LADDER,
     NAIVE_GRPO,
     read_run,
@@ -19,7 +19,7 @@ from services.shell.ablation import (
     table,
     write_report,
 )
-from services.shell.cli import main
+from services.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ablation.yaml"

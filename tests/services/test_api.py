@@ -12,13 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.checkpoint_store import MARKER
-from services.contracts.config import build_config
-from services.contracts.keys import Counter, Keys, restarts_counter
-from services.contracts.runtime import Heartbeat
-from services.shell.api import create_app
-from tests.services.test_streams import issue
+from contracts.bus import StreamBus, connect
+from contracts.checkpoint_store import MARKER
+from contracts.config import build_config
+from contracts.keys import Counter, Keys, restarts_counter
+from contracts.runtime import Heartbeat
+from services.api import create_app
+from tests.contracts.test_streams import issue
 
 TOKEN = "s3cret"
 

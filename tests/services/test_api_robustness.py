@@ -16,13 +16,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import build_config
-from services.contracts.keys import Counter, Keys, RunField
-from services.contracts.runtime import Heartbeat
-from services.shell.api import MAX_BODY_BYTES, create_app
-from services.shell.status import format_status, run_status
-from tests.services.test_streams import issue
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import Counter, Keys, RunField
+from contracts.runtime import Heartbeat
+from services.api import MAX_BODY_BYTES, create_app
+from services.status import format_status, run_status
+from tests.contracts.test_streams import issue
 
 TOKEN = "s3cret"
 MiB = 1 << 20

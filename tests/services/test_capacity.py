@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import load_config
-from services.shell.capacity import ModelShape, budget
-from services.shell.cli import main
+from contracts.config import load_config
+from services.capacity import ModelShape, budget
+from services.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Tests for services.contracts.data: synthetic rows, loading, writing and prompt rendering."""
+"""Tests for contracts.data: synthetic rows, loading, writing and prompt rendering."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.contracts.data import (
+from contracts.data import (
     DataError,
     PromptRecord,
     load_prompts,
@@ -339,7 +339,7 @@ def test_render_prompt_with_real_tokenizer_template() -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, services.contracts.data; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
+    code = "import sys, contracts.data; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
-import services.shell.launcher as launcher
-from services.contracts.bus import LedgerSnapshot
-from services.contracts.config import ConfigError
-from services.contracts.model_source import MODEL_FILES
-from services.shell.launcher import Progress, prepare
+import services.launcher as launcher
+from contracts.bus import LedgerSnapshot
+from contracts.config import ConfigError
+from contracts.model_source import MODEL_FILES
+from services.launcher import Progress, prepare
 from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,8 +235,8 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \S+\[\d+\] [A-Z]+ [\w.]+: ")
 
 STOP_AFTER_PREPARE = """
 import sys
-import services.shell.launcher as launcher
-from services.shell.cli import main
+import services.launcher as launcher
+from services.cli import main
 
 def stop(*args, **kwargs):
     raise SystemExit(3)  # prepare is done; connecting to Redis comes next

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import simpy
 
-from services.shell.cli import main
-from services.shell.planning.calibration import calibrate_run, predict_published, published_cases
-from services.shell.planning.costs import ResponseLengths
-from services.shell.planning.hardware import gpu_table
-from services.shell.planning.simulation import (
+from services.cli import main
+from services.planning.calibration import calibrate_run, predict_published, published_cases
+from services.planning.costs import ResponseLengths
+from services.planning.hardware import gpu_table
+from services.planning.simulation import (
     MeasuredGeneration,
     PipelineSpec,
     SharedCores,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.shell.capacity import ModelShape
+from services.capacity import ModelShape
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,

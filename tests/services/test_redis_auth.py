@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.config import load_config, redact_url
-from services.shell.redis_server import RedisServer
+from contracts.config import load_config, redact_url
+from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 
