@@ -41,10 +41,16 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
         print(f"step {step}: eval {acc:.3f} at {rl_s:.1f} RL seconds", flush=True)
 
     result = run_in_process(cfg, on_eval=report)
-    return {"eval_history": result.eval_history, "rl_seconds": result.rl_seconds, "steps": result.steps,
-            "groups_generated": result.groups_generated, "groups_trained": result.groups_trained,
-            "seconds_to_plus25": result.seconds_to_gain(0.25), "train_tokens_per_s": result.train_tokens_per_s,
-            "train_seconds": result.train_seconds}
+    return {
+        "eval_history": result.eval_history,
+        "rl_seconds": result.rl_seconds,
+        "steps": result.steps,
+        "groups_generated": result.groups_generated,
+        "groups_trained": result.groups_trained,
+        "seconds_to_plus25": result.seconds_to_gain(0.25),
+        "train_tokens_per_s": result.train_tokens_per_s,
+        "train_seconds": result.train_seconds,
+    }
 
 
 def main() -> int:
@@ -56,8 +62,10 @@ def main() -> int:
     result = run(args.steps, args.overrides)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"{result['steps']} steps in {result['rl_seconds']:.0f} RL seconds; eval {result['eval_history'][0][1]:.3f} -> "
-          f"{result['eval_history'][-1][1]:.3f}; {result['groups_generated']} groups generated for {result['groups_trained']} trained")
+    print(
+        f"{result['steps']} steps in {result['rl_seconds']:.0f} RL seconds; eval {result['eval_history'][0][1]:.3f} -> "
+        f"{result['eval_history'][-1][1]:.3f}; {result['groups_generated']} groups generated for {result['groups_trained']} trained"
+    )
     print(f"floor_seconds_to_plus25={result['seconds_to_plus25']:.1f}")
     return 0
 

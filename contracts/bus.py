@@ -93,7 +93,9 @@ _CALL = _FENCE + "return redis.call(unpack(ARGV))\n"
 # is deleted first, unless it already holds that type or nothing, in one atomic step, so two
 # writers that both met the wrong type cannot delete each other's fresh writes. Returns
 # {the type it found, the command's reply}.
-_REPLACE_AND_CALL = _FENCE + """
+_REPLACE_AND_CALL = (
+    _FENCE
+    + """
 local expected = table.remove(ARGV, 1)
 local found = redis.call('TYPE', KEYS[1]).ok
 if found ~= 'none' and found ~= expected then
@@ -101,8 +103,15 @@ if found ~= 'none' and found ~= expected then
 end
 return {found, redis.call(unpack(ARGV))}
 """
+)
 
-_KEY_TYPE_OF_WRITE = {"HSET": "hash", "HINCRBY": "hash", "HDEL": "hash", "SADD": "set", "XADD": "stream"}
+_KEY_TYPE_OF_WRITE = {
+    "HSET": "hash",
+    "HINCRBY": "hash",
+    "HDEL": "hash",
+    "SADD": "set",
+    "XADD": "stream",
+}
 """The type a write command needs its key (its first argument) to hold: what `write` may replace."""
 
 # Counting inside the writing scripts (the ledger, the counters). A planted value must not fail
@@ -135,7 +144,10 @@ end
 # Returns {1 (0: already acknowledged by someone else, nothing written), ledger repair, counter
 # repair, downstream repair}. A downstream key of another type is replaced (its consumer group
 # comes back with the readers' `ensure_groups`): failing the XADD after the XACK would lose the entry.
-_HOP = _FENCE + _COUNT + """
+_HOP = (
+    _FENCE
+    + _COUNT
+    + """
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if acked == 0 then return {0, '', '', ''} end
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -155,14 +167,20 @@ if KEYS[2] ~= '' and #ARGV > 5 then
   end
 end
 local ledger_repair, counter_repair = '', ''
-if ARGV[3] ~= '' then ledger_repair = count(KEYS[3], ARGV[3], 1, '""" + LEDGER_DAMAGED + """') end
+if ARGV[3] ~= '' then ledger_repair = count(KEYS[3], ARGV[3], 1, '"""
+    + LEDGER_DAMAGED
+    + """') end
 if ARGV[4] ~= '' then counter_repair = count(KEYS[4], ARGV[4], 1, '') end
 return {1, ledger_repair, counter_repair, downstream_repair}
 """
+)
 
 # KEYS: prompts stream, ledger. ARGV: ledger field, n_fields, then n_fields*2 values per job,
 # repeated. Returns {jobs appended, ledger repair}.
-_ISSUE = _FENCE + _COUNT + """
+_ISSUE = (
+    _FENCE
+    + _COUNT
+    + """
 local n = tonumber(ARGV[2])
 local appended = 0
 local i = 3
@@ -173,9 +191,12 @@ while i <= #ARGV do
   appended = appended + 1
   i = i + 2 * n
 end
-local repair = count(KEYS[2], ARGV[1], appended, '""" + LEDGER_DAMAGED + """')
+local repair = count(KEYS[2], ARGV[1], appended, '"""
+    + LEDGER_DAMAGED
+    + """')
 return {appended, repair}
 """
+)
 
 
 # KEYS: stream. ARGV: group, consumer, entry ids. Resets the idle time of each entry still
@@ -264,7 +285,8 @@ class PausingRedis(redis.Redis):
                     log.error(
                         "Redis is at maxmemory and refused %s: pausing until it accepts writes again "
                         "(raise the server's maxmemory, or lower algorithm.max_staleness / oversampling so "
-                        "less work is queued); nothing has been dropped", args[0],
+                        "less work is queued); nothing has been dropped",
+                        args[0],
                     )
                 if self.stop is not None:
                     self.stop.wait(delay)
@@ -273,16 +295,26 @@ class PausingRedis(redis.Redis):
                 delay = min(delay * 2, 5.0)
                 continue
             if paused_at is not None:
-                log.warning("Redis accepts writes again; resumed after a %.1fs pause", time.monotonic() - paused_at)
+                log.warning(
+                    "Redis accepts writes again; resumed after a %.1fs pause",
+                    time.monotonic() - paused_at,
+                )
                 if self.counters_key:
-                    with contextlib.suppress(redis.RedisError):  # a count is not worth another pause
+                    with contextlib.suppress(
+                        redis.RedisError
+                    ):  # a count is not worth another pause
                         super().execute_command("HINCRBY", self.counters_key, OOM_PAUSE_COUNTER, 1)  # type: ignore[no-untyped-call]
             return result
 
 
 def connect(
-    url: str, *, retries: int = 8, pause_when_full: bool = True, stop: threading.Event | None = None,
-    counters_key: str | None = None, socket_timeout: float | None = None,
+    url: str,
+    *,
+    retries: int = 8,
+    pause_when_full: bool = True,
+    stop: threading.Event | None = None,
+    counters_key: str | None = None,
+    socket_timeout: float | None = None,
 ) -> redis.Redis:
     """A client that retries with bounded exponential back-off when the server goes away and,
     with `pause_when_full` (services; not the API, which answers 503 instead), waits out Redis
@@ -303,16 +335,28 @@ def connect(
 
 
 def open_bus(
-    url: str, namespace: str, consumer: str, *, pause_when_full: bool = True, retries: int = 8,
-    stop: threading.Event | None = None, socket_timeout: float | None = None,
+    url: str,
+    namespace: str,
+    consumer: str,
+    *,
+    pause_when_full: bool = True,
+    retries: int = 8,
+    stop: threading.Event | None = None,
+    socket_timeout: float | None = None,
 ) -> StreamBus:
     """The one way every process connects: a `StreamBus` for the run's namespace.
 
     Services pause at maxmemory (`pause_when_full`); the API and the supervisor do not (they
     answer 503 or keep supervising instead)."""
     keys = Keys(namespace)
-    client = connect(url, retries=retries, pause_when_full=pause_when_full, stop=stop, counters_key=keys.counters,
-                     socket_timeout=socket_timeout)
+    client = connect(
+        url,
+        retries=retries,
+        pause_when_full=pause_when_full,
+        stop=stop,
+        counters_key=keys.counters,
+        socket_timeout=socket_timeout,
+    )
     return StreamBus(client, keys, consumer=consumer)
 
 
@@ -332,7 +376,9 @@ def memory_report(client: redis.Redis) -> dict[str, Any]:
     mem: Any = client.info("memory")
     limit = int(mem.get("maxmemory", 0))
     used = int(mem.get("used_memory", 0))
-    counted = used - int(mem.get("mem_not_counted_for_evict", 0))  # what Redis compares with the limit
+    counted = used - int(
+        mem.get("mem_not_counted_for_evict", 0)
+    )  # what Redis compares with the limit
     return {
         "used_bytes": used,
         "peak_bytes": int(mem.get("used_memory_peak", 0)),
@@ -359,7 +405,9 @@ class LedgerSnapshot:
 
     @property
     def balanced(self) -> bool:
-        ended = self.trained + self.filtered + self.stale + self.dead + self.evaluated + self.eval_dead
+        ended = (
+            self.trained + self.filtered + self.stale + self.dead + self.evaluated + self.eval_dead
+        )
         return not self.damaged and self.issued + self.eval_issued == ended + self.in_flight
 
     @property
@@ -439,8 +487,10 @@ class StreamBus:
             return script(keys=[lease, *keys], args=[token, ttl_ms, *args])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
-                raise FencedError(f"refused a write to Redis: this learner's lease token {self.fence[1]!r} was superseded "
-                                  "(another learner holds the lease now)") from None
+                raise FencedError(
+                    f"refused a write to Redis: this learner's lease token {self.fence[1]!r} was superseded "
+                    "(another learner holds the lease now)"
+                ) from None
             raise
 
     def write(self, *command: Any) -> Any:
@@ -512,7 +562,9 @@ class StreamBus:
                 raise ValueError("every issued job must have the same fields in the same order")
             for name in names:
                 argv += [name, job[name]]
-        appended, repair = self._fenced(self._issue_script, [self.keys.prompts.stream, self.keys.ledger], argv)
+        appended, repair = self._fenced(
+            self._issue_script, [self.keys.prompts.stream, self.keys.ledger], argv
+        )
         self._count_repair(self.keys.ledger, repair)
         return int(appended)
 
@@ -521,7 +573,9 @@ class StreamBus:
         """New entries for this consumer (blocking up to block_ms when there are none; None:
         never blocks)."""
         try:
-            reply: Any = self.redis.xreadgroup(stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms)
+            reply: Any = self.redis.xreadgroup(
+                stage.group, self.consumer, {stage.stream: ">"}, count=count, block=block_ms
+            )
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -537,7 +591,9 @@ class StreamBus:
         so `reclaim` by others only takes a dead consumer's work; returns how many were ours."""
         if not entry_ids:
             return 0
-        return int(self._renew_claims(keys=[stage.stream], args=[stage.group, self.consumer, *entry_ids]))
+        return int(
+            self._renew_claims(keys=[stage.stream], args=[stage.group, self.consumer, *entry_ids])
+        )
 
     @contextlib.contextmanager
     def claims_kept(self, stage: Stage, entry_ids: list[str], every_s: float) -> Iterator[None]:
@@ -561,10 +617,17 @@ class StreamBus:
             yield
         finally:
             done.set()
-            thread.join(timeout=5.0)  # a renewal stuck on an unresponsive Redis must not hold the worker
+            thread.join(
+                timeout=5.0
+            )  # a renewal stuck on an unresponsive Redis must not hold the worker
 
     def reclaim(
-        self, stage: Stage, *, min_idle_s: float, max_deliveries: int, count: int = 16,
+        self,
+        stage: Stage,
+        *,
+        min_idle_s: float,
+        max_deliveries: int,
+        count: int = 16,
         heartbeat_ttl_s: float | None = None,
     ) -> list[Entry]:
         """Take over entries idle longer than min_idle_s (their consumer presumably died), and
@@ -582,21 +645,34 @@ class StreamBus:
         kills every worker that touches it must not circulate forever.
         """
         own: Any = self.redis.xpending_range(
-            stage.stream, stage.group, min="-", max="+", count=count, consumername=self.consumer, idle=OWN_IDLE_MS
+            stage.stream,
+            stage.group,
+            min="-",
+            max="+",
+            count=count,
+            consumername=self.consumer,
+            idle=OWN_IDLE_MS,
         )
         others: Any = self.redis.xpending_range(
             stage.stream, stage.group, min="-", max="+", count=count, idle=int(min_idle_s * 1000)
         )
         own_ids = {_entry_id(p) for p in own}
         entries = self._take(stage, own_ids, OWN_IDLE_MS, own, max_deliveries)
-        entries += self._take(stage, {_entry_id(p) for p in others} - own_ids, int(min_idle_s * 1000), others, max_deliveries)
+        entries += self._take(
+            stage,
+            {_entry_id(p) for p in others} - own_ids,
+            int(min_idle_s * 1000),
+            others,
+            max_deliveries,
+        )
         if entries:
             log.warning("reclaimed %d idle entries from %s", len(entries), stage.stream)
         if heartbeat_ttl_s is not None and len(entries) < count:
             gone_idle_ms = int(GONE_AFTER_TTLS * heartbeat_ttl_s * 1000)
             if gone_idle_ms < min_idle_s * 1000:  # else the line above already took them
-                entries += self._take_from_gone(stage, gone_idle_ms, count - len(entries),
-                                                max_deliveries)
+                entries += self._take_from_gone(
+                    stage, gone_idle_ms, count - len(entries), max_deliveries
+                )
         return entries
 
     def _take_from_gone(
@@ -621,12 +697,21 @@ class StreamBus:
         pending: list[Any] = []
         for name in self._gone_consumers(stage):
             got: Any = self.redis.xpending_range(
-                stage.stream, stage.group, min="-", max="+", count=count - len(pending),
-                consumername=name, idle=idle_ms,
+                stage.stream,
+                stage.group,
+                min="-",
+                max="+",
+                count=count - len(pending),
+                consumername=name,
+                idle=idle_ms,
             )
             if got:
-                log.warning("taking over %d entries of %s from %s: its heartbeat is gone",
-                            len(got), stage.stream, _text(name))
+                log.warning(
+                    "taking over %d entries of %s from %s: its heartbeat is gone",
+                    len(got),
+                    stage.stream,
+                    _text(name),
+                )
             pending += got
             if len(pending) >= count:
                 break
@@ -636,8 +721,9 @@ class StreamBus:
         """Other consumers holding entries of `stage` whose heartbeat key is absent
         (`Keys.consumer_heartbeat`)."""
         summary: Any = self.redis.xpending(stage.stream, stage.group)
-        holders = [c["name"] for c in summary.get("consumers") or []
-                   if _text(c["name"]) != self.consumer]
+        holders = [
+            c["name"] for c in summary.get("consumers") or [] if _text(c["name"]) != self.consumer
+        ]
         if not holders:
             return []
         with self.redis.pipeline(transaction=False) as pipe:
@@ -646,19 +732,25 @@ class StreamBus:
             beating = pipe.execute()
         return [name for name, alive in zip(holders, beating, strict=True) if not alive]
 
-    def _take(self, stage: Stage, ids: set[str], min_idle_ms: int, pending: Any, max_deliveries: int) -> list[Entry]:
+    def _take(
+        self, stage: Stage, ids: set[str], min_idle_ms: int, pending: Any, max_deliveries: int
+    ) -> list[Entry]:
         retry_ids: list[Any] = []
         for p in pending:
             eid = _entry_id(p)
             if eid not in ids:
                 continue
             if p["times_delivered"] >= max_deliveries:
-                self._dead_letter_by_id(stage, eid, f"delivered {p['times_delivered']} times without completing")
+                self._dead_letter_by_id(
+                    stage, eid, f"delivered {p['times_delivered']} times without completing"
+                )
             else:
                 retry_ids.append(eid)
         if not retry_ids:
             return []
-        claimed: Any = self.redis.xclaim(stage.stream, stage.group, self.consumer, min_idle_ms, retry_ids)
+        claimed: Any = self.redis.xclaim(
+            stage.stream, stage.group, self.consumer, min_idle_ms, retry_ids
+        )
         return [(eid.decode(), fields) for eid, fields in claimed if fields is not None]
 
     def hop(
@@ -684,7 +776,9 @@ class StreamBus:
         for name, value in (fields or {}).items():
             argv += [name, value]
         keys = [stage.stream, downstream or "", self.keys.ledger, self.keys.counters]
-        done, ledger_repair, counter_repair, downstream_repair = self._fenced(self._hop_script, keys, argv)
+        done, ledger_repair, counter_repair, downstream_repair = self._fenced(
+            self._hop_script, keys, argv
+        )
         self._count_repair(self.keys.ledger, ledger_repair)
         self._count_repair(self.keys.counters, counter_repair)
         if downstream:
@@ -700,7 +794,12 @@ class StreamBus:
 
     def hand_back(self, stage: Stage, entry_id: str, fields: Fields) -> bool:
         """Return an unfinished entry to the head of the work queue (used on SIGTERM)."""
-        return self.hop(stage, entry_id, downstream=stage.stream, fields={k.decode(): v for k, v in fields.items()})
+        return self.hop(
+            stage,
+            entry_id,
+            downstream=stage.stream,
+            fields={k.decode(): v for k, v in fields.items()},
+        )
 
     def dead_letter(self, stage: Stage, entry_id: str, fields: Fields, reason: str) -> bool:
         """Move an entry to the dead-letter stream with the reason; count it.
@@ -718,7 +817,9 @@ class StreamBus:
             "group_id": group_id or b"",
             "at": str(time.time()).encode(),
             # Each field cut before encoding: a dead-lettered group may be megabytes of token ids.
-            "payload": json.dumps({k.decode("latin-1"): v[:16384].decode("latin-1") for k, v in fields.items()})[:65536].encode(),
+            "payload": json.dumps(
+                {k.decode("latin-1"): v[:16384].decode("latin-1") for k, v in fields.items()}
+            )[:65536].encode(),
         }
         log.error("dead-lettered %s %s: %s", stage.stream, entry_id, reason)
         return self.hop(
@@ -743,20 +844,31 @@ class StreamBus:
         and counted, and reads as 0: the services go on, and the next count replaces it. The
         counts it held are lost, so the snapshot is `damaged` (never balanced) from then on, for
         the rest of the run (`LEDGER_DAMAGED`), which the run summary and /status report."""
-        kind, flat, *lengths = self._ledger(keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)])
+        kind, flat, *lengths = self._ledger(
+            keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)]
+        )
         damaged = kind not in (b"hash", b"none")
         if damaged:  # planted: the next count replaces it
-            self.skip_bad_value(self.keys.ledger, f"a {kind.decode('utf-8', 'replace')} where a hash belongs")
+            self.skip_bad_value(
+                self.keys.ledger, f"a {kind.decode('utf-8', 'replace')} where a hash belongs"
+            )
         counts: dict[str, int] = {}
         for field, raw in zip(flat[::2], flat[1::2], strict=True):
-            name, value = field.decode("utf-8", "replace"), self._int_at(self.keys.ledger, raw, None)
-            damaged |= value is None and name in LEDGER_FIELDS  # a stray field takes nothing from the counts
+            name, value = (
+                field.decode("utf-8", "replace"),
+                self._int_at(self.keys.ledger, raw, None),
+            )
+            damaged |= (
+                value is None and name in LEDGER_FIELDS
+            )  # a stray field takes nothing from the counts
             counts[name] = value or 0
         damaged |= LEDGER_DAMAGED in counts  # a count was lost earlier and restarted (`_COUNT`)
         return LedgerSnapshot(
-            issued=counts.get(LEDGER_ISSUED, 0), eval_issued=counts.get(LEDGER_EVAL_ISSUED, 0),
+            issued=counts.get(LEDGER_ISSUED, 0),
+            eval_issued=counts.get(LEDGER_EVAL_ISSUED, 0),
             **{name: counts.get(name, 0) for name in LEDGER_OUTCOMES},
-            in_flight=sum(int(n) for n in lengths), damaged=damaged,
+            in_flight=sum(int(n) for n in lengths),
+            damaged=damaged,
         )
 
     def depths(self) -> dict[str, int]:
@@ -814,7 +926,12 @@ class StreamBus:
         return _strings(raw)
 
     def set_learner_state(self, state: str, *, step: int, policy_version: int) -> None:
-        mapping = {"state": state, "step": step, "policy_version": policy_version, "at": time.time()}
+        mapping = {
+            "state": state,
+            "step": step,
+            "policy_version": policy_version,
+            "at": time.time(),
+        }
         self.write("HSET", self.keys.learner_state, *(x for kv in mapping.items() for x in kv))
 
     def run_info(self) -> dict[str, str]:
@@ -828,7 +945,11 @@ class StreamBus:
 
     def run_int(self, field: RunField, default: int = 0) -> int:
         """An integer run-info field (`default` when absent or not an integer: counted)."""
-        return self._int_at(self.keys.run_info, self._read(None, self.redis.hget, self.keys.run_info, field), default)
+        return self._int_at(
+            self.keys.run_info,
+            self._read(None, self.redis.hget, self.keys.run_info, field),
+            default,
+        )
 
     def update_run_info(self, fields: Mapping[RunField, str | int | float]) -> None:
         self.write("HSET", self.keys.run_info, *(x for k, v in fields.items() for x in (str(k), v)))
@@ -842,7 +963,10 @@ class StreamBus:
         reads as empty."""
         try:
             rows = json.loads(self.run_field(RunField.EVAL_HISTORY) or "[]")
-            return [(int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else -1.0) for row in rows]
+            return [
+                (int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else -1.0)
+                for row in rows
+            ]
         except (ValueError, TypeError):
             log.warning("run info eval_history is malformed; treated as empty")
             return []
@@ -861,7 +985,9 @@ class StreamBus:
         out: dict[str, ControlRequest] = {}
         requests: Any = self._read(None, self.redis.hgetall, self.keys.control)
         if requests is None:  # not a hash: no request can be read from it, nor posted to it
-            self.write("HDEL", self.keys.control, "-")  # a no-op HDEL replaces it (write's wrong-type rule)
+            self.write(
+                "HDEL", self.keys.control, "-"
+            )  # a no-op HDEL replaces it (write's wrong-type rule)
             return out
         for field, raw in requests.items():
             kind = field.decode("utf-8", "replace")
@@ -882,13 +1008,19 @@ class StreamBus:
 
     # --- metrics history ----------------------------------------------------------------------
     def append_metrics(self, record: Mapping[str, Any]) -> None:
-        self.write("XADD", self.keys.metrics, "MAXLEN", "~", METRICS_MAXLEN, "*", "m", json.dumps(record))
+        self.write(
+            "XADD", self.keys.metrics, "MAXLEN", "~", METRICS_MAXLEN, "*", "m", json.dumps(record)
+        )
 
     def recent_metrics(self, count: int | None = None) -> list[dict[str, Any]]:
         """The last `count` per-step records (all when None), oldest first; a record that is not
         a JSON object with an integer `step` is skipped (not counted: readers poll this often)."""
-        newest_first: Any = None if count is None else self.redis.xrevrange(self.keys.metrics, count=count)
-        rows: Any = self.redis.xrange(self.keys.metrics) if newest_first is None else newest_first[::-1]
+        newest_first: Any = (
+            None if count is None else self.redis.xrevrange(self.keys.metrics, count=count)
+        )
+        rows: Any = (
+            self.redis.xrange(self.keys.metrics) if newest_first is None else newest_first[::-1]
+        )
         out = []
         for _, fields in rows:
             try:
@@ -941,7 +1073,9 @@ class StreamBus:
             self._bad_seen.clear()
         self._bad_seen.add((name, raw))
         log.warning("skipping a malformed value in Redis at %s: %s", name, problem)
-        with contextlib.suppress(redis.RedisError, FencedError):  # a count is not worth failing the reader
+        with contextlib.suppress(
+            redis.RedisError, FencedError
+        ):  # a count is not worth failing the reader
             self.incr(Counter.BAD_REDIS_VALUES)
 
     def drop_heartbeat(self, kind: str, instance_id: str) -> None:
@@ -950,7 +1084,10 @@ class StreamBus:
 
     def write_final_stats(self, kind: str, instance_id: str, stats: Mapping[str, Any]) -> None:
         """What the run summary reports about an instance after it is gone."""
-        self.redis.hset(self.keys.final_stats(kind, instance_id), mapping={k: json.dumps(v) for k, v in stats.items()})
+        self.redis.hset(
+            self.keys.final_stats(kind, instance_id),
+            mapping={k: json.dumps(v) for k, v in stats.items()},
+        )
 
     def final_stats(self, kind: str) -> dict[str, dict[str, Any]]:
         """Final stats of every instance of `kind` that wrote them, by instance id."""
@@ -960,7 +1097,9 @@ class StreamBus:
             if not stats:  # expired since the scan, or not a hash
                 continue
             try:
-                out[key.decode().rsplit(":", 1)[-1]] = {k.decode(): json.loads(v) for k, v in stats.items()}
+                out[key.decode().rsplit(":", 1)[-1]] = {
+                    k.decode(): json.loads(v) for k, v in stats.items()
+                }
             except ValueError:
                 continue
         return out

@@ -194,7 +194,9 @@ def commit_dir(tmp: Path, final: Path) -> None:
 
 # --- deleting, cleaning, retiring ---------------------------------------------------------------------
 def _move_to_trash(path: Path) -> Path:
-    trash = path.with_name(f"{TRASH_PREFIX}{path.name.removeprefix('step_')}-{secrets.token_hex(4)}")
+    trash = path.with_name(
+        f"{TRASH_PREFIX}{path.name.removeprefix('step_')}-{secrets.token_hex(4)}"
+    )
     path.rename(trash)
     fsync_path(path.parent)
     return trash
@@ -230,7 +232,9 @@ def clean_stale(root: str | Path) -> list[str]:
     root = Path(root)
     if not root.is_dir():
         return []
-    stale = [d for d in root.iterdir() if d.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and d.is_dir()]
+    stale = [
+        d for d in root.iterdir() if d.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and d.is_dir()
+    ]
     for d in stale:
         _remove(d)
     return sorted(d.name for d in stale)
@@ -284,7 +288,9 @@ def hashed_files(path: Path, under: str = "") -> tuple[dict[str, int], list[str]
             except OSError as exc:
                 problems.append(f"{rel} could not be listed ({exc})")
                 continue
-            if stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            if stat.S_ISLNK(st.st_mode) or not (
+                stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
+            ):
                 problems.append(f"{rel} is not a regular file")
             elif stat.S_ISREG(st.st_mode) and rel not in UNHASHED:
                 sizes[rel] = st.st_size
@@ -299,7 +305,9 @@ def file_digest(path: Path, *, sync: bool = False) -> FileDigest:
     size = 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
-            h.update(view[:n])  # hashlib releases the GIL on large buffers: threads hash in parallel
+            h.update(
+                view[:n]
+            )  # hashlib releases the GIL on large buffers: threads hash in parallel
             size += n
         if sync:
             os.fsync(f.fileno())
@@ -320,7 +328,9 @@ def assign(sizes: dict[str, int], shares: int) -> list[list[str]]:
 
 def write_manifest(path: Path, step: int, digests: dict[str, FileDigest]) -> None:
     files = {name: {"sha256": d.sha256, "size": d.size} for name, d in sorted(digests.items())}
-    write_durable(path / MANIFEST, json.dumps({"version": 1, "step": step, "files": files}, indent=1).encode())
+    write_durable(
+        path / MANIFEST, json.dumps({"version": 1, "step": step, "files": files}, indent=1).encode()
+    )
 
 
 def read_manifest(path: Path) -> tuple[dict[str, FileDigest], str]:
@@ -330,32 +340,47 @@ def read_manifest(path: Path) -> tuple[dict[str, FileDigest], str]:
     try:
         raw = where.read_bytes()
         doc = json.loads(raw)
-        files = {str(name): FileDigest(str(e["sha256"]), int(e["size"])) for name, e in doc["files"].items()}
+        files = {
+            str(name): FileDigest(str(e["sha256"]), int(e["size"]))
+            for name, e in doc["files"].items()
+        }
     except FileNotFoundError:
         raise CheckpointRefused(
             f"{where} is missing: the checkpoint was written before manifests or not by this learner; "
             "it cannot be verified, so it is not loaded (move it out of the store to resume from an older one)"
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointRefused(f"{where} is unreadable or malformed ({exc!r}); the checkpoint is not loaded") from exc
+        raise CheckpointRefused(
+            f"{where} is unreadable or malformed ({exc!r}); the checkpoint is not loaded"
+        ) from exc
     return files, hashlib.sha256(raw).hexdigest()
 
 
-def check_listing(path: Path, manifest: dict[str, FileDigest], under: str = "") -> tuple[list[str], dict[str, int]]:
+def check_listing(
+    path: Path, manifest: dict[str, FileDigest], under: str = ""
+) -> tuple[list[str], dict[str, int]]:
     """(files missing, added, of the wrong size or not regular, against the manifest; the files
     left to hash, with their sizes). Reads no file's contents. `under` limits both sides to one
     directory of the checkpoint (the manifest's entries below it, the files found in it)."""
     if under:
         manifest = {n: d for n, d in manifest.items() if n.startswith(f"{under}/")}
     sizes, problems = hashed_files(path, under)
-    problems += [f"{n} is listed in {MANIFEST} but missing" for n in sorted(manifest.keys() - sizes.keys())]
+    problems += [
+        f"{n} is listed in {MANIFEST} but missing" for n in sorted(manifest.keys() - sizes.keys())
+    ]
     problems += [f"{n} is not in {MANIFEST}" for n in sorted(sizes.keys() - manifest.keys())]
     common = sorted(sizes.keys() & manifest.keys())
-    problems += [f"{n} has {sizes[n]} bytes, {MANIFEST} says {manifest[n].size}" for n in common if sizes[n] != manifest[n].size]
+    problems += [
+        f"{n} has {sizes[n]} bytes, {MANIFEST} says {manifest[n].size}"
+        for n in common
+        if sizes[n] != manifest[n].size
+    ]
     return problems, {n: sizes[n] for n in common if sizes[n] == manifest[n].size}
 
 
-def verify_files(path: Path, manifest: dict[str, FileDigest], names: Iterable[str], *, threads: int) -> list[str]:
+def verify_files(
+    path: Path, manifest: dict[str, FileDigest], names: Iterable[str], *, threads: int
+) -> list[str]:
     """Hash `names` (in `threads` threads) and name each one whose SHA-256 differs from the manifest."""
     from concurrent.futures import ThreadPoolExecutor
 

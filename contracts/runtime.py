@@ -58,7 +58,9 @@ class StopFlag:
         return self
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        log.info("received %s: finishing the current item, then exiting", signal.Signals(signum).name)
+        log.info(
+            "received %s: finishing the current item, then exiting", signal.Signals(signum).name
+        )
         self.event.set()
 
     @property
@@ -82,8 +84,10 @@ def instance_id(kind: str, pid: int | None = None) -> str:
     It is also the instance's consumer name in every stream, from which `Keys.consumer_heartbeat`
     finds its heartbeat again, taking the kind to end at the first `-`."""
     if "-" in kind:
-        raise ValueError(f"a service kind cannot contain '-' (got {kind!r}): its consumer name "
-                         "would not lead back to its heartbeat")
+        raise ValueError(
+            f"a service kind cannot contain '-' (got {kind!r}): its consumer name "
+            "would not lead back to its heartbeat"
+        )
     return f"{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
@@ -108,7 +112,13 @@ class Heartbeat:
         # Redis still accepts, so the last status stays visible.
         self.client = redis.Redis(connection_pool=bus.redis.connection_pool)
         self.key, self.ttl_s = bus.keys.heartbeat(kind, inst), ttl_s
-        self.base = {"kind": kind, "id": inst, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+        self.base = {
+            "kind": kind,
+            "id": inst,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": time.time(),
+        }
         self.status = status or (lambda: {})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{kind}", daemon=True)
@@ -160,13 +170,19 @@ def run_stage_loop(
             if time.monotonic() - last_reclaim > reclaim_every_s:
                 last_reclaim = time.monotonic()
                 # A consumer whose heartbeat is gone loses its entries without the claim timeout.
-                entries = bus.reclaim(stage, min_idle_s=queue.claim_idle_s,
-                                      max_deliveries=queue.max_deliveries, count=batch,
-                                      heartbeat_ttl_s=queue.heartbeat_ttl_s)
+                entries = bus.reclaim(
+                    stage,
+                    min_idle_s=queue.claim_idle_s,
+                    max_deliveries=queue.max_deliveries,
+                    count=batch,
+                    heartbeat_ttl_s=queue.heartbeat_ttl_s,
+                )
             if not entries:
                 entries = bus.read(stage, count=batch, block_ms=queue.block_ms)
             if entries:
-                with bus.claims_kept(stage, [entry_id for entry_id, _ in entries], every_s=queue.claim_idle_s / 3):
+                with bus.claims_kept(
+                    stage, [entry_id for entry_id, _ in entries], every_s=queue.claim_idle_s / 3
+                ):
                     handle(entries)
             elif idle is not None:
                 idle()
@@ -174,7 +190,9 @@ def run_stage_loop(
             log.warning("redis unavailable (%s); retrying", exc)
             stop.wait(1.0)
         except Exception:  # the loop boundary: log, leave entries pending for retry/dead-letter
-            log.exception("handler failed on %d entries of %s; they stay pending", len(entries), stage.stream)
+            log.exception(
+                "handler failed on %d entries of %s; they stay pending", len(entries), stage.stream
+            )
             stop.wait(1.0)
 
 

@@ -155,10 +155,12 @@ class EvalResult(_Msg):
         held = (group.policy_version, group.policy_version)  # responses that recorded no range
         ranges = [r.versions or held for r in group.responses]
         return cls(
-            group_id=group.job.group_id, tag=group.job.eval,
+            group_id=group.job.group_id,
+            tag=group.job.eval,
             policy_version_min=min(low for low, _ in ranges),
             policy_version_max=max(high for _, high in ranges),
-            correct=sum(bool(a) for a in group.acc), samples=len(group.responses),
+            correct=sum(bool(a) for a in group.acc),
+            samples=len(group.responses),
             response_tokens=sum(len(r.token_ids) for r in group.responses),
             truncated=sum(r.finish_reason == "length" for r in group.responses),
         )
@@ -192,7 +194,9 @@ class RestoreRequest(_Msg):
     at: float = 0.0
 
 
-ControlRequest = Annotated[PauseRequest | CheckpointRequest | RestoreRequest, Field(discriminator="kind")]
+ControlRequest = Annotated[
+    PauseRequest | CheckpointRequest | RestoreRequest, Field(discriminator="kind")
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +214,9 @@ def _pack_floats(values: list[float]) -> bytes:
 def _unpack(kind: str, raw: bytes, what: str) -> list[int] | list[float]:
     arr = array(kind)
     if len(raw) % arr.itemsize:
-        raise SchemaError(f"{what}: {len(raw)} bytes is not a whole number of {arr.itemsize}-byte items")
+        raise SchemaError(
+            f"{what}: {len(raw)} bytes is not a whole number of {arr.itemsize}-byte items"
+        )
     arr.frombytes(raw)
     return arr.tolist()
 
@@ -229,7 +235,13 @@ def encode_job(job: PromptJob) -> dict[str, bytes]:
 def encode_group(group: RolloutGroup) -> dict[str, bytes]:
     meta = group.model_dump(exclude={"job": {"prompt_ids"}, "responses": True})
     meta["responses"] = [
-        {"n": len(r.token_ids), "finish_reason": r.finish_reason, "text": r.text, "versions": r.versions} for r in group.responses
+        {
+            "n": len(r.token_ids),
+            "finish_reason": r.finish_reason,
+            "text": r.text,
+            "versions": r.versions,
+        }
+        for r in group.responses
     ]
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -269,7 +281,9 @@ def decode_eval_result(fields: dict[bytes, bytes]) -> EvalResult:
         raise SchemaError(f"invalid eval result: {_first_error(exc)}") from None
 
 
-def _header(fields: dict[bytes, bytes], kind: str, packed: tuple[bytes, ...] = (b"prompt_ids",)) -> dict[str, object]:
+def _header(
+    fields: dict[bytes, bytes], kind: str, packed: tuple[bytes, ...] = (b"prompt_ids",)
+) -> dict[str, object]:
     version = fields.get(b"v")
     if version != str(SCHEMA_VERSION).encode():
         raise SchemaError(f"schema version {version!r}, expected {SCHEMA_VERSION}")
@@ -346,7 +360,9 @@ def _check_group_lengths(group: RolloutGroup) -> None:
     for name in ("scores", "acc", "rewards", "preds"):
         values = getattr(group, name)
         if values is not None and len(values) != n:
-            raise SchemaError(f"group {group.job.group_id}: {name} has {len(values)} entries for {n} responses")
+            raise SchemaError(
+                f"group {group.job.group_id}: {name} has {len(values)} entries for {n} responses"
+            )
 
 
 MAX_LOGPROB = 1e-4
@@ -376,7 +392,9 @@ def _check_group_values(group: RolloutGroup) -> None:
                 if not math.isfinite(value):
                     raise SchemaError(f"response {i} logprob {j} is {value}")
                 if value > MAX_LOGPROB:
-                    raise SchemaError(f"response {i} logprob {j} is {value:g}, above 0 (a log-prob is never positive)")
+                    raise SchemaError(
+                        f"response {i} logprob {j} is {value:g}, above 0 (a log-prob is never positive)"
+                    )
     _check_token_range(group, low=0, high=None, what="token ids are never negative")
 
 
@@ -386,11 +404,15 @@ def check_vocabulary(group: RolloutGroup, vocab_size: int) -> None:
     Checked by the learner, which knows the model: an id past the embedding is an index error on
     CPU and a device-side assert that kills the process on CUDA.
     """
-    _check_token_range(group, low=0, high=vocab_size, what=f"outside the model's vocabulary of {vocab_size} ids")
+    _check_token_range(
+        group, low=0, high=vocab_size, what=f"outside the model's vocabulary of {vocab_size} ids"
+    )
 
 
 def _check_token_range(group: RolloutGroup, *, low: int, high: int | None, what: str) -> None:
-    rows = [("prompt", group.job.prompt_ids)] + [(f"response {i}", r.token_ids) for i, r in enumerate(group.responses)]
+    rows = [("prompt", group.job.prompt_ids)] + [
+        (f"response {i}", r.token_ids) for i, r in enumerate(group.responses)
+    ]
     for where, ids in rows:
         if not ids or (min(ids) >= low and (high is None or max(ids) < high)):
             continue
@@ -402,4 +424,6 @@ def _check_token_range(group: RolloutGroup, *, low: int, high: int | None, what:
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
-    return f"{loc}: {err['msg']}" + (f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else "")
+    return f"{loc}: {err['msg']}" + (
+        f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    )

@@ -102,23 +102,36 @@ class Announcement:
     def from_json(cls, data: dict[str, Any]) -> Announcement:
         """Parse an announcement; ValueError/TypeError/KeyError when it is not one (a replica
         skips such an entry instead of joining a rendezvous it describes)."""
-        if not isinstance(data, dict) or not isinstance(data.get("replicas"), (list, tuple)) or not all(
-            isinstance(r, str) for r in data["replicas"]
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("replicas"), (list, tuple))
+            or not all(isinstance(r, str) for r in data["replicas"])
         ):
             raise ValueError("an announcement is a JSON object whose replicas are a list of ids")
         if data["backend"] not in ("gloo", "nccl") or not isinstance(data["store_host"], str):
-            raise ValueError(f"announcement backend {data['backend']!r} / store host {data['store_host']!r}")
+            raise ValueError(
+                f"announcement backend {data['backend']!r} / store host {data['store_host']!r}"
+            )
         buckets = tuple(
-            tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in bucket) for bucket in data["buckets"]
+            tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in bucket)
+            for bucket in data["buckets"]
         )
         return cls(
-            version=int(data["version"]), generation=int(data["generation"]), replicas=tuple(data["replicas"]),
-            store_host=data["store_host"], store_port=int(data["store_port"]), backend=data["backend"],
-            timeout_s=float(data["timeout_s"]), buckets=buckets, publisher=str(data.get("publisher", "")),
+            version=int(data["version"]),
+            generation=int(data["generation"]),
+            replicas=tuple(data["replicas"]),
+            store_host=data["store_host"],
+            store_port=int(data["store_port"]),
+            backend=data["backend"],
+            timeout_s=float(data["timeout_s"]),
+            buckets=buckets,
+            publisher=str(data.get("publisher", "")),
         )
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: int, *, dtype: str | None = None) -> tuple[Bucket, ...]:
+def plan_buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_mb: int, *, dtype: str | None = None
+) -> tuple[Bucket, ...]:
     """Group parameters (in order) into buckets of one dtype and at most ~bucket_mb each
     (a tensor larger than the limit gets a bucket of its own). `dtype` sends every parameter in
     that dtype instead of its own (the serving dtype of the replicas)."""
@@ -128,7 +141,11 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: int, *, dtype
     for name, t in named:
         dtype_name = dtype or str(t.dtype).removeprefix("torch.")
         nbytes = t.numel() * DTYPES[dtype_name].itemsize
-        if not buckets or buckets[-1][0].dtype != dtype_name or (size + nbytes > limit and buckets[-1]):
+        if (
+            not buckets
+            or buckets[-1][0].dtype != dtype_name
+            or (size + nbytes > limit and buckets[-1])
+        ):
             buckets.append([])
             size = 0
         buckets[-1].append(ParamSpec(name, tuple(t.shape), dtype_name))
@@ -162,15 +179,24 @@ def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)
     sock.listen(512)
-    store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        use_libuv=True,
+    )
     return store, sock
 
 
 def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:
     """Rendezvous with the other members of `ann.generation` (blocks up to ann.timeout_s)."""
     timeout = timedelta(seconds=ann.timeout_s)
-    store = dist.TCPStore(ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False
+    )
     return make_group_on_store(store, ann, rank)
 
 
@@ -204,10 +230,21 @@ def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) 
     import statistics
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ann = Announcement(version=0, generation=0, replicas=tuple(f"probe{i}" for i in range(replicas)),
-                       store_host="127.0.0.1", store_port=store.port, backend="gloo", timeout_s=120.0, buckets=())
+    ann = Announcement(
+        version=0,
+        generation=0,
+        replicas=tuple(f"probe{i}" for i in range(replicas)),
+        store_host="127.0.0.1",
+        store_port=store.port,
+        backend="gloo",
+        timeout_s=120.0,
+        buckets=(),
+    )
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_flat_receiver, args=(ann.to_json(), rank, nbytes, repeats + 1)) for rank in range(1, ann.world_size)]
+    procs = [
+        ctx.Process(target=_flat_receiver, args=(ann.to_json(), rank, nbytes, repeats + 1))
+        for rank in range(1, ann.world_size)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -227,7 +264,9 @@ def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) 
 
 def _flat_receiver(ann_json: dict[str, Any], rank: int, nbytes: int, rounds: int) -> None:
     ann = Announcement.from_json(ann_json)
-    store = dist.TCPStore(ann.store_host, ann.store_port, is_master=False, timeout=timedelta(seconds=ann.timeout_s))
+    store = dist.TCPStore(
+        ann.store_host, ann.store_port, is_master=False, timeout=timedelta(seconds=ann.timeout_s)
+    )
     group = make_group_on_store(store, ann, rank)
     flat = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(rounds):
@@ -259,7 +298,9 @@ class _Receiver:
             flat = self.buffers[key] = empty_bucket(bucket, device)
         return flat
 
-    def receive(self, ann: Announcement, rank: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(
+        self, ann: Announcement, rank: int, device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.monotonic()
         try:
             if self.group is None or self.group_key != ann.group_key:
@@ -316,7 +357,9 @@ class WeightStream:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WeightStream:
-        return cls(Announcement.from_json(data["ann"]), int(data["rank"]), str(data.get("device", "cpu")))
+        return cls(
+            Announcement.from_json(data["ann"]), int(data["rank"]), str(data.get("device", "cpu"))
+        )
 
 
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -333,7 +376,9 @@ class WeightChannel:
 
     # --- the learner's side ----------------------------------------------------------------------
     def announce(self, ann: Announcement) -> None:
-        self.bus.write("XADD", self.stream, "MAXLEN", "~", 1000, "*", "ann", json.dumps(ann.to_json()))
+        self.bus.write(
+            "XADD", self.stream, "MAXLEN", "~", 1000, "*", "ann", json.dumps(ann.to_json())
+        )
 
     def joined(self, ann: Announcement) -> set[str]:
         raw: Any = self.bus.redis.smembers(self.bus.keys.weight_join(ann.group_key))

@@ -28,8 +28,12 @@ DEFAULT_CONFIG = "/etc/dapo/config.yaml"
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dapo-healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=KINDS)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
-    parser.add_argument("--timeout", type=float, default=3.0, help="Redis socket timeout in seconds")
+    parser.add_argument(
+        "--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="Redis socket timeout in seconds"
+    )
     args = parser.parse_args(argv)
 
     import redis
@@ -47,7 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("dapo-healthcheck: no Redis URL (queue.redis_url or DAPO_REDIS_URL)\n")
         return 1
     host = socket.gethostname()
-    bus = open_bus(url, cfg.queue.namespace, "healthcheck", retries=0, pause_when_full=False, socket_timeout=args.timeout)
+    bus = open_bus(
+        url,
+        cfg.queue.namespace,
+        "healthcheck",
+        retries=0,
+        pause_when_full=False,
+        socket_timeout=args.timeout,
+    )
     try:
         mine = [i for i in bus.live_instances(args.kind) if i.get("host") == host]
     except redis.RedisError as exc:

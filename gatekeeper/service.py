@@ -91,11 +91,16 @@ class Gatekeeper:
                 continue
             if group.job.eval is not None:
                 result = encode_eval_result(EvalResult.of(group))
-                self.evaluations += self.bus.hop(stage, entry_id, downstream=self.bus.keys.evals.stream, fields=result)
+                self.evaluations += self.bus.hop(
+                    stage, entry_id, downstream=self.bus.keys.evals.stream, fields=result
+                )
             elif not self.enabled or keep_group(group_metric(group, self.metric)):
                 done = self.bus.hop(
-                    stage, entry_id, downstream=self.bus.keys.train.stream,
-                    fields={k.decode(): v for k, v in fields.items()}, counter=Counter.GATEKEEPER_KEPT,
+                    stage,
+                    entry_id,
+                    downstream=self.bus.keys.train.stream,
+                    fields={k.decode(): v for k, v in fields.items()},
+                    counter=Counter.GATEKEEPER_KEPT,
                 )
                 self.kept += done
                 self._count_responses(group, done)
@@ -110,22 +115,31 @@ class Gatekeeper:
         and the hop, which the ledger rests on, stays as simple as it is."""
         if hopped:
             self.bus.incr(Counter.RESPONSES_JUDGED, len(group.responses))
-            self.bus.incr(Counter.RESPONSES_TRUNCATED, sum(r.finish_reason == "length" for r in group.responses))
+            self.bus.incr(
+                Counter.RESPONSES_TRUNCATED,
+                sum(r.finish_reason == "length" for r in group.responses),
+            )
 
 
 def main(cfg: DapoConfig) -> int:
     ctx = service_context(cfg, "gatekeeper")
-    gate = Gatekeeper(ctx.bus, metric=cfg.algorithm.gatekeeper_metric, enabled=cfg.algorithm.gatekeeper)
+    gate = Gatekeeper(
+        ctx.bus, metric=cfg.algorithm.gatekeeper_metric, enabled=cfg.algorithm.gatekeeper
+    )
 
     def status() -> dict[str, Any]:
         return {
-            "kept": gate.kept, "filtered": gate.filtered, "pass_rate": round(gate.pass_rate, 4),
+            "kept": gate.kept,
+            "filtered": gate.filtered,
+            "pass_rate": round(gate.pass_rate, 4),
             "evaluations": gate.evaluations,
         }
 
     hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, status)
     try:
-        run_stage_loop(ctx.bus, ctx.bus.keys.scored, gate.handle, queue=cfg.queue, stop=ctx.stop, batch=32)
+        run_stage_loop(
+            ctx.bus, ctx.bus.keys.scored, gate.handle, queue=cfg.queue, stop=ctx.stop, batch=32
+        )
     finally:
         ctx.write_final_stats(status())
         hb.stop()

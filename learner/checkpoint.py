@@ -118,8 +118,10 @@ def save_rng(out: Path, shuffle: random.Random) -> None:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()  # the current device: one per rank
-    metadata = {"python": _state_json(random.getstate()),
-                "shuffle": _state_json(shuffle.getstate())}
+    metadata = {
+        "python": _state_json(random.getstate()),
+        "shuffle": _state_json(shuffle.getstate()),
+    }
     save_file(tensors, str(out), metadata=metadata)
     fsync_path(out)
 
@@ -139,8 +141,11 @@ def load_rng(path: Path, shuffle: random.Random) -> None:
     if "shuffle" in metadata:
         shuffle.setstate(_state_from_json(metadata["shuffle"]))
     else:  # saved before the shuffle generator was: it goes on from where this process has it
-        log.warning("%s holds no mini-batch shuffle state; the resumed run's mini-batches "
-                    "differ from the uninterrupted run's", path)
+        log.warning(
+            "%s holds no mini-batch shuffle state; the resumed run's mini-batches "
+            "differ from the uninterrupted run's",
+            path,
+        )
 
 
 # --- saving -----------------------------------------------------------------------------------------------
@@ -176,11 +181,18 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))  # fsyncs its files
+    save(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state")
+    )  # fsyncs its files
     rng_file(tmp, rank).parent.mkdir(exist_ok=True)
     save_rng(rng_file(tmp, rank), shuffle)
     if rank == 0:
-        full_meta = {**meta, "step": step, "scheduler": scheduler.state_dict(), "saved_at": time.time()}
+        full_meta = {
+            **meta,
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "saved_at": time.time(),
+        }
         write_durable(tmp / "trainer.json", json.dumps(full_meta, indent=1).encode())
         if hf_export is not None:
             hf_export(tmp / HF_EXPORT)
@@ -259,13 +271,19 @@ def load_checkpoint(
     from learner.dcp_reader import SafeLoadPlanner, SafeMetadataReader
 
     verify_checkpoint(path, rank)
-    meta: dict[str, Any] = json.loads((path / "trainer.json").read_text())  # the verified bytes, not the listing's read
+    meta: dict[str, Any] = json.loads(
+        (path / "trainer.json").read_text()
+    )  # the verified bytes, not the listing's read
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    reader = SafeMetadataReader(str(path / "state"))  # nothing in the files can run code (learner/dcp_reader.py)
+    reader = SafeMetadataReader(
+        str(path / "state")
+    )  # nothing in the files can run code (learner/dcp_reader.py)
     reader.read_metadata()  # first on its own: DCP's load would wrap a refusal in its own exception
     load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     scheduler.load_state_dict(meta["scheduler"])
     own = rng_file(path, rank)
     load_rng(own if own.exists() else rng_file(path, 0), shuffle)
@@ -275,7 +293,9 @@ def load_checkpoint(
 class CheckpointStore(Protocol):
     def latest_step(self) -> int | None: ...
 
-    def save(self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]) -> Path: ...
+    def save(
+        self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]
+    ) -> Path: ...
 
     def load(self, step: int) -> dict[str, Any] | None: ...
 
@@ -289,7 +309,14 @@ class Checkpoints:
     not have deleted that one's `.tmp-` directory. Other ranks write only after a save's barrier."""
 
     def __init__(
-        self, root: Path, *, trainer: Any, rank: int, keep_last: int, save_hf: bool, barrier: Callable[[], Any]
+        self,
+        root: Path,
+        *,
+        trainer: Any,
+        rank: int,
+        keep_last: int,
+        save_hf: bool,
+        barrier: Callable[[], Any],
     ) -> None:
         self.root, self.trainer, self.rank = Path(root), trainer, rank
         self.keep_last, self.save_hf, self.barrier = keep_last, save_hf, barrier
@@ -306,13 +333,23 @@ class Checkpoints:
         latest = latest_checkpoint(self.root)
         return None if latest is None else latest.step
 
-    def save(self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]) -> Path:
+    def save(
+        self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]
+    ) -> Path:
         self._clean_once()
         t = self.trainer
         path = save_checkpoint(
-            self.root, step, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-            shuffle=t.rng, rank=self.rank, meta=meta,
-            hf_export=hf_export if self.save_hf else None, barrier=self.barrier, keep=keep,
+            self.root,
+            step,
+            model=t.model,
+            optimizer=t.optimizer,
+            scheduler=t.scheduler,
+            shuffle=t.rng,
+            rank=self.rank,
+            meta=meta,
+            hf_export=hf_export if self.save_hf else None,
+            barrier=self.barrier,
+            keep=keep,
         )
         if self.rank == 0:
             removed = apply_retention(self.root, self.keep_last)
@@ -331,9 +368,18 @@ class Checkpoints:
             return None
         t = self.trainer
         meta = load_checkpoint(
-            info.path, rank=self.rank, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+            info.path,
+            rank=self.rank,
+            model=t.model,
+            optimizer=t.optimizer,
+            scheduler=t.scheduler,
             shuffle=t.rng,
         )
         if self.rank == 0 and (retired := retire_newer(self.root, step)):
-            log.warning("restored step %d: moved the newer steps %s to %s/abandoned/", step, retired, self.root)
+            log.warning(
+                "restored step %d: moved the newer steps %s to %s/abandoned/",
+                step,
+                retired,
+                self.root,
+            )
         return meta

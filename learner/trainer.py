@@ -91,14 +91,22 @@ def device_for(backend: str) -> torch.device:
 
 def mixed_precision(setting: str, device: torch.device) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction, or fp32 throughout (`learner.mixed_precision`)."""
-    bf16 = setting == "bf16" or (setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    bf16 = setting == "bf16" or (
+        setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
     if bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
 def build_sharded_model(
-    path: str, device: torch.device, *, rank: int, world_size: int, mp: MixedPrecisionPolicy, checkpointing: bool
+    path: str,
+    device: torch.device,
+    *,
+    rank: int,
+    world_size: int,
+    mp: MixedPrecisionPolicy,
+    checkpointing: bool,
 ) -> torch.nn.Module:
     """The policy, FSDP2-sharded over the ranks, without any rank ever holding the whole model.
 
@@ -140,7 +148,9 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (one file, or an index of shards)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        return {
+            name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()
+        }
     single = path / "model.safetensors"
     if not single.exists():
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
@@ -162,7 +172,11 @@ def load_local_shards(model: torch.nn.Module, path: Path, *, rank: int, world_si
             if rows == 0:
                 continue
             stored = handles[files[name]].get_slice(name)
-            start = rank * math.ceil(stored.get_shape()[0] / world_size) if isinstance(param, DTensor) else 0
+            start = (
+                rank * math.ceil(stored.get_shape()[0] / world_size)
+                if isinstance(param, DTensor)
+                else 0
+            )
             local.copy_(stored[start : start + rows])
 
 
@@ -199,7 +213,9 @@ class ResponseHead:
 
     def __init__(self, lm_head: torch.nn.Module, temperature: float) -> None:
         if getattr(lm_head, "bias", None) is not None:
-            raise ValueError("the policy's lm_head has a bias; the fused log-prob head supports bias-free heads (Qwen2, Llama)")
+            raise ValueError(
+                "the policy's lm_head has a bias; the fused log-prob head supports bias-free heads (Qwen2, Llama)"
+            )
         self.lm_head, self.temperature = lm_head, temperature
         self.labels: Tensor | None = None
         vocab = int(lm_head.weight.shape[0])
@@ -210,7 +226,9 @@ class ResponseHead:
         weight = self.lm_head.weight
         if self.labels is None:  # any other use of the model: plain logits
             return torch.nn.functional.linear(hidden, weight)
-        logp, ent = log_probs_from_hidden(hidden, weight, self.labels, temperature=self.temperature, chunk_size=self.chunk_rows)
+        logp, ent = log_probs_from_hidden(
+            hidden, weight, self.labels, temperature=self.temperature, chunk_size=self.chunk_rows
+        )
         return torch.stack((logp, ent), dim=-1)  # (B, R, 2)
 
     @contextlib.contextmanager
@@ -228,19 +246,33 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: DapoConfig, *, rank: int, world_size: int, backend: str, model_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DapoConfig,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        model_dir: str | None = None,
+    ) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.device = device_for(backend)
         le = cfg.learner
         self.model = build_sharded_model(
-            model_dir or cfg.model.path, self.device, rank=rank, world_size=world_size,
-            mp=mixed_precision(le.mixed_precision, self.device), checkpointing=le.activation_checkpointing,
+            model_dir or cfg.model.path,
+            self.device,
+            rank=rank,
+            world_size=world_size,
+            mp=mixed_precision(le.mixed_precision, self.device),
+            checkpointing=le.activation_checkpointing,
         )
         self.head = ResponseHead(self.model.get_output_embeddings(), cfg.rollout.temperature)
         self.packing_problem = self._check_packing(self.model.config)
         self.share_prompts = False  # decided per step (`_plan`)
         model = self.model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=le.lr, betas=le.betas, weight_decay=le.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=le.lr, betas=le.betas, weight_decay=le.weight_decay
+        )
         warmup = le.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -261,11 +293,14 @@ class Trainer:
         problem = packed_layout_problem(config)
         setting = self.cfg.learner.share_prompts
         if problem is not None and setting == "always":
-            raise ConfigError(f"learner.share_prompts=always cannot be honoured: {problem}. Set "
-                              "learner.share_prompts to auto or never (one row per response).")
+            raise ConfigError(
+                f"learner.share_prompts=always cannot be honoured: {problem}. Set "
+                "learner.share_prompts to auto or never (one row per response)."
+            )
         if problem is not None and setting == "auto":
-            log.warning("learner.share_prompts=auto: one row per response throughout, as %s",
-                        problem)
+            log.warning(
+                "learner.share_prompts=auto: one row per response throughout, as %s", problem
+            )
         return problem
 
     # --- forward -----------------------------------------------------------------------------
@@ -279,7 +314,9 @@ class Trainer:
                 input_ids=mb.input_ids.to(self.device),
                 attention_mask=mb.attention_mask.to(self.device),
                 position_ids=mb.position_ids.to(self.device),
-                logits_to_keep=torch.arange(P - 1, P - 1 + R, device=self.device),  # the positions predicting responses
+                logits_to_keep=torch.arange(
+                    P - 1, P - 1 + R, device=self.device
+                ),  # the positions predicting responses
             )
         return self._split(out.logits, entropy)  # (B, R, 2): log-prob, entropy
 
@@ -290,8 +327,10 @@ class Trainer:
         ids = packed.input_ids.to(self.device)
         with self.head.scoring(ids[:, P:]):  # slot tokens are the labels of the kept positions
             out = self.model(
-                input_ids=ids, attention_mask=packed.attention_mask.to(self.device),
-                position_ids=packed.position_ids.to(self.device), logits_to_keep=packed.keep.to(self.device),
+                input_ids=ids,
+                attention_mask=packed.attention_mask.to(self.device),
+                position_ids=packed.position_ids.to(self.device),
+                logits_to_keep=packed.keep.to(self.device),
             )
         slots = out.logits.reshape(g * S, R, 2)  # (slots, R, 2) in slot order
         rows = packed.rows.reshape(-1)
@@ -333,16 +372,22 @@ class Trainer:
             units = list(by_group.values())
         mine = units[self.rank :: self.world]
         per_rank = math.ceil(len(units) / self.world)
-        size = max(1, self.cfg.learner.micro_batch_size // max(len(u) for u in units))  # units per micro-batch
+        size = max(
+            1, self.cfg.learner.micro_batch_size // max(len(u) for u in units)
+        )  # units per micro-batch
         n_micro = max(1, math.ceil(per_rank / size))
-        return [[r for u in mine[i * size : (i + 1) * size] for r in u] or [-1] for i in range(n_micro)]
+        return [
+            [r for u in mine[i * size : (i + 1) * size] for r in u] or [-1] for i in range(n_micro)
+        ]
 
     def _plan(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Mini-batches and, per mini-batch, this rank's micro-batches; decides prompt sharing
         (P and R are the batch's, so the whole batch answers for every micro-batch)."""
         setting, config = self.cfg.learner.share_prompts, self.model.config
         self.share_prompts = setting == "always" or (
-            setting == "auto" and self.packing_problem is None and packing_saves_flops(
+            setting == "auto"
+            and self.packing_problem is None
+            and packing_saves_flops(
                 batch, hidden=config.hidden_size, intermediate=config.intermediate_size
             )
         )
@@ -383,7 +428,9 @@ class Trainer:
         sums: dict[str, float] = {}
         grad_norms = []
         for mini_index, (mini_rows, micros) in enumerate(zip(minis, plan, strict=True)):
-            mini_sums, loss_nonfinite = self._backward(batch, mini_rows, micros, None if mini_index == 0 else old, off_policy)
+            mini_sums, loss_nonfinite = self._backward(
+                batch, mini_rows, micros, None if mini_index == 0 else old, off_policy
+            )
             norm = self._update(loss_nonfinite)
             if norm is not None:  # a skipped update's metrics are NaN: they would poison the step's
                 grad_norms.append(norm)
@@ -393,10 +440,17 @@ class Trainer:
         if grad_norms:
             self.scheduler.step()
         metrics = self._reduce_metrics(sums, grad_norms, lr, len(grad_norms))
-        return metrics | self._track_nonfinite(skipped=len(minis) - len(grad_norms), updates=len(minis))
+        return metrics | self._track_nonfinite(
+            skipped=len(minis) - len(grad_norms), updates=len(minis)
+        )
 
     def _backward(
-        self, batch: TrainBatch, rows: list[int], micros: list[list[int]], old: Tensor | None, off_policy: Tensor
+        self,
+        batch: TrainBatch,
+        rows: list[int],
+        micros: list[list[int]],
+        old: Tensor | None,
+        off_policy: Tensor,
     ) -> tuple[dict[str, float], Tensor]:
         """Accumulate the gradients of this rank's micro-batches of one mini-batch (`rows`).
 
@@ -420,14 +474,30 @@ class Trainer:
             mask = mb.response_mask.to(self.device)
             # Before the first update the weights are still those the batch arrived to.
             old_mb = logp.detach() if old is None else old[idx].to(self.device)
-            behaviour = torch.where(off_policy[idx].to(self.device), mb.behaviour_log_prob.to(self.device), old_mb)
-            pg_loss, metrics = policy_loss(
-                logp, old_mb, mb.advantages.to(self.device), mask,
-                clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, loss_agg=alg.loss_agg,
-                global_tokens=global_tokens, global_seqs=global_seqs, behaviour_log_prob=behaviour, is_clip=alg.is_clip,
+            behaviour = torch.where(
+                off_policy[idx].to(self.device), mb.behaviour_log_prob.to(self.device), old_mb
             )
-            ent_term = (aggregate_loss(ent, mask, alg.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs)
-                        if alg.entropy_coef and ent is not None else None)
+            pg_loss, metrics = policy_loss(
+                logp,
+                old_mb,
+                mb.advantages.to(self.device),
+                mask,
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                clip_c=alg.clip_c,
+                loss_agg=alg.loss_agg,
+                global_tokens=global_tokens,
+                global_seqs=global_seqs,
+                behaviour_log_prob=behaviour,
+                is_clip=alg.is_clip,
+            )
+            ent_term = (
+                aggregate_loss(
+                    ent, mask, alg.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs
+                )
+                if alg.entropy_coef and ent is not None
+                else None
+            )
             loss = combine_losses(pg_loss, ent_term, alg.entropy_coef)
             nonfinite += ~torch.isfinite(loss.detach())
             (loss * self.world).backward()
@@ -463,8 +533,14 @@ class Trainer:
             return {"actor/nonfinite_steps": 0.0, "actor/skipped_updates": 0.0}
         self.nonfinite_in_a_row += 1
         limit = self.cfg.learner.max_nonfinite_steps
-        log.error("skipped %d of %d updates of this step: loss or gradient norm not finite (%d such steps in a row, "
-                  "the limit is %d)", skipped, updates, self.nonfinite_in_a_row, limit)
+        log.error(
+            "skipped %d of %d updates of this step: loss or gradient norm not finite (%d such steps in a row, "
+            "the limit is %d)",
+            skipped,
+            updates,
+            self.nonfinite_in_a_row,
+            limit,
+        )
         if self.nonfinite_in_a_row >= limit:
             raise NonFiniteTrainingError(
                 f"{self.nonfinite_in_a_row} training steps in a row had a NaN or infinite loss or gradient norm "
@@ -473,15 +549,21 @@ class Trainer:
             )
         return {"actor/nonfinite_steps": 1.0, "actor/skipped_updates": float(skipped)}
 
-    def _reduce_metrics(self, sums: dict[str, float], grad_norms: list[float], lr: float, updates: int) -> dict[str, float]:
-        keys = sorted(sums)  # the same on every rank (each skips the same updates); empty when all were
+    def _reduce_metrics(
+        self, sums: dict[str, float], grad_norms: list[float], lr: float, updates: int
+    ) -> dict[str, float]:
+        keys = sorted(
+            sums
+        )  # the same on every rank (each skips the same updates); empty when all were
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         if self.world > 1 and keys:
             dist.all_reduce(t)
         total = dict(zip(keys, t.tolist(), strict=True))
         tokens = max(total.pop("tokens", 0.0), 1.0)
         out = {f"actor/{k}": v / tokens for k, v in total.items() if k != "pg_loss"}
-        out["actor/pg_loss"] = total.get("pg_loss", 0.0) / max(updates, 1)  # the policy-gradient term alone
+        out["actor/pg_loss"] = total.get("pg_loss", 0.0) / max(
+            updates, 1
+        )  # the policy-gradient term alone
         out["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out["actor/lr"] = lr
         out["actor/updates"] = float(updates)

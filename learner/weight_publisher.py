@@ -59,7 +59,14 @@ class WeightPublisher:
     """
 
     def __init__(
-        self, bus: StreamBus, *, host: str, port: int = 0, backend: str, timeout_s: float, bucket_mb: int,
+        self,
+        bus: StreamBus,
+        *,
+        host: str,
+        port: int = 0,
+        backend: str,
+        timeout_s: float,
+        bucket_mb: int,
         dtype: str | None = None,
     ) -> None:
         self.bus, self.host, self.backend, self.dtype = bus, host, backend, dtype
@@ -84,7 +91,12 @@ class WeightPublisher:
         self.quarantined: dict[str, tuple[float, int]] = {}
 
     # --- staging -------------------------------------------------------------------------------
-    def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]], layout: list[tuple[str, torch.Tensor]]) -> None:
+    def stage(
+        self,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]],
+        layout: list[tuple[str, torch.Tensor]],
+    ) -> None:
         """Take a new version's full parameters, consuming `named` (a collective on all ranks).
 
         Each tensor is copied into its host bucket as it arrives; a tensor that arrives before
@@ -174,7 +186,11 @@ class WeightPublisher:
         silent = set(ann.replicas) - joined
         self._set_aside(silent)
         self.bus.incr(Counter.WEIGHT_SYNC_DROPPED_REPLICAS, len(silent))
-        log.warning("replicas %s did not join weight sync %s; re-forming without them", sorted(silent), ann.group_key)
+        log.warning(
+            "replicas %s did not join weight sync %s; re-forming without them",
+            sorted(silent),
+            ann.group_key,
+        )
         return joined
 
     # --- publishing ------------------------------------------------------------------------------
@@ -191,8 +207,14 @@ class WeightPublisher:
             self.generation += 1
             self.replicas, self.group = chosen, None
         ann = Announcement(
-            version=self.version, generation=self.generation, replicas=self.replicas, store_host=self.host,
-            store_port=self.port, backend=self.backend, timeout_s=self.timeout_s, buckets=self.buckets,
+            version=self.version,
+            generation=self.generation,
+            replicas=self.replicas,
+            store_host=self.host,
+            store_port=self.port,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            buckets=self.buckets,
             publisher=self.token,
         )
         start = time.monotonic()
@@ -209,7 +231,12 @@ class WeightPublisher:
         now = time.monotonic()
         for rid in chosen:
             self.last_sent[rid] = now
-        log.info("published version %d to %d replicas in %.3fs", self.version, len(chosen), self.last_sync_s)
+        log.info(
+            "published version %d to %d replicas in %.3fs",
+            self.version,
+            len(chosen),
+            self.last_sync_s,
+        )
         return True
 
     def _broadcast(self, ann: Announcement) -> bool:
@@ -217,12 +244,19 @@ class WeightPublisher:
             if self.group is None:
                 self.group = make_group_on_store(self.store, ann, 0)
             for flat in self.flat:  # host copies; NCCL needs each bucket on the GPU
-                broadcast_bucket(self.group, flat.cuda() if self.backend == "nccl" else flat, self.timeout_s)
+                broadcast_bucket(
+                    self.group, flat.cuda() if self.backend == "nccl" else flat, self.timeout_s
+                )
         except Exception as exc:  # a replica died or hung: drop the group, retry later
             self.failures += 1
             self.group, self.replicas = None, ()
             self.bus.incr(Counter.WEIGHT_SYNC_FAILURES)
-            log.warning("weight broadcast of version %d to %s failed: %s", ann.version, list(ann.replicas), exc)
+            log.warning(
+                "weight broadcast of version %d to %s failed: %s",
+                ann.version,
+                list(ann.replicas),
+                exc,
+            )
             return False
         return True
 
@@ -231,7 +265,8 @@ class WeightPublisher:
         replicas that missed a broadcast), at most once per `retry_after_s` per replica."""
         now = time.monotonic()
         behind = [
-            rid for rid, v in self.replica_versions().items()
+            rid
+            for rid, v in self.replica_versions().items()
             if v < self.version and now - self.last_sent.get(rid, 0.0) > retry_after_s
         ]
         if behind:

@@ -26,7 +26,14 @@ BetweenSteps = Callable[[], int]
 
 class Engine(Protocol):
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
         between_steps: BetweenSteps | None = None,
     ) -> list[list[Sample]]:
         """For each prompt, n samples. Log-probs are of the temperature-scaled distribution,

@@ -58,10 +58,19 @@ thread rings), and at least this often."""
 class RolloutWorker:
     """The replica's loop; everything about its weights is `self.weights` (a WeightReceiver)."""
 
-    def __init__(self, cfg: DapoConfig, bus: StreamBus, engine: Engine, replica_id: str, stop: StopFlag) -> None:
+    def __init__(
+        self, cfg: DapoConfig, bus: StreamBus, engine: Engine, replica_id: str, stop: StopFlag
+    ) -> None:
         self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
-        self.weights = WeightReceiver.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now,
-                                                    watch_also=(bus.keys.prompts.stream,))
+        self.weights = WeightReceiver.from_config(
+            cfg,
+            bus,
+            engine,
+            replica_id,
+            stop,
+            on_change=self.heartbeat_now,
+            watch_also=(bus.keys.prompts.stream,),
+        )
         self.groups_done = 0
         self.busy_s = 0.0
         self._step_at = 0.0  # when the engine's last decode step began (the slowdown fault)
@@ -110,14 +119,27 @@ class RolloutWorker:
 
     def _generate(self, jobs: list[tuple[str, PromptJob]]) -> None:
         ro, ev, tag = self.cfg.rollout, self.cfg.eval, jobs[0][1].eval
-        n, temperature, top_p = (ro.group_size, ro.temperature, ro.top_p) if tag is None else (tag.samples, ev.temperature, ev.top_p)
-        stage, start, synced, held = self.bus.keys.prompts, time.monotonic(), self.weights.sync_s, self.policy_version
+        n, temperature, top_p = (
+            (ro.group_size, ro.temperature, ro.top_p)
+            if tag is None
+            else (tag.samples, ev.temperature, ev.top_p)
+        )
+        stage, start, synced, held = (
+            self.bus.keys.prompts,
+            time.monotonic(),
+            self.weights.sync_s,
+            self.policy_version,
+        )
         self._step_at = start
         # An evaluation measures one policy where holding costs the learner nothing (docstring).
         hold = tag is not None and self.weights.background
         between_steps = self._holding(held) if hold else self._between_steps
         outputs = self.engine.generate(
-            [job.prompt_ids for _, job in jobs], n=n, max_tokens=ro.max_response_len, temperature=temperature, top_p=top_p,
+            [job.prompt_ids for _, job in jobs],
+            n=n,
+            max_tokens=ro.max_response_len,
+            temperature=temperature,
+            top_p=top_p,
             between_steps=between_steps,
         )
         seconds = time.monotonic() - start
@@ -126,19 +148,37 @@ class RolloutWorker:
             # An engine that did not report versions never called the hook: no weights changed.
             versions = [s.versions or (held, held) for s in samples]
             group = RolloutGroup(
-                job=job, policy_version=min(oldest for oldest, _ in versions), replica_id=self.id, gen_seconds=seconds / len(jobs),
+                job=job,
+                policy_version=min(oldest for oldest, _ in versions),
+                replica_id=self.id,
+                gen_seconds=seconds / len(jobs),
                 responses=[
-                    Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason, versions=v)
+                    Response(
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        finish_reason=s.finish_reason,
+                        versions=v,
+                    )
                     for s, v in zip(samples, versions, strict=True)
                 ],
             )
-            self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
+            self.groups_done += self.bus.hop(
+                stage,
+                entry_id,
+                downstream=self.bus.keys.rollouts.stream,
+                fields=encode_group(group),
+            )
 
     def _between_steps(self) -> int:
         """The engine's hook between decode steps: in-flight weight updates (and, in the fault
         suite only, the slowdown of each decode step, taking updates while it lasts)."""
-        stretch("rollout.slowdown", time.monotonic() - self._step_at, self.stop.event,
-                wake=self.weights.announced, on_wake=self.weights.between_steps)
+        stretch(
+            "rollout.slowdown",
+            time.monotonic() - self._step_at,
+            self.stop.event,
+            wake=self.weights.announced,
+            on_wake=self.weights.between_steps,
+        )
         version = self.weights.between_steps()
         self._step_at = time.monotonic()
         return version
@@ -166,17 +206,29 @@ class RolloutWorker:
                 entries: list[Entry] = []
                 if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
                     last_reclaim = time.monotonic()
-                    entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries,
-                                               count=self.cfg.rollout.prompts_per_batch,  # at most a batch of its own and one of others'
-                                               heartbeat_ttl_s=q.heartbeat_ttl_s)
+                    entries = self.bus.reclaim(
+                        self.bus.keys.prompts,
+                        min_idle_s=q.claim_idle_s,
+                        max_deliveries=q.max_deliveries,
+                        count=self.cfg.rollout.prompts_per_batch,  # at most a batch of its own and one of others'
+                        heartbeat_ttl_s=q.heartbeat_ttl_s,
+                    )
                 if not entries:
-                    entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=None)
+                    entries = self.bus.read(
+                        self.bus.keys.prompts,
+                        count=self.cfg.rollout.prompts_per_batch,
+                        block_ms=None,
+                    )
                 if entries:  # a batch may outlast claim_idle_s: keep its claims while generating
-                    with self.bus.claims_kept(self.bus.keys.prompts, [e for e, _ in entries], every_s=q.claim_idle_s / 3):
+                    with self.bus.claims_kept(
+                        self.bus.keys.prompts, [e for e, _ in entries], every_s=q.claim_idle_s / 3
+                    ):
                         self.handle(entries)
                 else:  # idle: sleep until a job or a weight announcement is appended
                     self.weights.activity.wait(IDLE_WAIT_S)
-            except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
+            except (
+                redis.ConnectionError
+            ) as exc:  # ride out a Redis restart; pending work is reclaimed
                 log.warning("redis unavailable (%s); retrying", exc)
                 self.stop.wait(1.0)
             except redis.ResponseError as exc:

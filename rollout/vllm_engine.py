@@ -123,7 +123,9 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         ro = cfg.rollout
-        self.end_ids = end_token_ids(model_dir, AutoTokenizer.from_pretrained(model_dir).eos_token_id)
+        self.end_ids = end_token_ids(
+            model_dir, AutoTokenizer.from_pretrained(model_dir).eos_token_id
+        )
         log_ignored_settings(model_dir)
         memory: dict[str, Any]
         if current_platform.is_cpu():
@@ -205,10 +207,14 @@ class VLLMEngine:
         try:
             while llm.llm_engine.has_unfinished_requests():
                 for out in llm.llm_engine.step():
-                    if out.finished:  # request ids number the prompts in order, as LLM.generate sorts them
+                    if (
+                        out.finished
+                    ):  # request ids number the prompts in order, as LLM.generate sorts them
                         finished[int(out.request_id)] = (out, seen)
                 if between_steps is not None and llm.llm_engine.has_unfinished_requests():
-                    version = between_steps()  # may swap weights in (update_weights) before the next step
+                    version = (
+                        between_steps()
+                    )  # may swap weights in (update_weights) before the next step
                     seen = (min(seen[0], version), max(seen[1], version))
         finally:
             self.generating = False
@@ -230,7 +236,9 @@ class VLLMEngine:
             tensors = self._swap_weights(what, "dapo_receive_weights", weights.to_json())
         else:
             what = "tensors"
-            tensors = self._swap_weights(what, "dapo_load_tensors", [_to_wire(n, t) for n, t in weights])
+            tensors = self._swap_weights(
+                what, "dapo_load_tensors", [_to_wire(n, t) for n, t in weights]
+            )
         self.last_sync_seconds = time.monotonic() - start
         log.info("%s: %d tensors swapped in %.3fs", what, tensors, self.last_sync_seconds)
 

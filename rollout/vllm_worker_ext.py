@@ -50,7 +50,13 @@ class WeightSyncExtension:
         """Swap in `[name, dtype, shape, raw bytes]` tensors sent whole through the RPC
         (`vllm_engine._to_wire`); returns {"tensors", "error"} as `dapo_receive_weights`."""
         tensors = (
-            (str(name), torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype_of(dtype)).reshape(shape).to(self.device))
+            (
+                str(name),
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                .view(dtype_of(dtype))
+                .reshape(shape)
+                .to(self.device),
+            )
             for name, dtype, shape, raw in named
         )
         return self._dapo_apply(tensors, "tensors")

@@ -88,8 +88,17 @@ class WeightReceiver:
     """One replica's weights: its cursor over announcements, its join, its policy version."""
 
     def __init__(
-        self, bus: StreamBus, engine: WeightSink, replica_id: str, *, checkpoint_dir: str | Path, base_model_path: str,
-        lost_contact_s: float, max_staleness: int, stop: StopFlag, on_change: Callable[[], None] | None = None,
+        self,
+        bus: StreamBus,
+        engine: WeightSink,
+        replica_id: str,
+        *,
+        checkpoint_dir: str | Path,
+        base_model_path: str,
+        lost_contact_s: float,
+        max_staleness: int,
+        stop: StopFlag,
+        on_change: Callable[[], None] | None = None,
         watch_also: tuple[str, ...] = (),
     ) -> None:
         self.bus, self.engine, self.replica_id, self.stop = bus, engine, replica_id, stop
@@ -126,13 +135,26 @@ class WeightReceiver:
 
     @classmethod
     def from_config(
-        cls, cfg: DapoConfig, bus: StreamBus, engine: WeightSink, replica_id: str, stop: StopFlag,
-        on_change: Callable[[], None] | None = None, watch_also: tuple[str, ...] = (),
+        cls,
+        cfg: DapoConfig,
+        bus: StreamBus,
+        engine: WeightSink,
+        replica_id: str,
+        stop: StopFlag,
+        on_change: Callable[[], None] | None = None,
+        watch_also: tuple[str, ...] = (),
     ) -> WeightReceiver:
         return cls(
-            bus, engine, replica_id, checkpoint_dir=cfg.checkpoint_dir, base_model_path=cfg.model.path,
-            lost_contact_s=cfg.learner.collective_timeout_s, max_staleness=cfg.algorithm.max_staleness,
-            stop=stop, on_change=on_change, watch_also=watch_also,
+            bus,
+            engine,
+            replica_id,
+            checkpoint_dir=cfg.checkpoint_dir,
+            base_model_path=cfg.model.path,
+            lost_contact_s=cfg.learner.collective_timeout_s,
+            max_staleness=cfg.algorithm.max_staleness,
+            stop=stop,
+            on_change=on_change,
+            watch_also=watch_also,
         )
 
     # --- the loop's interface ------------------------------------------------------------------
@@ -216,14 +238,21 @@ class WeightReceiver:
             if newest is not None:
                 self._apply(*newest)
 
-    def _newest_for_me(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[Announcement, float] | None:
+    def _newest_for_me(
+        self, entries: list[tuple[bytes, dict[bytes, bytes]]]
+    ) -> tuple[Announcement, float] | None:
         """The newest announcement in `entries` that names this replica while its rendezvous can
         still be open (joining an abandoned one would just time out)."""
         newest: tuple[Announcement, float] | None = None
         for eid, fields in entries:
             try:
                 ann = Announcement.from_json(json.loads(fields[b"ann"]))
-            except (KeyError, ValueError, TypeError, AttributeError) as exc:  # not the learner's: skip it
+            except (
+                KeyError,
+                ValueError,
+                TypeError,
+                AttributeError,
+            ) as exc:  # not the learner's: skip it
                 self.bus.skip_bad_value(f"{self.bus.keys.weights} {eid.decode()}", exc)
                 continue
             announced_at = int(eid.decode().split("-")[0]) / 1000
@@ -307,9 +336,13 @@ class WeightReceiver:
         self._hold(ann.version, "broadcast")
 
     def _hold(self, version: int, source: str) -> None:
-        if version < self.policy_version:  # a broadcast never does this: the learner numbers upwards
+        if (
+            version < self.policy_version
+        ):  # a broadcast never does this: the learner numbers upwards
             self.bus.incr(Counter.REPLICA_VERSION_REGRESSIONS)
-            log.warning("%s brought version %d while holding %d", source, version, self.policy_version)
+            log.warning(
+                "%s brought version %d while holding %d", source, version, self.policy_version
+            )
         self.policy_version = version
         if self.on_change is not None:
             self.on_change()
@@ -340,12 +373,22 @@ class WeightReceiver:
         found = self._newest_verified(above=self.policy_version)
         if found is None:  # every newer one refused (each logged once): wait for the learner's sync
             return False
-        log.warning("holding version %d while the learner is at %d: loading checkpoint step %d",
-                    self.policy_version, published, found.step)
+        log.warning(
+            "holding version %d while the learner is at %d: loading checkpoint step %d",
+            self.policy_version,
+            published,
+            found.step,
+        )
         try:
             self._load_from_store(found)
-        except (OSError, RuntimeError, ValueError):  # retention removed it since the check, the engine failed...
-            log.exception("could not load checkpoint step %d; waiting for the learner's sync", found.step)
+        except (
+            OSError,
+            RuntimeError,
+            ValueError,
+        ):  # retention removed it since the check, the engine failed...
+            log.exception(
+                "could not load checkpoint step %d; waiting for the learner's sync", found.step
+            )
             self.weights_from = time.time()  # don't retry at once
             return False
         self.bus.incr(Counter.REPLICA_STORE_CATCH_UPS)
@@ -405,14 +448,20 @@ class WeightReceiver:
                 if (checkpoint.path / HF_EXPORT).is_dir():
                     return checkpoint, False
                 continue  # saved without an export (`checkpoint.save_hf` off) and none listed
-            if not _still_committed(checkpoint):  # retention or a save of the same step replaced it meanwhile
+            if not _still_committed(
+                checkpoint
+            ):  # retention or a save of the same step replaced it meanwhile
                 if rescan:
                     return None, True
                 continue
             self._refused.add(key)
             self.bus.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
-            log.error("refusing to load checkpoint step %d (%s): %s", checkpoint.step, checkpoint.path,
-                      describe_problems(problems))
+            log.error(
+                "refusing to load checkpoint step %d (%s): %s",
+                checkpoint.step,
+                checkpoint.path,
+                describe_problems(problems),
+            )
         return None, False
 
 

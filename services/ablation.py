@@ -64,16 +64,36 @@ learning rate, batch sizes) stays the config's."""
 
 LADDER: tuple[Rung, ...] = (
     Rung("grpo", "naive GRPO", {}, "the baseline"),
-    Rung("overlong_filter", "+ overlong filtering", {"reward.overlong.filter": "true"},
-         "truncated responses stop teaching 'wrong' to reasoning that was cut off rather than mistaken"),
-    Rung("clip_higher", "+ clip-higher", {"algorithm.clip_high": "0.28"},
-         "low-probability tokens can gain more per update, which keeps entropy from collapsing"),
-    Rung("soft_overlong", "+ soft overlong punishment", {"reward.overlong.enabled": "true"},
-         "responses that run into the last buffer_len tokens lose reward in proportion, steering length"),
-    Rung("token_loss", "+ token-level loss", {"algorithm.loss_agg": "token-mean"},
-         "every token weighs the same, so long responses count fully and long bad patterns are punished"),
-    Rung("dapo", "+ dynamic sampling (DAPO)", {"algorithm.gatekeeper": "true"},
-         "all-correct and all-wrong groups (zero advantage) stop diluting the batch"),
+    Rung(
+        "overlong_filter",
+        "+ overlong filtering",
+        {"reward.overlong.filter": "true"},
+        "truncated responses stop teaching 'wrong' to reasoning that was cut off rather than mistaken",
+    ),
+    Rung(
+        "clip_higher",
+        "+ clip-higher",
+        {"algorithm.clip_high": "0.28"},
+        "low-probability tokens can gain more per update, which keeps entropy from collapsing",
+    ),
+    Rung(
+        "soft_overlong",
+        "+ soft overlong punishment",
+        {"reward.overlong.enabled": "true"},
+        "responses that run into the last buffer_len tokens lose reward in proportion, steering length",
+    ),
+    Rung(
+        "token_loss",
+        "+ token-level loss",
+        {"algorithm.loss_agg": "token-mean"},
+        "every token weighs the same, so long responses count fully and long bad patterns are punished",
+    ),
+    Rung(
+        "dapo",
+        "+ dynamic sampling (DAPO)",
+        {"algorithm.gatekeeper": "true"},
+        "all-correct and all-wrong groups (zero advantage) stop diluting the batch",
+    ),
 )
 
 
@@ -126,7 +146,11 @@ def completed(path: Path) -> bool:
         summary = json.loads((path / "summary.json").read_text())
     except (OSError, ValueError):
         return False
-    return (not summary.get("interrupted")) and summary.get("learner_exit_code") == 0 and (path / "metrics.jsonl").exists()
+    return (
+        (not summary.get("interrupted"))
+        and summary.get("learner_exit_code") == 0
+        and (path / "metrics.jsonl").exists()
+    )
 
 
 def seed_overrides(seed: int) -> dict[str, str]:
@@ -136,12 +160,27 @@ def seed_overrides(seed: int) -> dict[str, str]:
 
 
 def run_command(config: Path, path: Path, overrides: dict[str, str]) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "run", "--config", str(config), "--output-dir", str(path), "--quiet",
-            *(f"{k}={v}" for k, v in overrides.items())]
+    return [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        "--config",
+        str(config),
+        "--output-dir",
+        str(path),
+        "--quiet",
+        *(f"{k}={v}" for k, v in overrides.items()),
+    ]
 
 
 def run_ladder(
-    config: Path, out: Path, *, seeds: int, extra: dict[str, str], rungs: Sequence[Rung] = LADDER,
+    config: Path,
+    out: Path,
+    *,
+    seeds: int,
+    extra: dict[str, str],
+    rungs: Sequence[Rung] = LADDER,
     runner: Callable[[list[str], Path], int] | None = None,
 ) -> list[Path]:
     """Every (rung, seed) run not already completed, one after another; returns the run dirs.
@@ -161,64 +200,108 @@ def run_ladder(
                 log.info("[%d/%d] %s seed %d: done before, kept", n, total, rung.label, seed)
                 continue
             if path.exists():
-                shutil.rmtree(path)  # an interrupted run starts again: its samples must not count twice
+                shutil.rmtree(
+                    path
+                )  # an interrupted run starts again: its samples must not count twice
             overrides = {**rung_overrides(index), **seed_overrides(seed), **extra}
             cmd = run_command(config, path, overrides)
             log.info("[%d/%d] %s seed %d: %s", n, total, rung.label, seed, " ".join(cmd[3:]))
             t0 = time.monotonic()
             rc = runner(cmd, path)
-            log.info("[%d/%d] %s seed %d: exit %d after %.0f s", n, total, rung.label, seed, rc, time.monotonic() - t0)
+            log.info(
+                "[%d/%d] %s seed %d: exit %d after %.0f s",
+                n,
+                total,
+                rung.label,
+                seed,
+                rc,
+                time.monotonic() - t0,
+            )
     return paths
 
 
 def _run_subprocess(cmd: list[str], path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     with (path / "run.log").open("w") as log_file:
-        return subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, check=False).returncode
+        return subprocess.run(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, check=False
+        ).returncode
 
 
 # --- reading runs -----------------------------------------------------------------------------
 def read_run(path: Path, rung: str, seed: int, *, group_size: int, gain: float) -> RunResult:
     summary = json.loads((path / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [
+        json.loads(line)
+        for line in (path / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     issued_at = {int(m["step"]): float(m.get("ledger/issued", 0.0)) * group_size for m in metrics}
     issued_at[0] = 0.0
     evals = [(int(step), float(acc)) for step, acc, *_ in summary["eval_history"]]
     acc_curve = [(issued_at.get(step, math.nan), acc) for step, acc in evals]
     base = float(summary["base_eval_acc"])
+
     def first_reaching(target: float) -> float | None:
         return next((samples for samples, acc in acc_curve if acc >= base + target - 1e-9), None)
 
-    entropy_curve = [(issued_at[int(m["step"])], float(m["actor/entropy"])) for m in metrics if "actor/entropy" in m]
-    tail = [e for _, e in entropy_curve[-max(1, len(entropy_curve) // 10):]]
+    entropy_curve = [
+        (issued_at[int(m["step"])], float(m["actor/entropy"]))
+        for m in metrics
+        if "actor/entropy" in m
+    ]
+    tail = [e for _, e in entropy_curve[-max(1, len(entropy_curve) // 10) :]]
     ledger = summary["ledger"]
     gated = ledger["trained"] + ledger["filtered"] + ledger["stale"]
     counters = summary.get("counters", {})
-    judged, truncated = counters.get(Counter.RESPONSES_JUDGED, 0), counters.get(Counter.RESPONSES_TRUNCATED, 0)
+    judged, truncated = (
+        counters.get(Counter.RESPONSES_JUDGED, 0),
+        counters.get(Counter.RESPONSES_TRUNCATED, 0),
+    )
     if judged:  # every generated training response, kept or filtered by the gatekeeper
         truncation = [truncated / judged]
     else:  # runs from before the gatekeeper counted responses: the trained ones only
-        truncation = [float(m["response_length/clip_ratio"]) for m in metrics if "response_length/clip_ratio" in m]
+        truncation = [
+            float(m["response_length/clip_ratio"])
+            for m in metrics
+            if "response_length/clip_ratio" in m
+        ]
     return RunResult(
-        rung=rung, seed=seed, base_acc=base, final_acc=float(summary["final_eval_acc"]),
-        samples=int(max(issued_at.values())), samples_to_target=first_reaching(gain),
+        rung=rung,
+        seed=seed,
+        base_acc=base,
+        final_acc=float(summary["final_eval_acc"]),
+        samples=int(max(issued_at.values())),
+        samples_to_target=first_reaching(gain),
         samples_to_early_target=first_reaching(EARLY_GAIN),
         filtered_share=ledger["filtered"] / gated if gated else 0.0,
         truncation_rate=statistics.fmean(truncation) if truncation else 0.0,
         final_entropy=statistics.fmean(tail) if tail else math.nan,
-        wall_s=float(summary["wall_seconds"]), steps=int(summary["steps"]), acc_curve=acc_curve, entropy_curve=entropy_curve,
+        wall_s=float(summary["wall_seconds"]),
+        steps=int(summary["steps"]),
+        acc_curve=acc_curve,
+        entropy_curve=entropy_curve,
     )
 
 
-def read_ladder(out: Path, cfg: DapoConfig, *, seeds: int, gain: float, rungs: Sequence[Rung] = LADDER) -> list[RunResult]:
+def read_ladder(
+    out: Path, cfg: DapoConfig, *, seeds: int, gain: float, rungs: Sequence[Rung] = LADDER
+) -> list[RunResult]:
     results = []
     for rung in rungs:
         for seed in range(seeds):
             path = run_dir(out, rung, seed)
             if completed(path):
-                results.append(read_run(path, rung.key, seed, group_size=cfg.rollout.group_size, gain=gain))
+                results.append(
+                    read_run(path, rung.key, seed, group_size=cfg.rollout.group_size, gain=gain)
+                )
             else:
-                log.warning("%s seed %d did not complete (see %s): left out of the table", rung.label, seed, path / "run.log")
+                log.warning(
+                    "%s seed %d did not complete (see %s): left out of the table",
+                    rung.label,
+                    seed,
+                    path / "run.log",
+                )
     return results
 
 
@@ -240,8 +323,10 @@ def _reached(samples: Sequence[float | None]) -> str:
 
 
 def table(results: Sequence[RunResult], *, gain: float, rungs: Sequence[Rung] = LADDER) -> str:
-    head = (f"| rung | runs | final accuracy | base accuracy | responses to base + {gain * 100:.0f} pts (k) "
-            f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) | groups filtered | truncated | entropy at end | wall s / run |")
+    head = (
+        f"| rung | runs | final accuracy | base accuracy | responses to base + {gain * 100:.0f} pts (k) "
+        f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) | groups filtered | truncated | entropy at end | wall s / run |"
+    )
     lines = [head, "|" + "---|" * 10]
     for rung in rungs:
         rows = [r for r in results if r.rung == rung.key]
@@ -258,7 +343,9 @@ def table(results: Sequence[RunResult], *, gain: float, rungs: Sequence[Rung] = 
     return "\n".join(lines)
 
 
-def _on_grid(curves: Sequence[list[tuple[float, float]]], grid: Sequence[float]) -> list[list[float]]:
+def _on_grid(
+    curves: Sequence[list[tuple[float, float]]], grid: Sequence[float]
+) -> list[list[float]]:
     """Each curve linearly interpolated at the grid points inside its own range (NaN outside)."""
     import numpy as np
 
@@ -274,7 +361,9 @@ def _on_grid(curves: Sequence[list[tuple[float, float]]], grid: Sequence[float])
     return out
 
 
-def plot(results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LADDER, points: int = 24) -> None:
+def plot(
+    results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LADDER, points: int = 24
+) -> None:
     """Two panels against generated responses: eval accuracy and policy entropy, per rung the mean
     over seeds (curves interpolated onto a common grid) with a band/bars of one standard deviation."""
     import matplotlib
@@ -289,7 +378,10 @@ def plot(results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LA
         rows = [r for r in results if r.rung == rung.key]
         if not rows:
             continue
-        for ax, curves in ((acc_ax, [r.acc_curve for r in rows]), (ent_ax, [r.entropy_curve for r in rows])):
+        for ax, curves in (
+            (acc_ax, [r.acc_curve for r in rows]),
+            (ent_ax, [r.entropy_curve for r in rows]),
+        ):
             values = _on_grid(curves, grid)
             xs, means, stds = [], [], []
             for j, g in enumerate(grid):
@@ -302,10 +394,22 @@ def plot(results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LA
                 ax.errorbar(xs, means, yerr=stds, label=rung.label, capsize=2, linewidth=1.4)
             else:
                 ax.plot(xs, means, label=rung.label, linewidth=1.4)
-                ax.fill_between(xs, [m - s for m, s in zip(means, stds, strict=True)],
-                                [m + s for m, s in zip(means, stds, strict=True)], alpha=0.15)
-    acc_ax.set(title="evaluation accuracy (mean ± std over seeds)", xlabel="generated responses (thousands)", ylabel="avg@k accuracy")
-    ent_ax.set(title="policy entropy of training batches", xlabel="generated responses (thousands)", ylabel="mean token entropy (nats)")
+                ax.fill_between(
+                    xs,
+                    [m - s for m, s in zip(means, stds, strict=True)],
+                    [m + s for m, s in zip(means, stds, strict=True)],
+                    alpha=0.15,
+                )
+    acc_ax.set(
+        title="evaluation accuracy (mean ± std over seeds)",
+        xlabel="generated responses (thousands)",
+        ylabel="avg@k accuracy",
+    )
+    ent_ax.set(
+        title="policy entropy of training batches",
+        xlabel="generated responses (thousands)",
+        ylabel="mean token entropy (nats)",
+    )
     for ax in (acc_ax, ent_ax):
         ax.grid(alpha=0.3)
     acc_ax.legend(fontsize=8, loc="lower right")
@@ -321,8 +425,15 @@ class Report:
     figure: Path
 
 
-def write_report(results: Sequence[RunResult], out: Path, *, gain: float, command: str, wall_s: float,
-                 rungs: Sequence[Rung] = LADDER) -> Report:
+def write_report(
+    results: Sequence[RunResult],
+    out: Path,
+    *,
+    gain: float,
+    command: str,
+    wall_s: float,
+    rungs: Sequence[Rung] = LADDER,
+) -> Report:
     md, data, fig = out / "ablation.md", out / "ablation.json", out / "ablation.svg"
     plot(results, fig, rungs=rungs)
     why = "\n".join(f"- **{r.label}**: {r.why}." for r in rungs)
@@ -341,8 +452,18 @@ def write_report(results: Sequence[RunResult], out: Path, *, gain: float, comman
         f"to exit); this invocation took {wall_s / 60:.1f} min (runs completed earlier are not redone).\n\n"
         "![curves](ablation.svg)\n"
     )
-    data.write_text(json.dumps({**made, "command": command, "gain": gain, "wall_s": wall_s,
-                                "runs": [asdict(r) for r in results]}, indent=1))
+    data.write_text(
+        json.dumps(
+            {
+                **made,
+                "command": command,
+                "gain": gain,
+                "wall_s": wall_s,
+                "runs": [asdict(r) for r in results],
+            },
+            indent=1,
+        )
+    )
     return Report(md, data, fig)
 
 
@@ -351,8 +472,18 @@ QUICK = {"learner.sample_budget": 4096, "eval.every_steps": 5}
 """--quick: a quarter of the ablation preset's budget, evaluations more often."""
 
 
-def ablate(config: Path, *, seeds: int, budget: int | None, out: Path | None, quick: bool, gain: float,
-           overrides: Sequence[str], command: str, rungs: Sequence[str] | None = None) -> Report:
+def ablate(
+    config: Path,
+    *,
+    seeds: int,
+    budget: int | None,
+    out: Path | None,
+    quick: bool,
+    gain: float,
+    overrides: Sequence[str],
+    command: str,
+    rungs: Sequence[str] | None = None,
+) -> Report:
     cfg = load_config(config, list(overrides))  # a bad config fails here, before any run
     extra = dict(o.split("=", 1) for o in overrides)
     if quick:
@@ -361,12 +492,16 @@ def ablate(config: Path, *, seeds: int, budget: int | None, out: Path | None, qu
         extra["learner.sample_budget"] = str(budget)
     load_config(config, [f"{k}={v}" for k, v in extra.items()])  # and so does a bad budget
     if "learner.sample_budget" not in extra and cfg.learner.sample_budget is None:
-        raise ValueError("no sample budget: set learner.sample_budget in the config or pass --budget-samples, "
-                         "so every rung generates the same number of responses")
+        raise ValueError(
+            "no sample budget: set learner.sample_budget in the config or pass --budget-samples, "
+            "so every rung generates the same number of responses"
+        )
     chosen = [r for r in LADDER if rungs is None or r.key in rungs]
     unknown = set(rungs or ()) - {r.key for r in LADDER}
     if unknown:
-        raise ValueError(f"unknown rung(s) {sorted(unknown)}; the ladder is {[r.key for r in LADDER]}")
+        raise ValueError(
+            f"unknown rung(s) {sorted(unknown)}; the ladder is {[r.key for r in LADDER]}"
+        )
     out = out or Path(cfg.output_dir) / ("ablation-quick" if quick else "ablation")
     t0 = time.monotonic()
     from services.launcher import prepare
@@ -374,4 +509,6 @@ def ablate(config: Path, *, seeds: int, budget: int | None, out: Path | None, qu
     prepare(cfg)  # the shared base model and data, built once before the first run's clock starts
     run_ladder(config, out, seeds=seeds, extra=extra, rungs=chosen)
     results = read_ladder(out, cfg, seeds=seeds, gain=gain, rungs=chosen)
-    return write_report(results, out, gain=gain, command=command, wall_s=time.monotonic() - t0, rungs=chosen)
+    return write_report(
+        results, out, gain=gain, command=command, wall_s=time.monotonic() - t0, rungs=chosen
+    )

@@ -58,10 +58,17 @@ limit keeps a client from making the process buffer megabytes before it is refus
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 """Methods that change nothing; every other method needs the bearer token."""
 
-CONTENT_SECURITY_POLICY = "; ".join([
-    "default-src 'none'", "script-src 'self'", "style-src 'self'", "connect-src 'self'",
-    "base-uri 'none'", "form-action 'none'", "frame-ancestors 'none'",
-])
+CONTENT_SECURITY_POLICY = "; ".join(
+    [
+        "default-src 'none'",
+        "script-src 'self'",
+        "style-src 'self'",
+        "connect-src 'self'",
+        "base-uri 'none'",
+        "form-action 'none'",
+        "frame-ancestors 'none'",
+    ]
+)
 """Sent with every response. With it a string that did end up parsed as HTML still could not run
 script (no inline script or event handlers) nor load anything from elsewhere. It does NOT make
 building the page from data with innerHTML safe: the dashboard never does that."""
@@ -116,7 +123,9 @@ class GuardedBodies:
     slowly a client may send (that is the server's timeouts' job).
     """
 
-    def __init__(self, app: ASGIApp, *, refuse: Callable[[str | None], HTTPException | None], limit: int) -> None:
+    def __init__(
+        self, app: ASGIApp, *, refuse: Callable[[str | None], HTTPException | None], limit: int
+    ) -> None:
         self.app, self.refuse, self.limit = app, refuse, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -124,10 +133,20 @@ class GuardedBodies:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        refusal = None if scope["method"] in SAFE_METHODS else self.refuse(headers.get("authorization"))
+        refusal = (
+            None if scope["method"] in SAFE_METHODS else self.refuse(headers.get("authorization"))
+        )
         declared = headers.get("content-length")
-        if refusal is None and declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            refusal = _too_large(self.limit) if declared.isdigit() else HTTPException(400, "malformed Content-Length")
+        if (
+            refusal is None
+            and declared is not None
+            and (not declared.isdigit() or int(declared) > self.limit)
+        ):
+            refusal = (
+                _too_large(self.limit)
+                if declared.isdigit()
+                else HTTPException(400, "malformed Content-Length")
+            )
         if refusal is None:
             try:
                 body = await _read_body(receive, self.limit)
@@ -136,7 +155,11 @@ class GuardedBodies:
             except _BodyTooLarge:
                 refusal = _too_large(self.limit)
         if refusal is not None:
-            reply = JSONResponse({"detail": refusal.detail}, refusal.status_code, headers={**(refusal.headers or {}), "Connection": "close"})
+            reply = JSONResponse(
+                {"detail": refusal.detail},
+                refusal.status_code,
+                headers={**(refusal.headers or {}), "Connection": "close"},
+            )
             await reply(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
@@ -199,10 +222,18 @@ def create_app(cfg: DapoConfig) -> FastAPI:
     url = cfg.redis_url
     if not url:
         raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
-    bus = open_bus(url, cfg.queue.namespace, "api", retries=2, pause_when_full=False)  # answer 503, don't hang
+    bus = open_bus(
+        url, cfg.queue.namespace, "api", retries=2, pause_when_full=False
+    )  # answer 503, don't hang
     store = cfg.checkpoint_dir
-    app = FastAPI(title="DAPO control plane", version="1", description=__doc__, docs_url=None, redoc_url=None)
-    app.add_middleware(GuardedBodies, refuse=lambda header: token_refusal(header, cfg.api.token_env), limit=MAX_BODY_BYTES)
+    app = FastAPI(
+        title="DAPO control plane", version="1", description=__doc__, docs_url=None, redoc_url=None
+    )
+    app.add_middleware(
+        GuardedBodies,
+        refuse=lambda header: token_refusal(header, cfg.api.token_env),
+        limit=MAX_BODY_BYTES,
+    )
     app.add_middleware(SecurityHeaders)  # added last: outermost, so refusals carry the headers too
     page, script, style = _asset("dashboard.html"), _asset("dashboard.js"), _asset("dashboard.css")
 
@@ -243,7 +274,9 @@ def create_app(cfg: DapoConfig) -> FastAPI:
         return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     @app.get("/metrics/history")
-    def metrics_history(limit: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> list[dict[str, Any]]:
+    def metrics_history(
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 2000,
+    ) -> list[dict[str, Any]]:
         return bus.recent_metrics(limit)
 
     @app.get("/checkpoints")
@@ -260,14 +293,19 @@ def create_app(cfg: DapoConfig) -> FastAPI:
     @app.post("/checkpoints", status_code=202, dependencies=auth)
     def save_checkpoint(body: CheckpointRequest | None = None) -> Accepted:
         bus.post_control(CheckpointControl(keep=bool(body and body.keep)))
-        return Accepted(request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints")
+        return Accepted(
+            request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints"
+        )
 
     @app.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
     def restore(step: Annotated[int, Path(ge=0)]) -> Accepted:
         if get_checkpoint(store, step) is None:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
         bus.post_control(RestoreRequest(step=step))
-        return Accepted(request="restore", detail=f"the learner restarts from step {step} at its next step boundary")
+        return Accepted(
+            request="restore",
+            detail=f"the learner restarts from step {step} at its next step boundary",
+        )
 
     @app.post("/pause", status_code=202, dependencies=auth)
     def pause() -> Accepted:
@@ -298,5 +336,10 @@ def main(cfg: DapoConfig, host: str | None = None, port: int | None = None) -> i
     import uvicorn
 
     app = create_app(cfg)
-    uvicorn.run(app, host=host or cfg.api.host, port=port if port is not None else cfg.api.port, log_level="warning")
+    uvicorn.run(
+        app,
+        host=host or cfg.api.host,
+        port=port if port is not None else cfg.api.port,
+        log_level="warning",
+    )
     return 0

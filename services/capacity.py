@@ -51,9 +51,13 @@ class ModelShape:
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> ModelShape:
         return cls(
-            hidden=int(raw["hidden_size"]), layers=int(raw["num_hidden_layers"]), heads=int(raw["num_attention_heads"]),
+            hidden=int(raw["hidden_size"]),
+            layers=int(raw["num_hidden_layers"]),
+            heads=int(raw["num_attention_heads"]),
             kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-            intermediate=int(raw["intermediate_size"]), vocab=int(raw["vocab_size"]), tied=bool(raw.get("tie_word_embeddings", False)),
+            intermediate=int(raw["intermediate_size"]),
+            vocab=int(raw["vocab_size"]),
+            tied=bool(raw.get("tie_word_embeddings", False)),
         )
 
     @classmethod
@@ -66,8 +70,12 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        attention = self.hidden * self.head_dim * (self.heads * 2 + self.kv_heads * 2) + self.head_dim * (self.heads + 2 * self.kv_heads)
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden  # q,k,v,o (+bias), MLP, norms
+        attention = self.hidden * self.head_dim * (
+            self.heads * 2 + self.kv_heads * 2
+        ) + self.head_dim * (self.heads + 2 * self.kv_heads)
+        return (
+            attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        )  # q,k,v,o (+bias), MLP, norms
 
     @property
     def root_params(self) -> int:
@@ -93,7 +101,9 @@ class ModelShape:
         (4 x intermediate), all in the compute dtype; and each of the two RMSNorms, which keep
         their input in fp32 and their normalised output in the compute dtype (4h + compute x h)."""
         h = self.hidden
-        return compute_bytes * (3 * h + 2 * self.kv_dim + 4 * self.intermediate) + 2 * (4 * h + compute_bytes * h)
+        return compute_bytes * (3 * h + 2 * self.kv_dim + 4 * self.intermediate) + 2 * (
+            4 * h + compute_bytes * h
+        )
 
 
 @dataclass(frozen=True)
@@ -120,12 +130,21 @@ class Budget:
         return self.learner_total <= gpu_gib and self.concurrent_sequences >= 1
 
     def describe(self, gpu_gib: float) -> str:
-        lines = [f"learner, per GPU: {self.learner_total:.1f} GiB ("
-                 + ", ".join(f"{k} {v:.1f}" for k, v in self.learner.items()) + ")"]
-        lines.append(f"rollout replica, per GPU: {self.replica_total:.1f} GiB ("
-                     + ", ".join(f"{k} {v:.1f}" for k, v in self.replica.items())
-                     + f"); the KV cache holds {self.concurrent_sequences} full-length sequences"
-                     + (f" of the {self.batch_sequences} a generation batch has" if self.batch_sequences else ""))
+        lines = [
+            f"learner, per GPU: {self.learner_total:.1f} GiB ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.learner.items())
+            + ")"
+        ]
+        lines.append(
+            f"rollout replica, per GPU: {self.replica_total:.1f} GiB ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.replica.items())
+            + f"); the KV cache holds {self.concurrent_sequences} full-length sequences"
+            + (
+                f" of the {self.batch_sequences} a generation batch has"
+                if self.batch_sequences
+                else ""
+            )
+        )
         verdict = "fits" if self.fits(gpu_gib) else "does NOT fit"
         lines.append(f"on {gpu_gib:.0f} GiB GPUs this {verdict}")
         return "\n".join(lines)
@@ -137,7 +156,9 @@ def budget(cfg: DapoConfig, shape: ModelShape, gpu_gib: float) -> Budget:
     compute = 2 if le.mixed_precision != "none" else 4  # bf16 on GPU under "auto"
     tokens = le.micro_batch_size * (cfg.data.max_prompt_len + ro.max_response_len)
     per_layer = shape.activation_bytes(compute)
-    if le.activation_checkpointing:  # each layer's input, plus one layer's activations during its recomputation
+    if (
+        le.activation_checkpointing
+    ):  # each layer's input, plus one layer's activations during its recomputation
         activations = tokens * (shape.hidden * compute * shape.layers + per_layer)
     else:
         activations = tokens * per_layer * shape.layers
@@ -152,5 +173,12 @@ def budget(cfg: DapoConfig, shape: ModelShape, gpu_gib: float) -> Budget:
     weights = DTYPE_BYTES[cfg.model.dtype] * n / ro.tensor_parallel_size / GIB
     kv_per_token = shape.kv_bytes_per_token(DTYPE_BYTES[cfg.model.dtype]) / ro.tensor_parallel_size
     kv_gib = max(ro.gpu_memory_utilization * gpu_gib - weights, 0.0)
-    sequences = int(kv_gib * GIB // (kv_per_token * (cfg.data.max_prompt_len + ro.max_response_len)))
-    return Budget(learner, {"weights": weights, "kv cache": kv_gib}, sequences, ro.prompts_per_batch * ro.group_size)
+    sequences = int(
+        kv_gib * GIB // (kv_per_token * (cfg.data.max_prompt_len + ro.max_response_len))
+    )
+    return Budget(
+        learner,
+        {"weights": weights, "kv cache": kv_gib},
+        sequences,
+        ro.prompts_per_batch * ro.group_size,
+    )

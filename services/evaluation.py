@@ -27,12 +27,20 @@ log = logging.getLogger(__name__)
 def eval_prompts(cfg: DapoConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[list[int]]]:
     if not cfg.data.eval_path:
         return [], []
-    records = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns)
+    records = load_eval_problems(
+        cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns
+    )
     return records, [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in records]
 
 
 def evaluate(
-    engine: Engine, tokenizer: Any, records: list[PromptRecord], prompts: list[list[int]], cfg: DapoConfig, *, batch: int = 64
+    engine: Engine,
+    tokenizer: Any,
+    records: list[PromptRecord],
+    prompts: list[list[int]],
+    cfg: DapoConfig,
+    *,
+    batch: int = 64,
 ) -> dict[str, float]:
     """avg@k accuracy and mean response length over the eval set."""
     if not records:
@@ -43,12 +51,19 @@ def evaluate(
     try:
         for lo in range(0, len(prompts), batch):
             outs = engine.generate(
-                prompts[lo : lo + batch], n=k, max_tokens=cfg.rollout.max_response_len,
-                temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                prompts[lo : lo + batch],
+                n=k,
+                max_tokens=cfg.rollout.max_response_len,
+                temperature=cfg.eval.temperature,
+                top_p=cfg.eval.top_p,
             )
             for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
-                texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-                results = scorer.score_many([(t, rec.ground_truth) for t in texts], [rec.extra_info] * len(texts))
+                texts = tokenizer.batch_decode(
+                    [s.token_ids for s in samples], skip_special_tokens=True
+                )
+                results = scorer.score_many(
+                    [(t, rec.ground_truth) for t in texts], [rec.extra_info] * len(texts)
+                )
                 correct += sum(r.acc for r in results)
                 lengths += sum(len(s.token_ids) for s in samples)
                 total += len(samples)

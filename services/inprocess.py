@@ -84,8 +84,12 @@ def seconds_to_gain(history: list[list[float]], gain: float) -> float:
     return next((rl for _, acc, rl in history if acc >= base + gain - 1e-9), math.nan)
 
 
-def run_in_process(cfg: DapoConfig, *, on_eval: Callable[[int, float, float], None] | None = None,
-                   export_to: Path | None = None) -> InProcessResult:
+def run_in_process(
+    cfg: DapoConfig,
+    *,
+    on_eval: Callable[[int, float, float], None] | None = None,
+    export_to: Path | None = None,
+) -> InProcessResult:
     """Train `cfg.learner.total_steps` DAPO steps in this process; evaluate avg@k before the
     first step, every `eval.every_steps` steps and after the last (`on_eval(step, acc, rl_s)`
     after each); export the final weights as a Hugging Face model to `export_to` if given."""
@@ -116,18 +120,33 @@ def run_in_process(cfg: DapoConfig, *, on_eval: Callable[[int, float, float], No
         batch = [records[order[(cursor + i) % len(records)]] for i in range(ro.prompts_per_batch)]
         cursor += ro.prompts_per_batch
         prompts = [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in batch]
-        outs = engine.generate(prompts, n=ro.group_size, max_tokens=ro.max_response_len,
-                               temperature=ro.temperature, top_p=ro.top_p)
+        outs = engine.generate(
+            prompts,
+            n=ro.group_size,
+            max_tokens=ro.max_response_len,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+        )
         groups = []
         for record, ids, samples in zip(batch, prompts, outs, strict=True):
-            job = PromptJob(group_id=f"inproc-{result.groups_generated}", prompt_index=record.index,
-                            prompt_ids=ids, ground_truth=record.ground_truth, data_source=record.data_source,
-                            policy_version=0,
-                            issued_at=0.0, extra_info=record.extra_info)
+            job = PromptJob(
+                group_id=f"inproc-{result.groups_generated}",
+                prompt_index=record.index,
+                prompt_ids=ids,
+                ground_truth=record.ground_truth,
+                data_source=record.data_source,
+                policy_version=0,
+                issued_at=0.0,
+                extra_info=record.extra_info,
+            )
             result.groups_generated += 1
-            responses = [Response(token_ids=s.token_ids, logprobs=s.logprobs,
-                                  finish_reason=s.finish_reason) for s in samples]
-            group = RolloutGroup(job=job, policy_version=0, replica_id="in-process", responses=responses)
+            responses = [
+                Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
+                for s in samples
+            ]
+            group = RolloutGroup(
+                job=job, policy_version=0, replica_id="in-process", responses=responses
+            )
             score_group(group, tokenizer, scorer, cfg)
             groups.append(group)
         return groups
@@ -137,14 +156,25 @@ def run_in_process(cfg: DapoConfig, *, on_eval: Callable[[int, float, float], No
         for step in range(1, result.steps + 1):
             start = time.monotonic()
             kept: list[RolloutGroup] = []
-            while len(kept) < alg.train_batch_groups:  # dynamic sampling: generate until B groups pass
-                kept += [g for g in generate_and_score()
-                         if not alg.gatekeeper or keep_group(group_metric(g, alg.gatekeeper_metric))]
+            while (
+                len(kept) < alg.train_batch_groups
+            ):  # dynamic sampling: generate until B groups pass
+                kept += [
+                    g
+                    for g in generate_and_score()
+                    if not alg.gatekeeper or keep_group(group_metric(g, alg.gatekeeper_metric))
+                ]
             result.groups_trained += alg.train_batch_groups
-            batch = build_batch(kept[: alg.train_batch_groups], pad_id=0, norm_by_std=alg.norm_by_std,
-                                overlong_filter=cfg.reward.overlong.filter)
+            batch = build_batch(
+                kept[: alg.train_batch_groups],
+                pad_id=0,
+                norm_by_std=alg.norm_by_std,
+                overlong_filter=cfg.reward.overlong.filter,
+            )
             trained_at = time.monotonic()
-            trainer.train_step(batch, policy_version=0)  # every row on-policy: no behaviour correction
+            trainer.train_step(
+                batch, policy_version=0
+            )  # every row on-policy: no behaviour correction
             result.train_seconds += time.monotonic() - trained_at
             result.train_tokens += float(batch.response_mask.sum())
             engine.update_weights(trainer.named_full_params())  # a memory copy, not a broadcast
@@ -165,13 +195,34 @@ def main(cfg: DapoConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def report(step: int, acc: float, rl_s: float) -> None:
-        log.info("step %d: eval avg@%d %.3f at %.1f RL seconds", step, cfg.eval.samples_per_problem, acc, rl_s)
+        log.info(
+            "step %d: eval avg@%d %.3f at %.1f RL seconds",
+            step,
+            cfg.eval.samples_per_problem,
+            acc,
+            rl_s,
+        )
 
     result = run_in_process(cfg, on_eval=report, export_to=out / "hf")
-    summary = {**asdict(result), "train_tokens_per_s": result.train_tokens_per_s, "mode": "in-process"}
+    summary = {
+        **asdict(result),
+        "train_tokens_per_s": result.train_tokens_per_s,
+        "mode": "in-process",
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    first, last = (result.eval_history[0][1], result.eval_history[-1][1]) if result.eval_history else (0, 0)
-    log.info("%d steps in %.0f RL seconds; eval %.3f -> %.3f; %d groups generated for %d trained; "
-             "summary in %s, weights in %s", result.steps, result.rl_seconds, first, last,
-             result.groups_generated, result.groups_trained, out / "summary.json", out / "hf")
+    first, last = (
+        (result.eval_history[0][1], result.eval_history[-1][1]) if result.eval_history else (0, 0)
+    )
+    log.info(
+        "%d steps in %.0f RL seconds; eval %.3f -> %.3f; %d groups generated for %d trained; "
+        "summary in %s, weights in %s",
+        result.steps,
+        result.rl_seconds,
+        first,
+        last,
+        result.groups_generated,
+        result.groups_trained,
+        out / "summary.json",
+        out / "hf",
+    )
     return 0

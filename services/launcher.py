@@ -65,7 +65,14 @@ class Service:
         self.log_file = self.log_path.open("a")
         if self.devices is not None:
             env = {**env, "CUDA_VISIBLE_DEVICES": self.devices}
-        self.proc = subprocess.Popen(self.argv, env=env, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
     def alive(self) -> bool:
@@ -132,9 +139,26 @@ def _prepare_data(cfg: DapoConfig) -> None:
     if d.synth is None:
         return
     if not Path(d.train_path).exists():
-        write_rows(d.train_path, synth_rows(d.synth.num_train, difficulty=d.synth.difficulty, seed=d.seed, template=d.synth.template))
+        write_rows(
+            d.train_path,
+            synth_rows(
+                d.synth.num_train,
+                difficulty=d.synth.difficulty,
+                seed=d.seed,
+                template=d.synth.template,
+            ),
+        )
     if d.eval_path and not Path(d.eval_path).exists():
-        write_rows(d.eval_path, synth_rows(d.synth.num_eval, difficulty=d.synth.difficulty, seed=d.seed + 1_000_003, template=d.synth.template, start_index=10_000_000))
+        write_rows(
+            d.eval_path,
+            synth_rows(
+                d.synth.num_eval,
+                difficulty=d.synth.difficulty,
+                seed=d.seed + 1_000_003,
+                template=d.synth.template,
+                start_index=10_000_000,
+            ),
+        )
 
 
 def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
@@ -146,20 +170,35 @@ def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
     train = [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:20000]]
     evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path, columns=d.columns)[:128]]
     info = ensure_tiny_base(
-        Path(cfg.model.path), train_rows=train, eval_rows=evals, seed=cfg.learner.seed, max_sft_steps=spec.sft_max_steps,
-        batch_size=spec.sft_batch_size, lr=spec.sft_lr, target_acc=spec.target_acc, eval_every=spec.sft_eval_every,
-        samples_per_problem=spec.sft_eval_samples_per_problem, vocab_size=spec.vocab_size,
+        Path(cfg.model.path),
+        train_rows=train,
+        eval_rows=evals,
+        seed=cfg.learner.seed,
+        max_sft_steps=spec.sft_max_steps,
+        batch_size=spec.sft_batch_size,
+        lr=spec.sft_lr,
+        target_acc=spec.target_acc,
+        eval_every=spec.sft_eval_every,
+        samples_per_problem=spec.sft_eval_samples_per_problem,
+        vocab_size=spec.vocab_size,
         max_new_tokens=cfg.rollout.max_response_len,
-        model_kwargs={"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "num_heads": spec.num_heads,
-                      "num_kv_heads": spec.num_heads, "intermediate_size": spec.intermediate_size},
+        model_kwargs={
+            "hidden_size": spec.hidden_size,
+            "num_layers": spec.num_layers,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_heads,
+            "intermediate_size": spec.intermediate_size,
+        },
     )
     log.info("tiny base model ready: %s", info)
 
 
 def _as_row(rec: Any) -> dict[str, Any]:
     return {
-        "data_source": rec.data_source, "prompt": rec.messages,
-        "reward_model": {"ground_truth": rec.ground_truth, "style": "rule"}, "extra_info": rec.extra_info,
+        "data_source": rec.data_source,
+        "prompt": rec.messages,
+        "reward_model": {"ground_truth": rec.ground_truth, "style": "rule"},
+        "extra_info": rec.extra_info,
     }
 
 
@@ -172,8 +211,15 @@ class Progress:
     drain at the end of the run. It is measured between steps, so a pause (or a stalled learner)
     shows only when the next step comes, as a slower rate."""
 
-    def __init__(self, bus: StreamBus, total_steps: int, quiet: bool, *, clock: Callable[[], float] = time.monotonic,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        bus: StreamBus,
+        total_steps: int,
+        quiet: bool,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stream: TextIO | None = None,
+    ) -> None:
         self.bus, self.total, self.quiet, self.clock = bus, total_steps, quiet, clock
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
@@ -216,8 +262,14 @@ class Progress:
         (t0, s0), (t1, s1) = self.seen[0], self.seen[-1]
         if t1 <= t0:
             return "?step/s eta ?"
-        pace = tqdm.format_meter(s1, self.total, t1 - t0, unit="step", rate=(s1 - s0) / (t1 - t0),
-                                 bar_format="{rate_fmt} eta {remaining}")
+        pace = tqdm.format_meter(
+            s1,
+            self.total,
+            t1 - t0,
+            unit="step",
+            rate=(s1 - s0) / (t1 - t0),
+            bar_format="{rate_fmt} eta {remaining}",
+        )
         return str(pace).strip()
 
     def show(self) -> None:
@@ -245,13 +297,29 @@ def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> 
     cli = [py, "-m", "services.cli"]
     conf = ["--config", str(config_path)]
     if cfg.learner.nproc > 1:
-        learner = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.learner.nproc}", "-m", "services.cli", "learner", *conf]
+        learner = [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cfg.learner.nproc}",
+            "-m",
+            "services.cli",
+            "learner",
+            *conf,
+        ]
     else:
         learner = [*cli, "learner", *conf]
-    out = [Service("learner", learner, logs / "learner.log"), Service("gatekeeper", [*cli, "gatekeeper", *conf], logs / "gatekeeper.log")]
+    out = [
+        Service("learner", learner, logs / "learner.log"),
+        Service("gatekeeper", [*cli, "gatekeeper", *conf], logs / "gatekeeper.log"),
+    ]
     out.append(Service("reward-0", [*cli, "reward", *conf], logs / "reward-0.log"))
     out.append(Service("api", [*cli, "api", *conf, "--port", str(api_port)], logs / "api.log"))
-    out += [Service(f"rollout-{i}", [*cli, "rollout", *conf], logs / f"rollout-{i}.log") for i in range(cfg.rollout.replicas)]
+    out += [
+        Service(f"rollout-{i}", [*cli, "rollout", *conf], logs / f"rollout-{i}.log")
+        for i in range(cfg.rollout.replicas)
+    ]
     return out
 
 
@@ -262,7 +330,9 @@ def _stat(stats: dict[str, Any], name: str, default: float) -> float:
     return value if ok else default
 
 
-def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]) -> dict[str, Any]:
+def summarize(
+    cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]
+) -> dict[str, Any]:
     info = bus.run_info()
     finals = bus.final_stats("rollout")
     rollout_idle = [_stat(s, "idle_fraction", 0.0) for s in finals.values()]
@@ -287,18 +357,26 @@ def summarize(cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Ser
         "ledger": ledger.as_dict(),
         "mean_version_lag": num(RunField.MEAN_VERSION_LAG),
         "learner_idle_fraction": num(RunField.LEARNER_IDLE_FRACTION),
-        "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle) if rollout_idle else float("nan"),
+        "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle)
+        if rollout_idle
+        else float("nan"),
         "replica_final_versions": replica_versions,
         "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
-        "gatekeeper_evaluations": sum(int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()),
+        "gatekeeper_evaluations": sum(
+            int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()
+        ),
         "eval_history": bus.eval_history(),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),
-        "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics) / max(wall_s, 1e-9),
+        "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics)
+        / max(wall_s, 1e-9),
         "timing": step_timing(metrics),
-        "mean_sync_seconds": sum(m.get("timing_s/sync_weights", 0.0) for m in metrics) / max(len(metrics), 1),
-        "reward_curve": [[m["step"], m.get("critic/rewards/mean"), m.get("rollout/acc_mean")] for m in metrics],
+        "mean_sync_seconds": sum(m.get("timing_s/sync_weights", 0.0) for m in metrics)
+        / max(len(metrics), 1),
+        "reward_curve": [
+            [m["step"], m.get("critic/rewards/mean"), m.get("rollout/acc_mean")] for m in metrics
+        ],
     }
 
 
@@ -326,24 +404,38 @@ def step_timing(metrics: list[dict[str, Any]], warmup: int = 5) -> dict[str, flo
 
     return {
         "steps_per_hour": 3600.0 * (len(steady) - 1) / span if span > 0 else 0.0,
-        "step_s": mean("timing_s/step"), "update_actor_s": mean("timing_s/update_actor"),
-        "sync_weights_s": mean("timing_s/sync_weights"), "learner_idle_fraction": mean("perf/learner_idle_fraction"),
+        "step_s": mean("timing_s/step"),
+        "update_actor_s": mean("timing_s/update_actor"),
+        "sync_weights_s": mean("timing_s/sync_weights"),
+        "learner_idle_fraction": mean("perf/learner_idle_fraction"),
     }
 
 
 def run_local(
-    cfg: DapoConfig, *, resume: bool = False, quiet: bool = False, gpus: int | None = None, dry_run: bool = False,
-    model_config: str | None = None, gpu_memory_gib: float | None = None,
+    cfg: DapoConfig,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    gpus: int | None = None,
+    dry_run: bool = False,
+    model_config: str | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> int:
     """Run everything on this machine. `gpus` overrides the GPU count (plans for other machines);
     `dry_run` prints the placement and the per-GPU memory budget and starts nothing."""
     from services.redis_server import RedisServer
 
-    placement = plan(cfg, count_gpus() if gpus is None else gpus)  # refuses a config that does not fit
+    placement = plan(
+        cfg, count_gpus() if gpus is None else gpus
+    )  # refuses a config that does not fit
     if dry_run:
-        sys.stdout.write(placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n")
+        sys.stdout.write(
+            placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n"
+        )
         return 0
-    check_reward_function(cfg)  # a reward.function that cannot be loaded fails before anything starts
+    check_reward_function(
+        cfg
+    )  # a reward.function that cannot be loaded fails before anything starts
     started = time.monotonic()
     out = Path(cfg.output_dir)
     logs = out / "logs"
@@ -353,12 +445,18 @@ def run_local(
     config_path = out / "config.yaml"
     # The services read the Redis URL (and its credentials) from their environment, never from
     # a file: the config they are given has none.
-    config_path.write_text(dump_config(cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"redis_url": None})})))
+    config_path.write_text(
+        dump_config(
+            cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"redis_url": None})})
+        )
+    )
 
     server = None
     url = cfg.redis_url
     if url is None:
-        server = RedisServer(out / "redis", appendonly=True, password=secrets.token_urlsafe(24)).start()
+        server = RedisServer(
+            out / "redis", appendonly=True, password=secrets.token_urlsafe(24)
+        ).start()
         url = server.url
     env = {**os.environ, **prepared.env, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
@@ -367,7 +465,9 @@ def run_local(
     if not resume:
         bus.clear_namespace()
         _set_aside_checkpoints(cfg.checkpoint_dir)
-    bus.clear_run_field(RunField.FINISHED)  # a resumed run is not finished until its learner says so
+    bus.clear_run_field(
+        RunField.FINISHED
+    )  # a resumed run is not finished until its learner says so
     bus.ensure_groups()
 
     from contracts.runtime import free_port
@@ -386,7 +486,9 @@ def run_local(
     old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(bus, cfg.learner.total_steps, quiet)
     learner = services[0]
-    refused = Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE  # left by a learner that refused its checkpoint
+    refused = (
+        Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE
+    )  # left by a learner that refused its checkpoint
     refused.unlink(missing_ok=True)
     try:
         for svc in services:
@@ -418,10 +520,16 @@ def run_local(
         write_metrics_jsonl(bus, out / "metrics.jsonl")
         summary["interrupted"] = interrupted
         summary["learner_exit_code"] = learner_rc
-        summary["learner_refused_checkpoint"] = refused.read_text().strip() if refused.exists() else None
+        summary["learner_refused_checkpoint"] = (
+            refused.read_text().strip() if refused.exists() else None
+        )
         # Where the services ran: on CPU they share these cores (`dapo plan --calibrate` models that)
-        summary["machine"] = {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                              "gpus": placement.gpus}
+        summary["machine"] = {
+            "cpu_cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "gpus": placement.gpus,
+        }
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         write_curves_svg(summary, out / "curves.svg")
         for sig, handler in old_handlers.items():
@@ -461,7 +569,9 @@ def _set_aside_checkpoints(store: Path) -> None:
     if store.is_dir() and any(store.iterdir()):
         aside = store.with_name(f"{store.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
         store.rename(aside)
-        log.warning("moved the earlier run's checkpoints to %s (use --resume to continue a run)", aside)
+        log.warning(
+            "moved the earlier run's checkpoints to %s (use --resume to continue a run)", aside
+        )
 
 
 def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
@@ -481,7 +591,9 @@ def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
     if svc.log_file:
         svc.log_file.close()
     delay = min(2.0**svc.restarts, 30.0)
-    log.warning("%s exited with %s; restart %d/%d in %.0fs", svc.name, rc, svc.restarts, MAX_RESTARTS, delay)
+    log.warning(
+        "%s exited with %s; restart %d/%d in %.0fs", svc.name, rc, svc.restarts, MAX_RESTARTS, delay
+    )
     time.sleep(delay)
     svc.start(env)
 

@@ -75,11 +75,17 @@ def main(argv: Sequence[str]) -> int:
         if code in EXPLANATIONS:
             log.error("exiting %d: %s", code, EXPLANATIONS[code])
         else:
-            log.error("exiting %d: a learner rank failed; the next attempt resumes from the newest committed checkpoint", code)
+            log.error(
+                "exiting %d: a learner rank failed; the next attempt resumes from the newest committed checkpoint",
+                code,
+            )
         return code
     except SignalException as exc:
-        log.warning("stopped by %s after the ranks stopped; exiting %d so the Job does not count the run as done",
-                    exc.sigval.name, 128 + exc.sigval)
+        log.warning(
+            "stopped by %s after the ranks stopped; exiting %d so the Job does not count the run as done",
+            exc.sigval.name,
+            128 + exc.sigval,
+        )
         return 128 + int(exc.sigval)
     return 0
 

@@ -45,7 +45,9 @@ class Placement:
     def describe(self) -> str:
         if not self.gpus:
             return "no GPU: every process runs on the CPU"
-        lines = [f"{self.gpus} GPUs" + (" (learner and replica share GPU 0)" if self.shared else "")]
+        lines = [
+            f"{self.gpus} GPUs" + (" (learner and replica share GPU 0)" if self.shared else "")
+        ]
         lines.append(f"  learner ({len(self.learner)} ranks): GPUs {_ids(self.learner)}")
         lines += [f"  rollout-{i}: GPUs {_ids(gpus)}" for i, gpus in enumerate(self.replicas)]
         idle = self.gpus - len(set(self.learner).union(*map(set, self.replicas)))
@@ -63,12 +65,18 @@ def plan(cfg: DapoConfig, gpus: int) -> Placement:
     nproc, replicas, tp = cfg.learner.nproc, cfg.rollout.replicas, cfg.rollout.tensor_parallel_size
     if gpus == 0:
         if tp > 1:
-            raise PlacementError(f"rollout.tensor_parallel_size={tp} needs GPUs; this machine has none")
+            raise PlacementError(
+                f"rollout.tensor_parallel_size={tp} needs GPUs; this machine has none"
+            )
         return Placement(0, (), tuple(() for _ in range(replicas)))
     needed = nproc + replicas * tp
     if needed <= gpus:
         learner = tuple(range(nproc))
-        return Placement(gpus, learner, tuple(tuple(range(nproc + i * tp, nproc + (i + 1) * tp)) for i in range(replicas)))
+        return Placement(
+            gpus,
+            learner,
+            tuple(tuple(range(nproc + i * tp, nproc + (i + 1) * tp)) for i in range(replicas)),
+        )
     if gpus == 1 and nproc == 1 and replicas == 1 and tp == 1:
         return _shared(cfg)
     raise PlacementError(
@@ -80,11 +88,17 @@ def plan(cfg: DapoConfig, gpus: int) -> Placement:
 def _shared(cfg: DapoConfig) -> Placement:
     problems = []
     if cfg.learner.weights_backend != "gloo":
-        problems.append(f"learner.weights_backend={cfg.learner.weights_backend} (NCCL refuses two ranks on one GPU; use gloo)")
+        problems.append(
+            f"learner.weights_backend={cfg.learner.weights_backend} (NCCL refuses two ranks on one GPU; use gloo)"
+        )
     if cfg.rollout.gpu_memory_utilization >= 0.5:
-        problems.append(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} (leave the learner room: < 0.5)")
+        problems.append(
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} (leave the learner room: < 0.5)"
+        )
     if problems:
-        raise PlacementError("one GPU shared by the learner and a replica needs " + "; ".join(problems))
+        raise PlacementError(
+            "one GPU shared by the learner and a replica needs " + "; ".join(problems)
+        )
     return Placement(1, (0,), ((0,),), shared=True)
 
 

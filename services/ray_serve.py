@@ -83,7 +83,9 @@ class _StageHost:
         self.error: BaseException | None = None
         self._stopped = False
         self.setup()
-        self.hb = Heartbeat(self.bus, self.kind, self.id, self.cfg.queue.heartbeat_ttl_s, self.worker_status)
+        self.hb = Heartbeat(
+            self.bus, self.kind, self.id, self.cfg.queue.heartbeat_ttl_s, self.worker_status
+        )
         self.hb.start()
         self.thread = threading.Thread(target=self._run, name=f"{self.kind}-worker", daemon=True)
         self.thread.start()
@@ -121,7 +123,12 @@ class _StageHost:
     # --- what Serve calls ----------------------------------------------------------------------
     def __call__(self, request: object = None) -> dict[str, Any]:
         """This replica's status (HTTP answers it as JSON)."""
-        return {"kind": self.kind, "id": self.id, "alive": self.thread.is_alive(), **self.worker_status()}
+        return {
+            "kind": self.kind,
+            "id": self.id,
+            "alive": self.thread.is_alive(),
+            **self.worker_status(),
+        }
 
     def check_health(self) -> None:
         if not self.thread.is_alive() and not self.stop.stopping:
@@ -180,10 +187,19 @@ class RewardHost(_StageHost):
 
         from reward.service import RewardWorker
 
-        self.worker = RewardWorker(self.cfg, self.bus, AutoTokenizer.from_pretrained(self.cfg.model.path))
+        self.worker = RewardWorker(
+            self.cfg, self.bus, AutoTokenizer.from_pretrained(self.cfg.model.path)
+        )
 
     def work(self) -> None:
-        run_stage_loop(self.bus, self.bus.keys.rollouts, self.worker.handle, queue=self.cfg.queue, stop=self.stop, batch=REWARD_BATCH)
+        run_stage_loop(
+            self.bus,
+            self.bus.keys.rollouts,
+            self.worker.handle,
+            queue=self.cfg.queue,
+            stop=self.stop,
+            batch=REWARD_BATCH,
+        )
 
     def worker_status(self) -> dict[str, Any]:
         return self.worker.status()
@@ -204,10 +220,19 @@ class StatusIngress:
 
 
 # Status calls are the only requests; the work arrives through Redis.
-_STAGE_OPTIONS: dict[str, Any] = {"graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S, "max_ongoing_requests": 8}
-RolloutReplica = serve.deployment(name="RolloutReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS)(RolloutHost)
-RewardReplica = serve.deployment(name="RewardReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS)(RewardHost)
-PipelineStatus = serve.deployment(name="PipelineStatus", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16)(StatusIngress)
+_STAGE_OPTIONS: dict[str, Any] = {
+    "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+    "max_ongoing_requests": 8,
+}
+RolloutReplica = serve.deployment(
+    name="RolloutReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS
+)(RolloutHost)
+RewardReplica = serve.deployment(
+    name="RewardReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS
+)(RewardHost)
+PipelineStatus = serve.deployment(
+    name="PipelineStatus", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16
+)(StatusIngress)
 
 
 class BacklogPolicy:
@@ -273,7 +298,9 @@ def app(args: dict[str, Any]) -> Application:
     if a.rollout_autoscaling is not None and a.rollout_replicas is not None:
         raise ConfigError("give rollout_replicas or rollout_autoscaling, not both")
     num_gpus = cfg.rollout.tensor_parallel_size if a.rollout_gpu else 0
-    rollout_opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": a.rollout_cpus, "num_gpus": num_gpus}}
+    rollout_opts: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": a.rollout_cpus, "num_gpus": num_gpus}
+    }
     if a.rollout_autoscaling is not None:
         scaling = dict(a.rollout_autoscaling)
         scaling.setdefault("policy", {"policy_function": f"{__name__}:BacklogPolicy"})

@@ -78,14 +78,22 @@ class RedisServer:
         args = [
             find_redis_server(),
             str(self._config_file().resolve()),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir.resolve()),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--protected-mode", "yes",
-            "--logfile", "redis.log",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir.resolve()),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            "redis.log",
         ]
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
@@ -100,12 +108,23 @@ class RedisServer:
                 break
             except redis.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    log_tail = (self.data_dir / "redis.log").read_text()[-2000:] if (self.data_dir / "redis.log").exists() else ""
+                    log_tail = (
+                        (self.data_dir / "redis.log").read_text()[-2000:]
+                        if (self.data_dir / "redis.log").exists()
+                        else ""
+                    )
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start on port {self.port}: {log_tail}") from None
+                    raise RuntimeError(
+                        f"redis-server did not start on port {self.port}: {log_tail}"
+                    ) from None
                 time.sleep(0.05)
         client.close()
-        log.info("redis-server pid %d at %s (data %s)", self.proc.pid, redact_url(self.url), self.data_dir)
+        log.info(
+            "redis-server pid %d at %s (data %s)",
+            self.proc.pid,
+            redact_url(self.url),
+            self.data_dir,
+        )
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:

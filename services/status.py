@@ -87,7 +87,9 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
     records: list[Any] = skipped.read("metrics", lambda: bus.recent_metrics(20), [])
     metrics = [m for m in records if isinstance(m, dict)]
     instances = _instances(skipped.read("heartbeats", bus.live_instances, []), skipped)
-    learner_fresh = any(i["kind"] == "learner" and i["heartbeat_age_s"] < heartbeat_ttl_s for i in instances)
+    learner_fresh = any(
+        i["kind"] == "learner" and i["heartbeat_age_s"] < heartbeat_ttl_s for i in instances
+    )
     learner_state = state.get("state", "unknown")
     return {
         "run_name": info.get(RunField.RUN_NAME, keys.ns),
@@ -99,7 +101,9 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         "stream_depths": skipped.read("stream_depths", bus.depths, dict[str, int]()),
         "dead_letters": skipped.read("dead_letters", bus.dead_letter_count, None),
         "ledger": ledger,
-        "gatekeeper_pass_rate": None if ledger is None else skipped.read("counters", lambda: bus.pass_rate(ledger["filtered"]), None),
+        "gatekeeper_pass_rate": None
+        if ledger is None
+        else skipped.read("counters", lambda: bus.pass_rate(ledger["filtered"]), None),
         "throughput": _throughput(metrics),
         "base_eval_acc": _float(info.get(RunField.BASE_EVAL_ACC)),
         "redis_data_lost_at": _float(info.get(RunField.REDIS_DATA_LOST_AT)),
@@ -124,7 +128,9 @@ def _instances(raw: Iterable[Any], skipped: _Skipped) -> list[dict[str, Any]]:
             skipped.add("heartbeats")
             continue
         seen.add((row["kind"], row["id"]))
-        bad = sum(1 for k in ("host", "pid", "policy_version") if hb.get(k) is not None and row[k] is None)
+        bad = sum(
+            1 for k in ("host", "pid", "policy_version") if hb.get(k) is not None and row[k] is None
+        )
         for key, check in _INSTANCE_EXTRAS.items():
             if key in hb:
                 value = check(hb[key])
@@ -142,8 +148,12 @@ def _instance(hb: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(kind, str) or not isinstance(inst_id, str) or age is None:
         return None
     return {
-        "kind": kind, "id": inst_id, "host": _text(hb.get("host")), "pid": _count(hb.get("pid")),
-        "policy_version": _count(hb.get("policy_version")), "heartbeat_age_s": age,
+        "kind": kind,
+        "id": inst_id,
+        "host": _text(hb.get("host")),
+        "pid": _count(hb.get("pid")),
+        "policy_version": _count(hb.get("policy_version")),
+        "heartbeat_age_s": age,
     }
 
 
@@ -164,7 +174,12 @@ def _text(value: Any) -> str | None:
 
 
 # Optional heartbeat fields /status shows, each with the check its value must pass.
-_INSTANCE_EXTRAS: dict[str, Callable[[Any], Any]] = {"state": _text, "idle_fraction": _finite, "groups": _count, "pass_rate": _finite}
+_INSTANCE_EXTRAS: dict[str, Callable[[Any], Any]] = {
+    "state": _text,
+    "idle_fraction": _finite,
+    "groups": _count,
+    "pass_rate": _finite,
+}
 
 
 def _eval_history(rows: Iterable[Any], skipped: _Skipped) -> list[tuple[int, float, float]]:
@@ -232,7 +247,13 @@ class _Page(Collector):
         self.families: list[Metric] = []
         self._taken: set[str] = set()
 
-    def add(self, kind: str, name: str, help_: str, samples: Iterable[tuple[Mapping[str, str], float | None]]) -> None:
+    def add(
+        self,
+        kind: str,
+        name: str,
+        help_: str,
+        samples: Iterable[tuple[Mapping[str, str], float | None]],
+    ) -> None:
         name = "dapo_" + _ILLEGAL_NAME_CHARS.sub("_", name)
         exposed = {name, name + "_total"} if kind == "counter" else {name}
         if exposed & self._taken:
@@ -265,13 +286,22 @@ def prometheus_text(status: dict[str, Any]) -> str:
     _run_families(page, status)
     _instance_families(page, status)
     counters = status["counters"]
-    restarts = {k[len(_RESTARTS_PREFIX):]: v for k, v in counters.items() if k.startswith(_RESTARTS_PREFIX)}
-    page.add("counter", "restarts", "Times the supervisor restarted a service.", [({"service": s}, n) for s, n in restarts.items()])
+    restarts = {
+        k[len(_RESTARTS_PREFIX) :]: v for k, v in counters.items() if k.startswith(_RESTARTS_PREFIX)
+    }
+    page.add(
+        "counter",
+        "restarts",
+        "Times the supervisor restarted a service.",
+        [({"service": s}, n) for s, n in restarts.items()],
+    )
     for name, value in counters.items():
         if not name.startswith(_RESTARTS_PREFIX):
             page.add("counter", name, f"Service counter {name}.", [({}, value)])
     for key, value in status["last_metrics"].items():
-        if "/" in key and isinstance(value, int | float) and not isinstance(value, bool):  # NaN too: a diverged loss
+        if (
+            "/" in key and isinstance(value, int | float) and not isinstance(value, bool)
+        ):  # NaN too: a diverged loss
             page.gauge(key, f"Last step's {key}.", value)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(page)
@@ -281,34 +311,76 @@ def prometheus_text(status: dict[str, Any]) -> str:
 def _run_families(page: _Page, status: dict[str, Any]) -> None:
     page.gauge("step", "Training steps completed.", status["step"])
     page.gauge("policy_version", "Learner policy version.", status["policy_version"])
-    page.gauge("paused", "1 while training is paused by an operator request.", _flag(status["paused"]))
+    page.gauge(
+        "paused", "1 while training is paused by an operator request.", _flag(status["paused"])
+    )
     ledger = status["ledger"] or {}
     for outcome, count in ledger.items():
-        if outcome in LEDGER_FIELDS:  # counts of prompt jobs; not `balanced`, `damaged`, `in_flight`
+        if (
+            outcome in LEDGER_FIELDS
+        ):  # counts of prompt jobs; not `balanced`, `damaged`, `in_flight`
             page.add("counter", f"ledger_{outcome}", f"Prompt jobs {outcome}.", [({}, count)])
     page.gauge("ledger_in_flight", "Prompt jobs in flight.", ledger.get("in_flight"))
-    page.gauge("ledger_balanced", "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead + in flight.",
-               _flag(ledger.get("balanced")))
-    page.add("gauge", "stream_depth", "Entries waiting or in progress per stage.",
-             [({"stage": stage}, depth) for stage, depth in status["stream_depths"].items()])
+    page.gauge(
+        "ledger_balanced",
+        "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead + in flight.",
+        _flag(ledger.get("balanced")),
+    )
+    page.add(
+        "gauge",
+        "stream_depth",
+        "Entries waiting or in progress per stage.",
+        [({"stage": stage}, depth) for stage, depth in status["stream_depths"].items()],
+    )
     mem = status["redis_memory"]
     page.gauge("redis_used_bytes", "Redis used_memory.", mem["used_bytes"])
     page.gauge("redis_peak_bytes", "Redis used_memory_peak.", mem["peak_bytes"])
     page.gauge("redis_maxmemory_bytes", "Redis maxmemory (0 = no limit).", mem["maxmemory_bytes"])
-    page.gauge("redis_at_maxmemory", "1 while Redis refuses writes (services are paused).", _flag(mem["at_maxmemory"]))
-    page.gauge("dead_letter_stream_entries", "Entries in the dead-letter stream.", status["dead_letters"])
-    page.gauge("gatekeeper_pass_rate", "Fraction of groups kept by dynamic sampling.", status["gatekeeper_pass_rate"])
-    page.gauge("throughput_prompts_per_second", "Trained prompt groups per second.", status["throughput"]["prompts_per_s"])
-    page.gauge("throughput_tokens_per_second", "Trained response tokens per second.", status["throughput"]["tokens_per_s"])
-    page.add("gauge", "status_skipped_values", "Malformed values in Redis left out of this status, by source.",
-             [({"source": source}, n) for source, n in status["skipped_values"].items()])
+    page.gauge(
+        "redis_at_maxmemory",
+        "1 while Redis refuses writes (services are paused).",
+        _flag(mem["at_maxmemory"]),
+    )
+    page.gauge(
+        "dead_letter_stream_entries", "Entries in the dead-letter stream.", status["dead_letters"]
+    )
+    page.gauge(
+        "gatekeeper_pass_rate",
+        "Fraction of groups kept by dynamic sampling.",
+        status["gatekeeper_pass_rate"],
+    )
+    page.gauge(
+        "throughput_prompts_per_second",
+        "Trained prompt groups per second.",
+        status["throughput"]["prompts_per_s"],
+    )
+    page.gauge(
+        "throughput_tokens_per_second",
+        "Trained response tokens per second.",
+        status["throughput"]["tokens_per_s"],
+    )
+    page.add(
+        "gauge",
+        "status_skipped_values",
+        "Malformed values in Redis left out of this status, by source.",
+        [({"source": source}, n) for source, n in status["skipped_values"].items()],
+    )
 
 
 def _instance_families(page: _Page, status: dict[str, Any]) -> None:
     ids = [({"kind": i["kind"], "id": i["id"]}, i) for i in status["instances"]]
-    page.add("gauge", "instance_heartbeat_age_seconds", "Seconds since the instance's last heartbeat.",
-             [(labels, i["heartbeat_age_s"]) for labels, i in ids])
-    page.add("gauge", "instance_policy_version", "Policy version an instance holds.", [(labels, i["policy_version"]) for labels, i in ids])
+    page.add(
+        "gauge",
+        "instance_heartbeat_age_seconds",
+        "Seconds since the instance's last heartbeat.",
+        [(labels, i["heartbeat_age_s"]) for labels, i in ids],
+    )
+    page.add(
+        "gauge",
+        "instance_policy_version",
+        "Policy version an instance holds.",
+        [(labels, i["policy_version"]) for labels, i in ids],
+    )
 
 
 def _flag(value: bool | None) -> float | None:
@@ -326,14 +398,36 @@ def format_status(status: dict[str, Any]) -> str:
         ("stream depths", ", ".join(f"{k} {v}" for k, v in status["stream_depths"].items())),
         ("dead letters", _dash(status["dead_letters"])),
         ("redis memory", _memory_line(status["redis_memory"])),
-        ("gatekeeper pass rate", "-" if status["gatekeeper_pass_rate"] is None else f"{status['gatekeeper_pass_rate']:.3f}"),
-        ("throughput", f"{status['throughput']['prompts_per_s']:.2f} prompts/s, {status['throughput']['tokens_per_s']:.0f} tokens/s"),
-        ("eval", ", ".join(f"step {row[0]}: {row[1]:.3f}" for row in status["eval_history"][-5:]) or "-"),
+        (
+            "gatekeeper pass rate",
+            "-"
+            if status["gatekeeper_pass_rate"] is None
+            else f"{status['gatekeeper_pass_rate']:.3f}",
+        ),
+        (
+            "throughput",
+            f"{status['throughput']['prompts_per_s']:.2f} prompts/s, {status['throughput']['tokens_per_s']:.0f} tokens/s",
+        ),
+        (
+            "eval",
+            ", ".join(f"step {row[0]}: {row[1]:.3f}" for row in status["eval_history"][-5:]) or "-",
+        ),
     ]
     if status["skipped_values"]:
-        rows.append(("malformed in Redis", ", ".join(f"{_safe(k)} {v}" for k, v in status["skipped_values"].items())))
+        rows.append(
+            (
+                "malformed in Redis",
+                ", ".join(f"{_safe(k)} {v}" for k, v in status["skipped_values"].items()),
+            )
+        )
     last = status["last_metrics"]
-    for key in ("critic/rewards/mean", "rollout/acc_mean", "actor/entropy", "actor/clipfrac_high", "rollout/version_lag_mean"):
+    for key in (
+        "critic/rewards/mean",
+        "rollout/acc_mean",
+        "actor/entropy",
+        "actor/clipfrac_high",
+        "rollout/version_lag_mean",
+    ):
         if _finite(last.get(key)) is not None:
             rows.append((key, f"{last[key]:.4f}"))
     width = max(len(k) for k, _ in rows)
@@ -341,8 +435,10 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"{'kind':<11}{'id':<34}{'pid':>8}{'version':>9}{'heartbeat age':>15}")
     for i in status["instances"]:
-        lines.append(f"{_safe(i['kind']):<11}{_safe(i['id']):<34}{_dash(i['pid']):>8}{_dash(i['policy_version']):>9}"
-                     f"{i['heartbeat_age_s']:>14.1f}s")
+        lines.append(
+            f"{_safe(i['kind']):<11}{_safe(i['id']):<34}{_dash(i['pid']):>8}{_dash(i['policy_version']):>9}"
+            f"{i['heartbeat_age_s']:>14.1f}s"
+        )
     return "\n".join(lines)
 
 
@@ -358,16 +454,20 @@ def _dash(value: Any) -> str:
 def _ledger_line(led: dict[str, Any] | None) -> str:
     if led is None:
         return "unreadable (malformed in Redis)"
-    return (f"issued {led['issued']} + eval {led['eval_issued']} = trained {led['trained']} + filtered {led['filtered']} "
-            f"+ stale {led['stale']} + dead {led['dead']} + evaluated {led['evaluated']} + eval dead {led['eval_dead']} "
-            f"+ in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})")
+    return (
+        f"issued {led['issued']} + eval {led['eval_issued']} = trained {led['trained']} + filtered {led['filtered']} "
+        f"+ stale {led['stale']} + dead {led['dead']} + evaluated {led['evaluated']} + eval dead {led['eval_dead']} "
+        f"+ in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})"
+    )
 
 
 def _memory_line(mem: dict[str, Any]) -> str:
     mib = 1 << 20
     limit = f"{mem['maxmemory_bytes'] / mib:.1f} MiB" if mem["maxmemory_bytes"] else "no limit"
     line = f"{mem['used_bytes'] / mib:.1f} MiB used (peak {mem['peak_bytes'] / mib:.1f}), maxmemory {limit}"
-    return line + (" -- AT MAXMEMORY: writes refused, services paused" if mem["at_maxmemory"] else "")
+    return line + (
+        " -- AT MAXMEMORY: writes refused, services paused" if mem["at_maxmemory"] else ""
+    )
 
 
 def print_status(cfg: Any, *, as_json: bool = False) -> int:

@@ -69,7 +69,8 @@ def tiny_cache() -> None:
     import subprocess
     import sys
 
-    code = ("from contracts.config import load_config; from services.launcher import prepare; "
-            "prepare(load_config('configs/tiny.yaml'))")
+    code = (
+        "from contracts.config import load_config; from services.launcher import prepare; "
+        "prepare(load_config('configs/tiny.yaml'))"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=3600)
-

@@ -18,13 +18,21 @@ LINT = Path(sys.executable).with_name("lint-imports")
 
 def _copy_tree(dest: Path) -> None:
     for pkg in PACKAGES:
-        shutil.copytree(REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.html"))
+        shutil.copytree(
+            REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.html")
+        )
     shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")
 
 
 def _lint(cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(LINT), "--no-cache"], cwd=cwd, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(cwd), "PATH": str(LINT.parent)}, timeout=300)
+    return subprocess.run(
+        [str(LINT), "--no-cache"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(cwd), "PATH": str(LINT.parent)},
+        timeout=300,
+    )
 
 
 @pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed")
@@ -49,7 +57,9 @@ def test_layer_contracts_hold_and_catch_a_wrong_import(tmp_path: Path) -> None:
     gate = tmp_path / "gatekeeper" / "service.py"
     gate.write_text(gate.read_text() + "\nimport services.launcher  # noqa\n")
     bad = _lint(tmp_path)
-    assert bad.returncode != 0 and "gatekeeper.service -> services.launcher" in bad.stdout, bad.stdout
+    assert bad.returncode != 0 and "gatekeeper.service -> services.launcher" in bad.stdout, (
+        bad.stdout
+    )
 
 
 def test_no_raw_redis_client_outside_the_contracts() -> None:
@@ -60,8 +70,14 @@ def test_no_raw_redis_client_outside_the_contracts() -> None:
             if path.is_relative_to(REPO / "contracts"):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and node.attr in ("redis", "r") and isinstance(node.value, ast.Attribute | ast.Name):
-                    owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("redis", "r")
+                    and isinstance(node.value, ast.Attribute | ast.Name)
+                ):
+                    owner = (
+                        node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                    )
                     if "bus" in owner:
                         offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, f"raw Redis client used outside contracts: {offenders}"

@@ -84,7 +84,6 @@ CHAIN_TERMS = (2, 3, 4)
 addition), four-term ones are three chained additions and the longest responses."""
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Synthetic arithmetic
 
@@ -187,10 +186,10 @@ def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> 
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if difficulty == 6:
         listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
-        count = {2: "two", 3: "three", 4: "four"}[len(numbers)]  # in words: the only digits are the operands
+        count = {2: "two", 3: "three", 4: "four"}[
+            len(numbers)
+        ]  # in words: the only digits are the operands
         return sentence.format(name=name, item=item, count=count, numbers=listed)
     # Placeholder names in the order `_draw_problem` lists the operands.
     keys = {1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
     return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))
-
-

@@ -430,7 +430,11 @@ def _warm_start(
             continue
         recent = sum(losses[-eval_every:]) / len(losses[-eval_every:])
         measure = functools.partial(
-            sampling_accuracy, model, tokenizer, evals, max_new_tokens=max_new_tokens,
+            sampling_accuracy,
+            model,
+            tokenizer,
+            evals,
+            max_new_tokens=max_new_tokens,
             seed=seed * 1_000_003 + step,
         )
         # A one-sample screen first: most evaluations come before the climb, near 0%, and the

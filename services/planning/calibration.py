@@ -82,13 +82,21 @@ def read_run(run_dir: str | Path) -> tuple[DapoConfig, RunMeasurement]:
     """The run's config and steady-state measurement from `config.yaml` and `metrics.jsonl`."""
     run = Path(run_dir)
     cfg = load_config(run / "config.yaml")
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [
+        json.loads(line)
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     steady = [r for r in records if r["step"] > WARMUP_STEPS]
     if len(steady) < 10:
-        raise ValueError(f"{run}: {len(steady)} steady steps in metrics.jsonl; calibration needs at least 10")
+        raise ValueError(
+            f"{run}: {len(steady)} steady steps in metrics.jsonl; calibration needs at least 10"
+        )
     missing = [k for k in ("timing_s/gen_per_group", "timing_s/wait_data") if k not in steady[-1]]
     if missing:
-        raise ValueError(f"{run}: metrics.jsonl lacks {missing} (recorded by the learner since `dapo plan` exists)")
+        raise ValueError(
+            f"{run}: metrics.jsonl lacks {missing} (recorded by the learner since `dapo plan` exists)"
+        )
     span = float(steady[-1]["time"]) - float(steady[0]["time"])
     intervals = len(steady) - 1
     step_s = span / intervals
@@ -96,12 +104,17 @@ def read_run(run_dir: str | Path) -> tuple[DapoConfig, RunMeasurement]:
     gen = fmean(float(r["timing_s/gen_per_group"]) for r in steady)
     wait = sum(float(r["timing_s/wait_data"]) for r in steady[1:])
     measured = RunMeasurement(
-        step_s=step_s, learner_busy_s=fmean(float(r["timing_s/step"]) for r in steady),
-        sync_s=fmean(float(r["timing_s/sync_weights"]) for r in steady), gen_s_per_group=gen, jobs_per_step=jobs,
+        step_s=step_s,
+        learner_busy_s=fmean(float(r["timing_s/step"]) for r in steady),
+        sync_s=fmean(float(r["timing_s/sync_weights"]) for r in steady),
+        gen_s_per_group=gen,
+        jobs_per_step=jobs,
         pass_rate=_pass_rate(steady),
         response_len_mean=fmean(float(r["response_length/mean"]) for r in steady),
         response_len_max=max(float(r["response_length/max"]) for r in steady),
-        learner_idle=wait / span, rollout_idle=1.0 - jobs * gen / (cfg.rollout.replicas * step_s), steps=len(steady),
+        learner_idle=wait / span,
+        rollout_idle=1.0 - jobs * gen / (cfg.rollout.replicas * step_s),
+        steps=len(steady),
         cpu_cores=_shared_cpu_cores(run),
     )
     return cfg, measured
@@ -112,7 +125,11 @@ def _shared_cpu_cores(run: Path) -> int | None:
     run`), when the run had no GPUs."""
     summary = run / "summary.json"
     machine = json.loads(summary.read_text()).get("machine") if summary.exists() else None
-    if not isinstance(machine, dict) or int(machine.get("gpus", 0)) > 0 or "cpu_cores" not in machine:
+    if (
+        not isinstance(machine, dict)
+        or int(machine.get("gpus", 0)) > 0
+        or "cpu_cores" not in machine
+    ):
         return None
     return int(machine["cpu_cores"])
 
@@ -123,7 +140,9 @@ def _pass_rate(steady: list[dict[str, Any]]) -> float:
     filtered = float(steady[-1]["gate/filtered_total"]) - float(steady[0]["gate/filtered_total"])
     issued = float(steady[-1]["ledger/issued"]) - float(steady[0]["ledger/issued"])
     in_flight = float(steady[-1]["ledger/in_flight"]) - float(steady[0]["ledger/in_flight"])
-    gated = issued - in_flight  # what left the pipeline's entrance: filtered, trained or dropped stale
+    gated = (
+        issued - in_flight
+    )  # what left the pipeline's entrance: filtered, trained or dropped stale
     return 1.0 - filtered / gated if gated > 0 else 1.0
 
 
@@ -132,24 +151,38 @@ def measured_spec(cfg: DapoConfig, m: RunMeasurement) -> PipelineSpec:
     shared CPU cores `solve_shared_work` turns them into each process's work alone)."""
     ro, alg, cores = cfg.rollout, cfg.algorithm, m.cpu_cores
     spec = PipelineSpec(
-        replicas=ro.replicas, prompts_per_batch=ro.prompts_per_batch, group_size=ro.group_size,
-        train_batch_groups=alg.train_batch_groups, oversampling=alg.oversampling, max_staleness=alg.max_staleness,
-        pass_rate=m.pass_rate, generation=MeasuredGeneration(m.gen_s_per_group), learner_step_s=m.learner_busy_s - m.sync_s,
-        sync_s=m.sync_s, lengths=ResponseLengths(m.response_len_mean, ro.max_response_len, 0.0), prompt_len=cfg.data.max_prompt_len,
+        replicas=ro.replicas,
+        prompts_per_batch=ro.prompts_per_batch,
+        group_size=ro.group_size,
+        train_batch_groups=alg.train_batch_groups,
+        oversampling=alg.oversampling,
+        max_staleness=alg.max_staleness,
+        pass_rate=m.pass_rate,
+        generation=MeasuredGeneration(m.gen_s_per_group),
+        learner_step_s=m.learner_busy_s - m.sync_s,
+        sync_s=m.sync_s,
+        lengths=ResponseLengths(m.response_len_mean, ro.max_response_len, 0.0),
+        prompt_len=cfg.data.max_prompt_len,
         hop_s=HOP_SECONDS,
     )
     if cores is None:
         return spec
     # torch's default (torch_threads None) is a thread per core
-    return replace(spec, cpu_cores=cores, learner_threads=cfg.learner.nproc * (cfg.learner.torch_threads or cores),
-                   replica_threads=ro.torch_threads or cores)
+    return replace(
+        spec,
+        cpu_cores=cores,
+        learner_threads=cfg.learner.nproc * (cfg.learner.torch_threads or cores),
+        replica_threads=ro.torch_threads or cores,
+    )
 
 
 SHARED_WORK_ITERATIONS = 5
 """Fixed-point iterations of `solve_shared_work` (it settles to 0.1% within three)."""
 
 
-def solve_shared_work(spec: PipelineSpec, m: RunMeasurement, simulate_mean: Callable[[PipelineSpec], Prediction]) -> PipelineSpec:
+def solve_shared_work(
+    spec: PipelineSpec, m: RunMeasurement, simulate_mean: Callable[[PipelineSpec], Prediction]
+) -> PipelineSpec:
     """The generation and training work (each process alone on the cores) at which the simulated
     run records the measured wall-clock rates: a replica's `timing_s/gen_per_group` and the
     learner's `timing_s/step`. Under processor sharing the wall time of a piece of work is its
@@ -158,7 +191,9 @@ def solve_shared_work(spec: PipelineSpec, m: RunMeasurement, simulate_mean: Call
     for _ in range(SHARED_WORK_ITERATIONS):
         p = simulate_mean(spec)
         gen *= m.gen_s_per_group / p.gen_s_per_group
-        learner = spec.learner_step_s * (m.learner_busy_s - m.sync_s) / (p.learner_busy_s - spec.sync_s)
+        learner = (
+            spec.learner_step_s * (m.learner_busy_s - m.sync_s) / (p.learner_busy_s - spec.sync_s)
+        )
         spec = replace(spec, generation=MeasuredGeneration(gen), learner_step_s=learner)
     return spec
 
@@ -175,8 +210,10 @@ class RunCalibration:
         m, p = self.measured, self.predicted
         return {
             "step_time": p.step_s / m.step_s - 1,
-            "learner_idle": p.learner_idle / m.learner_idle - 1, "learner_idle_points": p.learner_idle - m.learner_idle,
-            "rollout_idle": p.rollout_idle / m.rollout_idle - 1, "rollout_idle_points": p.rollout_idle - m.rollout_idle,
+            "learner_idle": p.learner_idle / m.learner_idle - 1,
+            "learner_idle_points": p.learner_idle - m.learner_idle,
+            "rollout_idle": p.rollout_idle / m.rollout_idle - 1,
+            "rollout_idle_points": p.rollout_idle - m.rollout_idle,
         }
 
 
@@ -185,7 +222,10 @@ def calibrate_run(run_dir: str | Path, *, seeds: int = 5) -> RunCalibration:
     cfg, m = read_run(run_dir)
 
     def simulate_mean(spec: PipelineSpec) -> Prediction:
-        runs = [simulate(spec, steps=m.steps + WARMUP_STEPS, warmup=WARMUP_STEPS, seed=s) for s in range(seeds)]
+        runs = [
+            simulate(spec, steps=m.steps + WARMUP_STEPS, warmup=WARMUP_STEPS, seed=s)
+            for s in range(seeds)
+        ]
         mean = {k: fmean(getattr(r, k) for r in runs) for k in runs[0].as_dict() if k != "steps"}
         return Prediction(**mean, steps=runs[0].steps)
 
@@ -228,7 +268,12 @@ class PublishedCase:
 def published_cases() -> list[PublishedCase]:
     raw = tomllib.loads(PUBLISHED.read_text())
     models = {name: ModelShape.from_config(fields) for name, fields in raw["models"].items()}
-    return [PublishedCase(shape=models[case["model"]], **{k: v for k, v in case.items() if k != "model"}) for case in raw["cases"]]
+    return [
+        PublishedCase(
+            shape=models[case["model"]], **{k: v for k, v in case.items() if k != "model"}
+        )
+        for case in raw["cases"]
+    ]
 
 
 @dataclass(frozen=True)
@@ -246,7 +291,9 @@ class SpeedupPrediction:
         return self.speedup / self.case.speedup - 1
 
 
-def predict_published(case: PublishedCase, assumptions: Assumptions = DEFAULT_ASSUMPTIONS, *, steps: int = 12) -> SpeedupPrediction:
+def predict_published(
+    case: PublishedCase, assumptions: Assumptions = DEFAULT_ASSUMPTIONS, *, steps: int = 12
+) -> SpeedupPrediction:
     """Synchronous and asynchronous step times of a published configuration from the hardware
     model, calibrated on the synchronous run's phase times where they are published (nothing
     measured in the asynchronous run goes in)."""
@@ -274,24 +321,47 @@ class _CaseModel:
         (training time grows a little faster than the tokens: attention)."""
         for _ in range(4):
             scale = training_s / self.train(self.case.gpus, self.case.sync_recomputes_logprobs)
-            self.lengths = self.lengths.with_mean(min(self.lengths.mean * scale, 0.9 * self.case.max_response))
+            self.lengths = self.lengths.with_mean(
+                min(self.lengths.mean * scale, 0.9 * self.case.max_response)
+            )
 
     def decode(self) -> DecodeModel:
-        return DecodeModel(self.case.shape, self.gpu, self.case.tp, PROMPT_TOKENS_ASSUMED, self.lengths.mean, self.assumptions,
-                           time_scale=self.time_scale)
+        return DecodeModel(
+            self.case.shape,
+            self.gpu,
+            self.case.tp,
+            PROMPT_TOKENS_ASSUMED,
+            self.lengths.mean,
+            self.assumptions,
+            time_scale=self.time_scale,
+        )
 
     def train(self, gpus: int, recompute: bool) -> float:
         seq_len = PROMPT_TOKENS_ASSUMED + self.lengths.mean
         tokens = self.case.prompts * self.case.group_size * seq_len
-        return train_seconds(self.case.shape, tokens, seq_len, gpus, self.gpu, self.assumptions, checkpointing=True,
-                             recompute_logprobs=recompute)
+        return train_seconds(
+            self.case.shape,
+            tokens,
+            seq_len,
+            gpus,
+            self.gpu,
+            self.assumptions,
+            checkpointing=True,
+            recompute_logprobs=recompute,
+        )
 
     def colocated(self) -> ColocatedSpec:
         c = self.case
         return ColocatedSpec(
-            replicas=c.gpus // c.tp, train_batch_groups=c.prompts, group_size=c.group_size, pass_rate=1.0,
-            generation=self.decode(), learner_step_s=self.train(c.gpus, c.sync_recomputes_logprobs), switch_s=2 * self.sync_s,
-            lengths=self.lengths)
+            replicas=c.gpus // c.tp,
+            train_batch_groups=c.prompts,
+            group_size=c.group_size,
+            pass_rate=1.0,
+            generation=self.decode(),
+            learner_step_s=self.train(c.gpus, c.sync_recomputes_logprobs),
+            switch_s=2 * self.sync_s,
+            lengths=self.lengths,
+        )
 
     def sync_generation_s(self, steps: int) -> float:
         spec = self.colocated()
@@ -301,10 +371,17 @@ class _CaseModel:
         c = self.case
         if c.sync == "colocated":
             return simulate_colocated(self.colocated(), steps=steps)
-        return simulate(self.disaggregated(c.sync_recomputes_logprobs, staleness=0.0), steps=steps, warmup=2, decode=self.decode())
+        return simulate(
+            self.disaggregated(c.sync_recomputes_logprobs, staleness=0.0),
+            steps=steps,
+            warmup=2,
+            decode=self.decode(),
+        )
 
     def simulate_async(self, steps: int) -> Prediction:
-        spec = self.disaggregated(self.case.async_recomputes_logprobs, staleness=self.case.staleness)
+        spec = self.disaggregated(
+            self.case.async_recomputes_logprobs, staleness=self.case.staleness
+        )
         return simulate(spec, steps=steps, warmup=2, decode=self.decode())
 
     def disaggregated(self, recompute: bool, *, staleness: float) -> PipelineSpec:
@@ -312,9 +389,19 @@ class _CaseModel:
         replicas = c.rollout_gpus // c.tp
         streaming = c.asynchronous == "streaming"
         return PipelineSpec(
-            replicas=replicas, prompts_per_batch=math.ceil(c.prompts / replicas), group_size=c.group_size,
-            train_batch_groups=c.prompts, oversampling=1.0, max_staleness=math.ceil(staleness), pass_rate=1.0,
-            generation=self.decode(), learner_step_s=self.train(c.gpus - c.rollout_gpus, recompute), sync_s=self.sync_s,
-            lengths=self.lengths, prompt_len=PROMPT_TOKENS_ASSUMED, streaming=streaming, admission_batches=1.0 + staleness,
+            replicas=replicas,
+            prompts_per_batch=math.ceil(c.prompts / replicas),
+            group_size=c.group_size,
+            train_batch_groups=c.prompts,
+            oversampling=1.0,
+            max_staleness=math.ceil(staleness),
+            pass_rate=1.0,
+            generation=self.decode(),
+            learner_step_s=self.train(c.gpus - c.rollout_gpus, recompute),
+            sync_s=self.sync_s,
+            lengths=self.lengths,
+            prompt_len=PROMPT_TOKENS_ASSUMED,
+            streaming=streaming,
+            admission_batches=1.0 + staleness,
             drop_stale=not streaming,
         )

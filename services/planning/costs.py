@@ -78,7 +78,12 @@ class ResponseLengths:
 
     @classmethod
     def assumed(cls, max_len: int, assumptions: Assumptions) -> ResponseLengths:
-        return cls(assumptions.response_mean_fraction * max_len, max_len, assumptions.response_sigma, assumptions.truncated_fraction)
+        return cls(
+            assumptions.response_mean_fraction * max_len,
+            max_len,
+            assumptions.response_sigma,
+            assumptions.truncated_fraction,
+        )
 
     def with_mean(self, mean: float) -> ResponseLengths:
         return ResponseLengths(mean, self.max_len, self.sigma, self.truncated)
@@ -91,8 +96,12 @@ class ResponseLengths:
         if self.sigma == 0 and self.truncated == 0:
             return [min(max(round(self.mean), 1), self.max_len)] * n
         mu = math.log(self.bulk_mean) - self.sigma**2 / 2
-        return [self.max_len if rng.random() < self.truncated else min(max(round(rng.lognormvariate(mu, self.sigma)), 1), self.max_len)
-                for _ in range(n)]
+        return [
+            self.max_len
+            if rng.random() < self.truncated
+            else min(max(round(rng.lognormvariate(mu, self.sigma)), 1), self.max_len)
+            for _ in range(n)
+        ]
 
 
 @dataclass(frozen=True)
@@ -116,7 +125,9 @@ class DecodeModel:
         (paged attention allocates as tokens come, so the mean, not the maximum, decides)."""
         weights = self.dtype_bytes * self.shape.params
         kv_bytes = self.gpu_memory_utilization * self.gpu.memory_gib * 2**30 * self.tp - weights
-        per_sequence = self.shape.kv_bytes_per_token(self.dtype_bytes) * (self.prompt_len + self.mean_response)
+        per_sequence = self.shape.kv_bytes_per_token(self.dtype_bytes) * (
+            self.prompt_len + self.mean_response
+        )
         return max(1, min(self.assumptions.max_num_seqs, int(kv_bytes // per_sequence)))
 
     def step_seconds(self, active: int, context: float) -> float:
@@ -156,8 +167,17 @@ class DecodeModel:
         return seconds + self.prefill_seconds(prompts)
 
 
-def train_seconds(shape: ModelShape, tokens: float, mean_seq_len: float, gpus: int, gpu: GpuType, assumptions: Assumptions,
-                  *, checkpointing: bool, recompute_logprobs: bool = False) -> float:
+def train_seconds(
+    shape: ModelShape,
+    tokens: float,
+    mean_seq_len: float,
+    gpus: int,
+    gpu: GpuType,
+    assumptions: Assumptions,
+    *,
+    checkpointing: bool,
+    recompute_logprobs: bool = False,
+) -> float:
     """One learner step over `tokens` tokens (prompts and responses) on `gpus` GPUs.
 
     FLOPs per token: 6 x params for forward and backward, +2 x params to recompute activations
@@ -171,7 +191,9 @@ def train_seconds(shape: ModelShape, tokens: float, mean_seq_len: float, gpus: i
     return flops / (gpus * gpu.flops * assumptions.train_mfu)
 
 
-def sync_seconds(shape: ModelShape, gpu: GpuType, cluster_gpus: int, assumptions: Assumptions) -> float:
+def sync_seconds(
+    shape: ModelShape, gpu: GpuType, cluster_gpus: int, assumptions: Assumptions
+) -> float:
     """Broadcasting the bf16 weights from the learner to the replicas (pipelined, so about one
     pass over the slowest link, NVLink inside one node, the network beyond)."""
     return 2 * shape.params / (gpu.link_bytes_per_s(cluster_gpus) * assumptions.link_efficiency)

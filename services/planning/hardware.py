@@ -52,5 +52,7 @@ def gpu_type(name: str) -> GpuType:
     table = gpu_table()
     key = name.lower()
     if key not in table:
-        raise ConfigError(f"--gpu {name}: unknown GPU type; known: {', '.join(sorted(table))} ({GPU_TABLE.name})")
+        raise ConfigError(
+            f"--gpu {name}: unknown GPU type; known: {', '.join(sorted(table))} ({GPU_TABLE.name})"
+        )
     return table[key]

@@ -38,16 +38,31 @@ SIM_STEPS, SIM_WARMUP = 14, 4
 def model_shape(cfg: DapoConfig, model_config: str | None = None) -> ModelShape:
     """The model's architecture: `--model-config`, else `model.path/config.json`, else the
     preset's copy in configs/models/ (named after the model directory), else the tiny model's spec."""
-    candidates = [Path(model_config)] if model_config else [Path(cfg.model.path) / "config.json",
-                                                              MODELS / f"{Path(cfg.model.path).name.lower()}.json"]
+    candidates = (
+        [Path(model_config)]
+        if model_config
+        else [
+            Path(cfg.model.path) / "config.json",
+            MODELS / f"{Path(cfg.model.path).name.lower()}.json",
+        ]
+    )
     for path in candidates:
         if path.exists():
             return ModelShape.from_config(json.loads(path.read_text()))
     spec = cfg.model.build_tiny
     if spec is not None:
-        return ModelShape(hidden=spec.hidden_size, layers=spec.num_layers, heads=spec.num_heads, kv_heads=spec.num_heads,
-                          intermediate=spec.intermediate_size, vocab=spec.vocab_size, tied=False)
-    raise FileNotFoundError(f"no model config among {[str(c) for c in candidates]}: pass --model-config FILE")
+        return ModelShape(
+            hidden=spec.hidden_size,
+            layers=spec.num_layers,
+            heads=spec.num_heads,
+            kv_heads=spec.num_heads,
+            intermediate=spec.intermediate_size,
+            vocab=spec.vocab_size,
+            tied=False,
+        )
+    raise FileNotFoundError(
+        f"no model config among {[str(c) for c in candidates]}: pass --model-config FILE"
+    )
 
 
 @dataclass(frozen=True)
@@ -63,19 +78,44 @@ class Planner:
     def lengths(self) -> ResponseLengths:
         return ResponseLengths.assumed(self.cfg.rollout.max_response_len, self.assumptions)
 
-    def spec(self, learner_gpus: int, replicas: int, max_staleness: int) -> tuple[PipelineSpec, DecodeModel]:
+    def spec(
+        self, learner_gpus: int, replicas: int, max_staleness: int
+    ) -> tuple[PipelineSpec, DecodeModel]:
         cfg, a, lengths = self.cfg, self.assumptions, self.lengths
         prompt = cfg.data.max_prompt_len
-        decode = DecodeModel(self.shape, self.gpu, cfg.rollout.tensor_parallel_size, prompt, lengths.mean, a,
-                             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+        decode = DecodeModel(
+            self.shape,
+            self.gpu,
+            cfg.rollout.tensor_parallel_size,
+            prompt,
+            lengths.mean,
+            a,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        )
         seq = prompt + lengths.mean
         tokens = cfg.algorithm.train_batch_groups * cfg.rollout.group_size * seq
-        learner_s = train_seconds(self.shape, tokens, seq, learner_gpus, self.gpu, a, checkpointing=cfg.learner.activation_checkpointing)
+        learner_s = train_seconds(
+            self.shape,
+            tokens,
+            seq,
+            learner_gpus,
+            self.gpu,
+            a,
+            checkpointing=cfg.learner.activation_checkpointing,
+        )
         spec = PipelineSpec(
-            replicas=replicas, prompts_per_batch=cfg.rollout.prompts_per_batch, group_size=cfg.rollout.group_size,
-            train_batch_groups=cfg.algorithm.train_batch_groups, oversampling=cfg.algorithm.oversampling, max_staleness=max_staleness,
-            pass_rate=self.pass_rate, generation=decode, learner_step_s=learner_s, sync_s=sync_seconds(self.shape, self.gpu, self.gpus, a),
-            lengths=lengths, prompt_len=prompt,
+            replicas=replicas,
+            prompts_per_batch=cfg.rollout.prompts_per_batch,
+            group_size=cfg.rollout.group_size,
+            train_batch_groups=cfg.algorithm.train_batch_groups,
+            oversampling=cfg.algorithm.oversampling,
+            max_staleness=max_staleness,
+            pass_rate=self.pass_rate,
+            generation=decode,
+            learner_step_s=learner_s,
+            sync_s=sync_seconds(self.shape, self.gpu, self.gpus, a),
+            lengths=lengths,
+            prompt_len=prompt,
         )
         return spec, decode
 
@@ -92,8 +132,14 @@ class Planner:
             replicas = (self.gpus - learner) // tp
             if responses % learner:
                 continue
-            cfg = self.cfg.model_copy(update={"learner": self.cfg.learner.model_copy(update={"nproc": learner})})
-            if replicas >= 1 and budget(cfg, self.shape, self.gpu.memory_gib).learner_total <= self.gpu.memory_gib:
+            cfg = self.cfg.model_copy(
+                update={"learner": self.cfg.learner.model_copy(update={"nproc": learner})}
+            )
+            if (
+                replicas >= 1
+                and budget(cfg, self.shape, self.gpu.memory_gib).learner_total
+                <= self.gpu.memory_gib
+            ):
                 out.append((learner, replicas))
         return _spread(out)
 
@@ -119,14 +165,22 @@ def _spread(splits: list[tuple[int, int]], most: int = 8) -> list[tuple[int, int
 
 
 def describe(p: Prediction) -> str:
-    return (f"step {p.step_s:.1f} s, {p.tokens_per_s:,.0f} response tokens/s trained, learner idle {p.learner_idle:.0%}, "
-            f"rollout idle {p.rollout_idle:.0%}, mean staleness {p.mean_staleness:.2f}")
+    return (
+        f"step {p.step_s:.1f} s, {p.tokens_per_s:,.0f} response tokens/s trained, learner idle {p.learner_idle:.0%}, "
+        f"rollout idle {p.rollout_idle:.0%}, mean staleness {p.mean_staleness:.2f}"
+    )
 
 
-def plan_text(cfg: DapoConfig, shape: ModelShape, gpu: GpuType, gpus: int, *, pass_rate: float) -> str:
+def plan_text(
+    cfg: DapoConfig, shape: ModelShape, gpu: GpuType, gpus: int, *, pass_rate: float
+) -> str:
     """Everything `dapo plan` prints."""
-    lines = [f"{cfg.run_name} on {gpus} x {gpu.name} ({gpu.memory_gib:.0f} GiB, {gpu.bf16_tflops:.0f} bf16 TFLOPS, "
-             f"{gpu.hbm_tbs} TB/s); model {shape.params / 1e9:.2f}B parameters", "", "placement (as `dapo run --dry-run`):"]
+    lines = [
+        f"{cfg.run_name} on {gpus} x {gpu.name} ({gpu.memory_gib:.0f} GiB, {gpu.bf16_tflops:.0f} bf16 TFLOPS, "
+        f"{gpu.hbm_tbs} TB/s); model {shape.params / 1e9:.2f}B parameters",
+        "",
+        "placement (as `dapo run --dry-run`):",
+    ]
     planner = Planner(cfg, shape, gpu, gpus, pass_rate)
     try:
         lines.append(plan(cfg, gpus).describe())
@@ -134,28 +188,42 @@ def plan_text(cfg: DapoConfig, shape: ModelShape, gpu: GpuType, gpus: int, *, pa
     except PlacementError as exc:
         lines.append(f"  does not place: {exc}")
         placed = False
-    lines += ["", "memory per GPU:", budget(cfg, shape, gpu.memory_gib).describe(gpu.memory_gib), ""]
+    lines += [
+        "",
+        "memory per GPU:",
+        budget(cfg, shape, gpu.memory_gib).describe(gpu.memory_gib),
+        "",
+    ]
     a, lengths = planner.assumptions, planner.lengths
-    lines.append(f"predicted (pass rate {pass_rate:.2f}; responses {lengths.mean:,.0f} tokens on average, "
-                 f"{a.truncated_fraction:.0%} reach {lengths.max_len:,}; docs/planning.md):")
+    lines.append(
+        f"predicted (pass rate {pass_rate:.2f}; responses {lengths.mean:,.0f} tokens on average, "
+        f"{a.truncated_fraction:.0%} reach {lengths.max_len:,}; docs/planning.md):"
+    )
     if placed:
         nproc, replicas, k = cfg.learner.nproc, cfg.rollout.replicas, cfg.algorithm.max_staleness
         as_written = planner.predict(nproc, replicas, k)
         sync = planner.predict(nproc, replicas, 0)
         lines.append(f"  as configured (max_staleness {k}): {describe(as_written)}")
-        lines.append(f"  synchronous (max_staleness 0): {describe(sync)}; asynchronous speed-up {sync.step_s / as_written.step_s:.2f}x")
-        lines.append(f"  Redis: peak {_mib(as_written.redis_peak_bytes)} of stream entries and metrics, "
-                     f"{_mib(as_written.redis_bytes_per_s)}/s of stream traffic")
+        lines.append(
+            f"  synchronous (max_staleness 0): {describe(sync)}; asynchronous speed-up {sync.step_s / as_written.step_s:.2f}x"
+        )
+        lines.append(
+            f"  Redis: peak {_mib(as_written.redis_peak_bytes)} of stream entries and metrics, "
+            f"{_mib(as_written.redis_bytes_per_s)}/s of stream traffic"
+        )
     best = planner.recommend()
     if best is None:
         lines.append(f"  recommended: no split of {gpus} GPUs gives the learner enough memory")
     else:
         (learner, reps), k, pred = best
-        lines.append(f"  recommended: learner.nproc={learner} rollout.replicas={reps} algorithm.max_staleness={k}: {describe(pred)}")
-        lines.append(f"  Redis at the recommendation: peak {_mib(pred.redis_peak_bytes)}, {_mib(pred.redis_bytes_per_s)}/s")
+        lines.append(
+            f"  recommended: learner.nproc={learner} rollout.replicas={reps} algorithm.max_staleness={k}: {describe(pred)}"
+        )
+        lines.append(
+            f"  Redis at the recommendation: peak {_mib(pred.redis_peak_bytes)}, {_mib(pred.redis_bytes_per_s)}/s"
+        )
     return "\n".join(lines)
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
-

@@ -195,7 +195,9 @@ class _Stats:
 
 
 class _Pipeline:
-    def __init__(self, env: simpy.Environment, spec: PipelineSpec, steps: int, rng: random.Random) -> None:
+    def __init__(
+        self, env: simpy.Environment, spec: PipelineSpec, steps: int, rng: random.Random
+    ) -> None:
         self.env, self.spec, self.steps, self.rng = env, spec, steps, rng
         self.prompts: simpy.Store = simpy.Store(env)
         self.train: deque[_Group] = deque()
@@ -209,7 +211,9 @@ class _Pipeline:
         self.stats = _Stats()
         self.done = env.event()
         self.cores = SharedCores(env, spec.cpu_cores) if spec.cpu_cores is not None else None
-        batches = spec.admission_batches if spec.admission_batches is not None else spec.max_staleness + 1
+        batches = (
+            spec.admission_batches if spec.admission_batches is not None else spec.max_staleness + 1
+        )
         self.kept_ahead = batches * spec.train_batch_groups
         self.limit = math.ceil(batches * spec.train_batch_groups * spec.oversampling)
 
@@ -223,8 +227,12 @@ class _Pipeline:
         return JOB_META_BYTES + 4 * self.spec.prompt_len
 
     def _group_bytes(self, job: _Job) -> int:
-        return (JOB_META_BYTES + 4 * self.spec.prompt_len + 8 * sum(job.lengths)
-                + GROUP_META_BYTES_PER_RESPONSE * len(job.lengths))
+        return (
+            JOB_META_BYTES
+            + 4 * self.spec.prompt_len
+            + 8 * sum(job.lengths)
+            + GROUP_META_BYTES_PER_RESPONSE * len(job.lengths)
+        )
 
     def _notify(self) -> None:
         if not self.wake.triggered:
@@ -358,7 +366,10 @@ class _Pipeline:
                     else:
                         self.pending.append(group)
                 if len(self.pending) >= s.train_batch_groups:
-                    batch, self.pending = self.pending[: s.train_batch_groups], self.pending[s.train_batch_groups :]
+                    batch, self.pending = (
+                        self.pending[: s.train_batch_groups],
+                        self.pending[s.train_batch_groups :],
+                    )
                     aged = [g for g in batch if self._stale(g)]
                     if not aged:
                         break
@@ -389,8 +400,14 @@ class _Pipeline:
         self.done.succeed()
 
 
-def simulate(spec: PipelineSpec, *, steps: int = 60, warmup: int = 10, seed: int = 0,
-             decode: DecodeModel | None = None) -> Prediction:
+def simulate(
+    spec: PipelineSpec,
+    *,
+    steps: int = 60,
+    warmup: int = 10,
+    seed: int = 0,
+    decode: DecodeModel | None = None,
+) -> Prediction:
     """The steady state of the pipeline over `steps` learner steps, the first `warmup` left out."""
     if spec.streaming and decode is None:
         raise ValueError("streaming replicas need a DecodeModel")
@@ -399,7 +416,11 @@ def simulate(spec: PipelineSpec, *, steps: int = 60, warmup: int = 10, seed: int
     env = simpy.Environment()
     pipe = _Pipeline(env, spec, steps, random.Random(seed))
     for _ in range(spec.replicas):
-        env.process(pipe.streaming_replica(decode) if spec.streaming and decode is not None else pipe.replica())
+        env.process(
+            pipe.streaming_replica(decode)
+            if spec.streaming and decode is not None
+            else pipe.replica()
+        )
     env.process(pipe.learner())
     env.run(until=pipe.done)
     return _steady(pipe.stats, spec.replicas, warmup, steps)
@@ -408,15 +429,29 @@ def simulate(spec: PipelineSpec, *, steps: int = 60, warmup: int = 10, seed: int
 def _steady(st: _Stats, replicas: int, warmup: int, steps: int) -> Prediction:
     times = st.step_times[warmup:]
     span = sum(times)
-    busy = st.rollout_busy_marks[-1] - st.rollout_busy_marks[warmup - 1] if warmup else st.rollout_busy_marks[-1]
-    traffic = st.redis_traffic_marks[-1] - st.redis_traffic_marks[warmup - 1] if warmup else st.redis_traffic_marks[-1]
-    lags = st.lags[warmup * (len(st.lags) // steps):]
+    busy = (
+        st.rollout_busy_marks[-1] - st.rollout_busy_marks[warmup - 1]
+        if warmup
+        else st.rollout_busy_marks[-1]
+    )
+    traffic = (
+        st.redis_traffic_marks[-1] - st.redis_traffic_marks[warmup - 1]
+        if warmup
+        else st.redis_traffic_marks[-1]
+    )
+    lags = st.lags[warmup * (len(st.lags) // steps) :]
     return Prediction(
-        step_s=span / len(times), learner_idle=sum(st.waits[warmup:]) / span,
-        rollout_idle=max(0.0, 1.0 - busy / (replicas * span)), mean_staleness=sum(lags) / max(len(lags), 1),
-        stale_dropped_per_step=sum(st.stale[warmup:]) / len(times), tokens_per_s=sum(st.trained_tokens[warmup:]) / span,
-        redis_peak_bytes=st.redis_peak + METRICS_RECORD_BYTES * steps, redis_bytes_per_s=traffic / span, steps=len(times),
-        gen_s_per_group=sum(st.gen_per_group[warmup:]) / len(times), learner_busy_s=sum(st.busy[warmup:]) / len(times),
+        step_s=span / len(times),
+        learner_idle=sum(st.waits[warmup:]) / span,
+        rollout_idle=max(0.0, 1.0 - busy / (replicas * span)),
+        mean_staleness=sum(lags) / max(len(lags), 1),
+        stale_dropped_per_step=sum(st.stale[warmup:]) / len(times),
+        tokens_per_s=sum(st.trained_tokens[warmup:]) / span,
+        redis_peak_bytes=st.redis_peak + METRICS_RECORD_BYTES * steps,
+        redis_bytes_per_s=traffic / span,
+        steps=len(times),
+        gen_s_per_group=sum(st.gen_per_group[warmup:]) / len(times),
+        learner_busy_s=sum(st.busy[warmup:]) / len(times),
     )
 
 
@@ -448,8 +483,15 @@ def simulate_colocated(spec: ColocatedSpec, *, steps: int = 30, seed: int = 0) -
             start, kept, generating = env.now, 0.0, 0.0
             while kept < spec.train_batch_groups:
                 jobs = math.ceil((spec.train_batch_groups - kept) / max(spec.pass_rate, 1e-3))
-                per = [jobs // spec.replicas + (1 if i < jobs % spec.replicas else 0) for i in range(spec.replicas)]
-                rounds = [spec.generation.batch_seconds(spec.lengths.sample(rng, n * spec.group_size), n) for n in per if n]
+                per = [
+                    jobs // spec.replicas + (1 if i < jobs % spec.replicas else 0)
+                    for i in range(spec.replicas)
+                ]
+                rounds = [
+                    spec.generation.batch_seconds(spec.lengths.sample(rng, n * spec.group_size), n)
+                    for n in per
+                    if n
+                ]
                 yield env.timeout(max(rounds))
                 generating += sum(rounds) / spec.replicas
                 kept += jobs * spec.pass_rate
@@ -458,7 +500,9 @@ def simulate_colocated(spec: ColocatedSpec, *, steps: int = 30, seed: int = 0) -
             st.waits.append(env.now - start - spec.learner_step_s)
             st.rollout_busy += generating
             st.rollout_busy_marks.append(st.rollout_busy)
-            st.trained_tokens.append(round(spec.train_batch_groups * spec.group_size * spec.lengths.mean))
+            st.trained_tokens.append(
+                round(spec.train_batch_groups * spec.group_size * spec.lengths.mean)
+            )
             st.redis_traffic_marks.append(0.0)
             st.stale.append(0)
 
@@ -466,9 +510,15 @@ def simulate_colocated(spec: ColocatedSpec, *, steps: int = 30, seed: int = 0) -
     times = st.step_times
     span = sum(times)
     return Prediction(
-        step_s=span / len(times), learner_idle=sum(st.waits) / span, rollout_idle=1.0 - st.rollout_busy / span,
-        mean_staleness=0.0, stale_dropped_per_step=0.0, tokens_per_s=sum(st.trained_tokens) / span,
-        redis_peak_bytes=0.0, redis_bytes_per_s=0.0, steps=len(times),
+        step_s=span / len(times),
+        learner_idle=sum(st.waits) / span,
+        rollout_idle=1.0 - st.rollout_busy / span,
+        mean_staleness=0.0,
+        stale_dropped_per_step=0.0,
+        tokens_per_s=sum(st.trained_tokens) / span,
+        redis_peak_bytes=0.0,
+        redis_bytes_per_s=0.0,
+        steps=len(times),
     )
 
 

@@ -12,7 +12,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-1node.yaml"])
+@pytest.mark.parametrize(
+    "name", ["tiny.yaml", "dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-1node.yaml"]
+)
 def test_presets_load(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert load_config(CONFIGS / name) == cfg
@@ -26,7 +28,11 @@ def test_paper_preset_has_paper_values() -> None:
     assert (a.train_batch_groups, ro.group_size, a.mini_batch_groups) == (512, 16, 32)
     assert a.train_batch_groups * ro.group_size // (a.mini_batch_groups * ro.group_size) == 16
     assert (le.lr, le.weight_decay, le.grad_clip, le.warmup_steps) == (1e-6, 0.1, 1.0, 20)
-    assert (cfg.data.max_prompt_len, ro.max_response_len, cfg.reward.overlong.buffer_len) == (2048, 20480, 4096)
+    assert (cfg.data.max_prompt_len, ro.max_response_len, cfg.reward.overlong.buffer_len) == (
+        2048,
+        20480,
+        4096,
+    )
     assert (ro.temperature, ro.top_p) == (1.0, 1.0)
     assert (cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.eval.top_p) == (32, 1.0, 0.7)
     assert a.gatekeeper and a.gatekeeper_metric == "acc" and a.oversampling == 3.0
@@ -35,7 +41,9 @@ def test_paper_preset_has_paper_values() -> None:
 
 
 def test_dotted_overrides_parse_yaml_values() -> None:
-    cfg = build_config(MINIMAL, ["algorithm.clip_high=0.3", "algorithm.clip_c=null", "rollout.engine=transformers"])
+    cfg = build_config(
+        MINIMAL, ["algorithm.clip_high=0.3", "algorithm.clip_c=null", "rollout.engine=transformers"]
+    )
     assert cfg.algorithm.clip_high == 0.3
     assert cfg.algorithm.clip_c is None
     assert cfg.rollout.engine == "transformers"
@@ -46,7 +54,10 @@ def test_dotted_overrides_parse_yaml_values() -> None:
     [
         (["algorithm.clip_high=0.1"], "algorithm.clip_high=0.1 < algorithm.clip_low=0.2"),
         (["rollout.group_size=1"], "rollout.group_size=1"),
-        (["rollout.max_response_len=100", "reward.overlong.buffer_len=200"], "reward.overlong.buffer_len=200 must be < rollout.max_response_len=100"),
+        (
+            ["rollout.max_response_len=100", "reward.overlong.buffer_len=200"],
+            "reward.overlong.buffer_len=200 must be < rollout.max_response_len=100",
+        ),
         (["algorithm.loss_agg=mean"], "algorithm.loss_agg='mean'"),
         (["algorithm.clip_lwo=0.1"], "algorithm.clip_lwo=0.1: unknown key"),
         (["learner.lr=-1"], "learner.lr=-1"),

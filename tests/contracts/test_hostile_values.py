@@ -30,8 +30,13 @@ def bus(redis_url: str) -> StreamBus:
 
 
 GARBAGE_HEARTBEATS = [
-    b"not json", b"[1, 2]", b'"a string"', b'{"kind": "rollout"}', b'{"id": 7, "at": 1}',
-    b'{"id": "r9", "at": "yesterday"}', b'{"id": "r9", "at": 1, "policy_version": "new"}',
+    b"not json",
+    b"[1, 2]",
+    b'"a string"',
+    b'{"kind": "rollout"}',
+    b'{"id": 7, "at": 1}',
+    b'{"id": "r9", "at": "yesterday"}',
+    b'{"id": "r9", "at": 1, "policy_version": "new"}',
     b'{"id": "r9", "at": 1, "policy_version": 1e999}',
 ]
 
@@ -46,7 +51,9 @@ def test_malformed_heartbeats_are_skipped_and_counted(bus: StreamBus) -> None:
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)
     publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1)
     assert publisher.replica_versions() == {"r0": 4}  # the learner's weight sync reads the same
-    assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)  # each counted once, not per read
+    assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(
+        GARBAGE_HEARTBEATS
+    )  # each counted once, not per read
     bus.redis.set(bus.keys.heartbeat("rollout", "bad0"), b"other garbage")  # a new value is news
     bus.live_instances("rollout")
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS) + 1
@@ -65,19 +72,39 @@ class Engine:
         pass
 
 
-def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(bus: StreamBus, tmp_path: Path) -> None:
+def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
+    bus: StreamBus, tmp_path: Path
+) -> None:
     stop = StopFlag()
     engine = Engine()
-    sub = WeightReceiver(bus, engine, "r0", checkpoint_dir=str(tmp_path), base_model_path="base", lost_contact_s=1e9,
-                           max_staleness=1, stop=stop)
+    sub = WeightReceiver(
+        bus,
+        engine,
+        "r0",
+        checkpoint_dir=str(tmp_path),
+        base_model_path="base",
+        lost_contact_s=1e9,
+        max_staleness=1,
+        stop=stop,
+    )
     sub.start()
     try:
-        bus.redis.set(bus.keys.heartbeat("rollout", "r0"), json.dumps({"id": "r0", "at": time.time(), "policy_version": 0}))
-        for raw in [b"{", b"[]", json.dumps({"replicas": "r0"}).encode(), json.dumps({"replicas": ["r0"], "backend": "x", "store_host": 1}).encode()]:
+        bus.redis.set(
+            bus.keys.heartbeat("rollout", "r0"),
+            json.dumps({"id": "r0", "at": time.time(), "policy_version": 0}),
+        )
+        for raw in [
+            b"{",
+            b"[]",
+            json.dumps({"replicas": "r0"}).encode(),
+            json.dumps({"replicas": ["r0"], "backend": "x", "store_host": 1}).encode(),
+        ]:
             bus.redis.xadd(bus.keys.weights, {"ann": raw})
         bus.redis.xadd(bus.keys.weights, {"other": b"field"})
         named = [("w", torch.ones(3))]
-        publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1)
+        publisher = WeightPublisher(
+            bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1
+        )
         publisher.stage(1, iter(named), named)
         assert publisher.publish()
         wait_for("version 1 applied", lambda: sub.between_steps() == 1, timeout_s=30, every_s=0.01)
@@ -112,10 +139,14 @@ def listening_addresses(port: int) -> set[str]:
 
 def test_the_weight_sync_store_listens_on_the_configured_host_only(bus: StreamBus) -> None:
     publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1)
-    assert listening_addresses(publisher.port) == {socket.inet_aton("127.0.0.1")[::-1].hex().upper()}
+    assert listening_addresses(publisher.port) == {
+        socket.inet_aton("127.0.0.1")[::-1].hex().upper()
+    }
 
 
-def test_long_work_keeps_its_claim_and_only_a_dead_workers_entry_is_reclaimed(bus: StreamBus) -> None:
+def test_long_work_keeps_its_claim_and_only_a_dead_workers_entry_is_reclaimed(
+    bus: StreamBus,
+) -> None:
     stage = bus.keys.prompts
     bus.redis.xadd(stage.stream, {"job": b"1"})
     worker, other = bus.as_consumer("worker"), bus.as_consumer("other")
@@ -126,6 +157,8 @@ def test_long_work_keeps_its_claim_and_only_a_dead_workers_entry_is_reclaimed(bu
     time.sleep(0.5)  # the worker died without finishing: nobody renews any more
     taken = other.reclaim(stage, min_idle_s=0.3, max_deliveries=5)
     assert [e for e, _ in taken] == [entry_id]
-    assert worker.renew_claims(stage, [entry_id]) == 0  # taken over: the old worker does not steal it back
+    assert (
+        worker.renew_claims(stage, [entry_id]) == 0
+    )  # taken over: the old worker does not steal it back
     pending = bus.redis.xpending_range(stage.stream, stage.group, min="-", max="+", count=10)
     assert [p["consumer"] for p in pending] == [b"other"] and pending[0]["times_delivered"] == 2

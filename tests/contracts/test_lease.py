@@ -24,7 +24,9 @@ def test_a_second_learner_is_told_who_holds_the_lease(redis_url: str) -> None:
     first.acquire(wait_s=0)
     second = LearnerLease(new_bus(redis_url, "b"), holder="learner-b", ttl_s=5.0)
     start = time.monotonic()
-    with pytest.raises(LeaseHeldError, match=r"another learner holds the learner lease \(\d+:learner-a\)"):
+    with pytest.raises(
+        LeaseHeldError, match=r"another learner holds the learner lease \(\d+:learner-a\)"
+    ):
         second.acquire(wait_s=0.5)
     assert time.monotonic() - start >= 0.5  # it waited before giving up
     first.release()
@@ -56,7 +58,11 @@ def test_every_write_of_a_superseded_learner_is_refused_and_writes_nothing(redis
     for name, write in writes.items():
         with pytest.raises(FencedError, match="superseded"):
             write()
-        assert (old_bus.ledger(), old_bus.counters(), old_bus.redis.xlen(old_bus.keys.prompts.stream)) == before, name
+        assert (
+            old_bus.ledger(),
+            old_bus.counters(),
+            old_bus.redis.xlen(old_bus.keys.prompts.stream),
+        ) == before, name
     assert old_bus.policy_version() == 0 and old_bus.run_field(RunField.DATA_CURSOR) is None
     with pytest.raises(FencedError):
         old.check()  # the checkpoint guard agrees

@@ -33,7 +33,9 @@ def full_redis(redis_url: str) -> Iterator[redis.Redis]:
     admin.config_set("maxmemory-policy", "noeviction")
 
 
-def test_a_write_refused_at_maxmemory_waits_and_then_lands(redis_url: str, full_redis: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_write_refused_at_maxmemory_waits_and_then_lands(
+    redis_url: str, full_redis: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = Keys("t")
     bus = StreamBus(connect(redis_url, counters_key=keys.counters), keys, "c")
     done: dict[str, object] = {}
@@ -48,7 +50,10 @@ def test_a_write_refused_at_maxmemory_waits_and_then_lands(redis_url: str, full_
         assert writer.is_alive(), "the refused write should be waiting, not failing"
         assert memory_report(full_redis)["at_maxmemory"]
         assert bus.ledger().issued == 0  # readable while full, and nothing half-written
-    assert any("maxmemory" in r.getMessage() and "nothing has been dropped" in r.getMessage() for r in caplog.records)
+    assert any(
+        "maxmemory" in r.getMessage() and "nothing has been dropped" in r.getMessage()
+        for r in caplog.records
+    )
     full_redis.config_set("maxmemory", 0)
     writer.join(timeout=10)
     assert done["count"] == 2
@@ -57,7 +62,9 @@ def test_a_write_refused_at_maxmemory_waits_and_then_lands(redis_url: str, full_
     assert int(full_redis.hget(keys.counters, OOM_PAUSE_COUNTER) or 0) == 1
 
 
-def test_a_paused_write_gives_up_when_the_process_is_stopping(redis_url: str, full_redis: redis.Redis) -> None:
+def test_a_paused_write_gives_up_when_the_process_is_stopping(
+    redis_url: str, full_redis: redis.Redis
+) -> None:
     stop = threading.Event()
     client = connect(redis_url, stop=stop)
     threading.Timer(0.5, stop.set).start()
@@ -79,10 +86,18 @@ def test_an_evicting_policy_is_refused(redis_url: str, full_redis: redis.Redis) 
         check_memory_policy(full_redis)
 
 
-def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(redis_url: str, full_redis: redis.Redis) -> None:
+def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(
+    redis_url: str, full_redis: redis.Redis
+) -> None:
     keys = Keys("t")
     full_redis.config_set("maxmemory", 0)
-    hb = Heartbeat(StreamBus(connect(redis_url), keys, "t"), "rollout", "r-1", ttl_s=2, status=lambda: {"policy_version": 7})
+    hb = Heartbeat(
+        StreamBus(connect(redis_url), keys, "t"),
+        "rollout",
+        "r-1",
+        ttl_s=2,
+        status=lambda: {"policy_version": 7},
+    )
     hb.beat()
     full_redis.config_set("maxmemory", int(full_redis.info("memory")["used_memory"]) // 2)
     time.sleep(1.5)
@@ -93,6 +108,12 @@ def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(redis_url: str, ful
 
 
 def test_redis_62_reports_oom_inside_a_script_as_a_plain_error() -> None:
-    assert is_oom(redis.ResponseError("Error running script (call to f_x): @user_script:8: -OOM command not allowed when used memory > 'maxmemory'."))
+    assert is_oom(
+        redis.ResponseError(
+            "Error running script (call to f_x): @user_script:8: -OOM command not allowed when used memory > 'maxmemory'."
+        )
+    )
     assert is_oom(redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
-    assert not is_oom(redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"))
+    assert not is_oom(
+        redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    )

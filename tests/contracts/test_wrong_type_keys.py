@@ -32,7 +32,10 @@ def test_readers_skip_a_key_of_the_wrong_type_and_count_it(bus: StreamBus) -> No
     r.set(k.learner_state, "garbage")
     r.set(k.run_info, "garbage")
     r.rpush(k.heartbeat("rollout", "listed"), "x")  # a list among the heartbeats
-    r.set(k.heartbeat("rollout", "r0"), json.dumps({"id": "r0", "at": time.time(), "policy_version": 3}))
+    r.set(
+        k.heartbeat("rollout", "r0"),
+        json.dumps({"id": "r0", "at": time.time(), "policy_version": 3}),
+    )
     r.set(k.final_stats("rollout", "typed"), "garbage")
     assert bus.policy_version() == 0
     assert bus.learner_state() == {}
@@ -40,7 +43,9 @@ def test_readers_skip_a_key_of_the_wrong_type_and_count_it(bus: StreamBus) -> No
     assert bus.eval_history() == []
     assert [i["id"] for i in bus.live_instances("rollout")] == ["r0"]
     assert bus.final_stats("rollout") == {}
-    assert bad_values(bus) == 5  # policy version, learner state, run info, the listed heartbeat, the final stats
+    assert (
+        bad_values(bus) == 5
+    )  # policy version, learner state, run info, the listed heartbeat, the final stats
 
 
 def test_counters_of_the_wrong_type_read_as_none(bus: StreamBus) -> None:
@@ -80,7 +85,9 @@ def test_a_writer_replaces_a_key_of_the_wrong_type(bus: StreamBus, fenced: bool)
     assert bus.learner_state()["step"] == "7"
     assert bus.run_field(RunField.DATA_CURSOR) == "42"
     assert bus.policy_version() == 7
-    assert bad_values(bus) == 2  # learner state and run info were replaced; SET overwrites any type anyway
+    assert (
+        bad_values(bus) == 2
+    )  # learner state and run info were replaced; SET overwrites any type anyway
 
 
 # --- the ledger: counted inside the scripts that move work, read by every service ------------------
@@ -89,10 +96,14 @@ def issue_and_hop_one(bus: StreamBus) -> None:
     nothing (what a rollout replica does with it)."""
     assert bus.issue([{"job": b"1"}]) == 1
     [(entry_id, _)] = bus.read(bus.keys.prompts, count=1, block_ms=None)
-    assert bus.hop(bus.keys.prompts, entry_id, downstream=bus.keys.rollouts.stream, fields={"x": b"1"})
+    assert bus.hop(
+        bus.keys.prompts, entry_id, downstream=bus.keys.rollouts.stream, fields={"x": b"1"}
+    )
 
 
-def test_a_ledger_of_the_wrong_type_reads_as_empty_and_is_replaced_by_the_next_count(bus: StreamBus) -> None:
+def test_a_ledger_of_the_wrong_type_reads_as_empty_and_is_replaced_by_the_next_count(
+    bus: StreamBus,
+) -> None:
     bus.redis.set(bus.keys.ledger, "garbage")
     assert bus.ledger().damaged and bus.ledger().issued == 0 and bad_values(bus) == 1
     issue_and_hop_one(bus)  # was refused (WRONGTYPE inside the script) for every service
@@ -102,11 +113,15 @@ def test_a_ledger_of_the_wrong_type_reads_as_empty_and_is_replaced_by_the_next_c
     assert bad_values(bus) == 2  # the read, then the replacement
 
 
-def test_a_ledger_count_that_is_not_an_integer_is_skipped_and_restarts_at_the_next_count(bus: StreamBus) -> None:
+def test_a_ledger_count_that_is_not_an_integer_is_skipped_and_restarts_at_the_next_count(
+    bus: StreamBus,
+) -> None:
     bus.issue([{"job": b"0"}])
     bus.redis.hset(bus.keys.ledger, mapping={"issued": "lots", "junk": "\xff"})
     ledger = bus.ledger()
-    assert ledger.issued == 0 and ledger.damaged and not ledger.balanced  # the count is lost: reported, not hidden
+    assert (
+        ledger.issued == 0 and ledger.damaged and not ledger.balanced
+    )  # the count is lost: reported, not hidden
     assert bad_values(bus) == 2
     issue_and_hop_one(bus)
     assert int(bus.redis.hget(bus.keys.ledger, "issued")) == 1
@@ -132,9 +147,14 @@ def test_a_hop_that_meets_planted_counts_moves_its_entry_exactly_once(bus: Strea
     bus.redis.hset(bus.keys.ledger, "filtered", "x")
     bus.redis.hset(bus.keys.counters, Counter.GATEKEEPER_KEPT, "9" * 30)  # an integer past 64 bits
     assert bus.hop(gate, entry_id, outcome="filtered", counter=Counter.GATEKEEPER_KEPT)
-    assert bus.redis.xlen(gate.stream) == 0 and bus.redis.xpending(gate.stream, gate.group)["pending"] == 0
+    assert (
+        bus.redis.xlen(gate.stream) == 0
+        and bus.redis.xpending(gate.stream, gate.group)["pending"] == 0
+    )
     assert bus.ledger().filtered == 1 and bus.ledger().damaged
-    assert bus.counters()[Counter.GATEKEEPER_KEPT] == 1  # a counter is a statistic: restarted, no mark
+    assert (
+        bus.counters()[Counter.GATEKEEPER_KEPT] == 1
+    )  # a counter is a statistic: restarted, no mark
     assert bad_values(bus) == 2
 
 
@@ -155,13 +175,17 @@ def test_a_damaged_evaluation_count_cannot_stall_admission(bus: StreamBus) -> No
     assert bus.ledger().train_in_flight == 0
 
 
-def test_a_downstream_stream_of_the_wrong_type_is_replaced_and_the_entry_arrives(bus: StreamBus) -> None:
+def test_a_downstream_stream_of_the_wrong_type_is_replaced_and_the_entry_arrives(
+    bus: StreamBus,
+) -> None:
     """The hop acknowledges upstream before it appends downstream: a downstream key that refused
     the append would lose the entry. It is replaced, and its readers get their group back."""
     bus.redis.set(bus.keys.rollouts.stream, "garbage")
     issue_and_hop_one(bus)
     assert bad_values(bus) == 1
-    assert bus.read(bus.keys.rollouts, count=10, block_ms=None) == []  # the group went with the key: recreated
+    assert (
+        bus.read(bus.keys.rollouts, count=10, block_ms=None) == []
+    )  # the group went with the key: recreated
     [(_, fields)] = bus.read(bus.keys.rollouts, count=10, block_ms=None)
     assert fields == {b"x": b"1"}
     assert bus.ledger().balanced

@@ -20,10 +20,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 def test_in_process_run_trains_evaluates_and_exports(tmp_path: Path) -> None:
     out, steps = tmp_path / "run", 2
-    overrides = [f"learner.total_steps={steps}", f"eval.every_steps={steps}", "eval.max_problems=8",
-                 "eval.samples_per_problem=1"]
-    cmd = [sys.executable, "-m", "services.cli", "run", "--in-process", "--config", "configs/tiny.yaml",
-           "--output-dir", str(out), *overrides]
+    overrides = [
+        f"learner.total_steps={steps}",
+        f"eval.every_steps={steps}",
+        "eval.max_problems=8",
+        "eval.samples_per_problem=1",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        "--in-process",
+        "--config",
+        "configs/tiny.yaml",
+        "--output-dir",
+        str(out),
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -36,5 +50,7 @@ def test_in_process_run_trains_evaluates_and_exports(tmp_path: Path) -> None:
     base = load_file(str(REPO / cfg.model.path / "model.safetensors"))
     trained = load_file(str(out / "hf" / "model.safetensors"))
     assert trained.keys() == base.keys()
-    assert any(not torch.equal(trained[k], base[k]) for k in base), "the export holds the base weights"
+    assert any(not torch.equal(trained[k], base[k]) for k in base), (
+        "the export holds the base weights"
+    )
     assert (out / "hf" / "config.json").exists() and (out / "hf" / "tokenizer.json").exists()

@@ -31,12 +31,20 @@ def weight_bytes(model_dir: Path) -> int:
 
 def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url: str) -> None:
     steps = 40
-    proc = start_run(tmp_path, redis_url, f"learner.total_steps={steps}", "rollout.max_response_len=8",
-                     "reward.overlong.buffer_len=2", faults="rollout.slowdown=10")
+    proc = start_run(
+        tmp_path,
+        redis_url,
+        f"learner.total_steps={steps}",
+        "rollout.max_response_len=8",
+        "reward.overlong.buffer_len=2",
+        faults="rollout.slowdown=10",
+    )
     # The reference transfer is measured in the same run: while it trains, with the same machine
     # load, the same bytes from one process to as many receiving processes as there are replicas.
     wait_for("step 10", lambda: learner_step(redis.Redis.from_url(redis_url)) >= 10, timeout_s=600)
-    model = REPO / load_config(REPO / "configs" / "tiny.yaml").model.path  # the weights this run broadcasts
+    model = (
+        REPO / load_config(REPO / "configs" / "tiny.yaml").model.path
+    )  # the weights this run broadcasts
     flat = flat_broadcast_seconds(weight_bytes(model), replicas=2, repeats=9)
     summary = finish(proc, tmp_path)
     assert summary["steps"] == steps and summary["ledger"]["balanced"]
@@ -45,9 +53,11 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     in_flight = sum(m["rollout/updated_in_flight"] for m in metrics) / len(metrics)
     length = sum(m["response_length/mean"] for m in metrics) / len(metrics)
     mean_sync, median_sync = sum(syncs) / len(syncs), statistics.median(syncs)
-    print(f"\nsync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max {max(syncs) * 1e3:.1f}: forming the "
-          f"group) vs a bare broadcast of the same bytes "
-          f"{flat * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean length {length:.1f} of at most 8 tokens")
+    print(
+        f"\nsync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max {max(syncs) * 1e3:.1f}: forming the "
+        f"group) vs a bare broadcast of the same bytes "
+        f"{flat * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean length {length:.1f} of at most 8 tokens"
+    )
     assert in_flight > 0.05, "no response was generated across a weight update"
     # Target 2x. Replicas whose engine takes host tensors receive in their watcher thread while
     # they generate, so the learner waits for no decode step: measured 1.6-2.2x the bare broadcast
@@ -57,4 +67,6 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     # noise on this machine does not fail the suite. Before in-flight updates this was the whole
     # generation batch (hundreds of ms with the rollout slowed 10x); receiving at the next decode
     # step in the engine's own thread it was 2.3-3.5x.
-    assert median_sync <= 2.5 * flat, f"median sync {median_sync:.4f}s > 2.5 x bare broadcast {flat:.4f}s"
+    assert median_sync <= 2.5 * flat, (
+        f"median sync {median_sync:.4f}s > 2.5 x bare broadcast {flat:.4f}s"
+    )

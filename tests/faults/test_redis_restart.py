@@ -27,11 +27,16 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         server = RedisServer(tmp_path / "redis", port=server.port, appendonly=True).start()
         r = redis.Redis.from_url(server.url)
         after = {k.decode(): int(v) for k, v in r.hgetall("dapo:ledger").items()}
-        assert all(after.get(k, 0) >= v for k, v in before.items()), (before, after)  # nothing acknowledged was lost
+        assert all(after.get(k, 0) >= v for k, v in before.items()), (
+            before,
+            after,
+        )  # nothing acknowledged was lost
         restarted_at = time.monotonic()
         at = learner_step(r)
         wait_for("training after the restart", lambda: learner_step(r) >= at + 2, 180)
-        print(f"seconds from Redis back to two more training steps: {time.monotonic() - restarted_at:.1f}")
+        print(
+            f"seconds from Redis back to two more training steps: {time.monotonic() - restarted_at:.1f}"
+        )
         summary = finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
@@ -59,7 +64,11 @@ def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> N
         time.sleep(2)
         server = RedisServer(tmp_path / "redis", port=server.port, appendonly=False).start()
         bus = StreamBus(connect(server.url), Keys("dapo"), "test")
-        status = wait_for("the loss reported", lambda: (s := run_status(bus, heartbeat_ttl_s=30))["redis_data_lost_at"] and s, 120)
+        status = wait_for(
+            "the loss reported",
+            lambda: (s := run_status(bus, heartbeat_ttl_s=30))["redis_data_lost_at"] and s,
+            120,
+        )
         assert status["counters"]["redis_data_loss"] == 1
         summary = finish(proc, tmp_path)
     finally:

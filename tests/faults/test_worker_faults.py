@@ -40,7 +40,9 @@ def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
             wait_for(f"training after killing the {kind}", lambda at=at: learner_step(r) >= at + 2)
             recovery[kind] = round(time.monotonic() - start, 1)
         summary = finish(proc, tmp_path)
-    print(f"seconds from SIGKILL to two more training steps: {recovery}; run {summary['wall_seconds']}s")
+    print(
+        f"seconds from SIGKILL to two more training steps: {recovery}; run {summary['wall_seconds']}s"
+    )
     assert summary["steps"] == 30
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0

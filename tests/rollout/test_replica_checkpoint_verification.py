@@ -63,8 +63,14 @@ def engine(tiny_model_dir: Path) -> RecordingEngine:
 
 def subscriber(bus: StreamBus, engine: RecordingEngine, store: Path, base: Path) -> WeightReceiver:
     return WeightReceiver(
-        bus, engine, "r0", checkpoint_dir=store, base_model_path=str(base),
-        lost_contact_s=0.0, max_staleness=1, stop=StopFlag(),
+        bus,
+        engine,
+        "r0",
+        checkpoint_dir=store,
+        base_model_path=str(base),
+        lost_contact_s=0.0,
+        max_staleness=1,
+        stop=StopFlag(),
     )
 
 
@@ -74,7 +80,11 @@ def commit(store: Path, step: int, base: Path) -> Path:
     manifest of them all, then the COMMITTED marker."""
     path = store / f"step_{step}"
     shutil.copytree(base, path / "hf")
-    save_file({n: t + step for n, t in load_file(base / WEIGHTS).items()}, path / "hf" / WEIGHTS, metadata={"format": "pt"})
+    save_file(
+        {n: t + step for n, t in load_file(base / WEIGHTS).items()},
+        path / "hf" / WEIGHTS,
+        metadata={"format": "pt"},
+    )
     (path / "trainer.json").write_text(json.dumps({"step": step, "policy_version": step}))
     (path / "state").mkdir()
     (path / "state" / "__0_0.distcp").write_bytes(bytes(range(256)))
@@ -108,16 +118,30 @@ def symlink_to_a_copy(path: Path) -> None:
 
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     # name: (what is done to the checkpoint's directory, the file the refusal must name)
-    "one byte of the weights changed": (lambda p: flip_last_byte(p / "hf" / WEIGHTS), f"hf/{WEIGHTS}"),
-    "a byte appended to the weights": (lambda p: p.joinpath("hf", WEIGHTS).open("ab").write(b"\0"), f"hf/{WEIGHTS}"),
-    "a file added to hf/": (lambda p: (p / "hf" / "extra.safetensors").write_bytes(b"x"), "hf/extra.safetensors"),
-    "a file of hf/ missing": (lambda p: (p / "hf" / "generation_config.json").unlink(), "hf/generation_config.json"),
+    "one byte of the weights changed": (
+        lambda p: flip_last_byte(p / "hf" / WEIGHTS),
+        f"hf/{WEIGHTS}",
+    ),
+    "a byte appended to the weights": (
+        lambda p: p.joinpath("hf", WEIGHTS).open("ab").write(b"\0"),
+        f"hf/{WEIGHTS}",
+    ),
+    "a file added to hf/": (
+        lambda p: (p / "hf" / "extra.safetensors").write_bytes(b"x"),
+        "hf/extra.safetensors",
+    ),
+    "a file of hf/ missing": (
+        lambda p: (p / "hf" / "generation_config.json").unlink(),
+        "hf/generation_config.json",
+    ),
     "a symlink in hf/": (lambda p: symlink_to_a_copy(p / "hf" / "config.json"), "hf/config.json"),
     "no manifest": (lambda p: (p / MANIFEST).unlink(), MANIFEST),
 }
 
 
-def test_a_clean_newest_checkpoint_loads(bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_clean_newest_checkpoint_loads(
+    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     store = tmp_path / "ckpt"
     commit(store, 1, tiny_model_dir)
     newest = commit(store, 2, tiny_model_dir)
@@ -130,7 +154,11 @@ def test_a_clean_newest_checkpoint_loads(bus: StreamBus, engine: RecordingEngine
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_loaded(
-    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    bus: StreamBus,
+    engine: RecordingEngine,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
     damage: str,
 ) -> None:
     store = tmp_path / "ckpt"
@@ -148,20 +176,27 @@ def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_loaded(
 
 
 def test_with_every_checkpoint_damaged_the_base_model_is_loaded(
-    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path,
+    bus: StreamBus,
+    engine: RecordingEngine,
+    tiny_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
     store = tmp_path / "ckpt"
     flip_last_byte(commit(store, 1, tiny_model_dir) / "hf" / WEIGHTS)
     (commit(store, 2, tiny_model_dir) / "hf" / "extra.json").write_text("{}")
     sub = subscriber(bus, engine, store, tiny_model_dir)
-    engine.load_weights_from_dir(str(store / "step_2" / "hf"))  # held before a broadcast failed half-way
+    engine.load_weights_from_dir(
+        str(store / "step_2" / "hf")
+    )  # held before a broadcast failed half-way
     sub.load_published()
     assert engine.loaded[-1] == str(tiny_model_dir) and sub.policy_version == 0
     assert holds(engine, tiny_model_dir, 0)
     assert bus.counters().get(Counter.REPLICA_REFUSED_CHECKPOINTS) == 2
 
 
-def test_damage_outside_hf_does_not_stop_a_replica(bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_damage_outside_hf_does_not_stop_a_replica(
+    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """A replica verifies only what it reads; the learner verifies the rest before resuming."""
     store = tmp_path / "ckpt"
     newest = commit(store, 1, tiny_model_dir)
@@ -173,7 +208,11 @@ def test_damage_outside_hf_does_not_stop_a_replica(bus: StreamBus, engine: Recor
 
 
 def test_catch_up_skips_a_damaged_checkpoint_once_and_takes_the_next_good_one(
-    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    bus: StreamBus,
+    engine: RecordingEngine,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     store = tmp_path / "ckpt"
     commit(store, 1, tiny_model_dir)
@@ -200,14 +239,20 @@ def test_catch_up_skips_a_damaged_checkpoint_once_and_takes_the_next_good_one(
 
     newest = commit(store, 3, tiny_model_dir)
     assert sub.catch_up()
-    assert hashed == ["step_3"] and engine.loaded[-1] == str(newest / "hf") and sub.policy_version == 3
+    assert (
+        hashed == ["step_3"] and engine.loaded[-1] == str(newest / "hf") and sub.policy_version == 3
+    )
     assert holds(engine, tiny_model_dir, 3)
     assert bus.counters().get(Counter.REPLICA_STORE_CATCH_UPS) == 1
     assert bus.counters().get(Counter.REPLICA_REFUSED_CHECKPOINTS) == 1
 
 
 def test_a_checkpoint_retired_while_it_is_checked_sends_the_replica_to_the_newest_one(
-    bus: StreamBus, engine: RecordingEngine, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    bus: StreamBus,
+    engine: RecordingEngine,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Retention (keep_last 1) deletes step 2 while the replica hashes it, just after the learner
     committed step 3: not damage, and not a reason to fall back to the base model; the store is

@@ -70,7 +70,11 @@ def test_synth_rows_schema_and_answers(difficulty: int) -> None:
 
 def test_level_6_rows_carry_a_worked_solution_whose_lines_add_up() -> None:
     rows = synth_rows(300, difficulty=6, seed=5)
-    assert {len(r["extra_info"]["numbers"]) for r in rows} == {2, 3, 4}  # easy and hard problems mixed
+    assert {len(r["extra_info"]["numbers"]) for r in rows} == {
+        2,
+        3,
+        4,
+    }  # easy and hard problems mixed
     for row in rows:
         numbers, solution = row["extra_info"]["numbers"], row["extra_info"]["solution"]
         *steps, answer = solution.split("\n")

@@ -222,7 +222,9 @@ def test_dapo_run_hands_the_services_the_snapshot_and_offline_mode(
     monkeypatch.setattr(launcher.Service, "start", start)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(StartRefused):
-        launcher.run_local(model_config(tmp_path, "hf://org/model", redis_url=redis_url), quiet=True)
+        launcher.run_local(
+            model_config(tmp_path, "hf://org/model", redis_url=redis_url), quiet=True
+        )
     assert len(download.calls) == 1 and download.calls[0]["repo_id"] == "org/model"
     [(name, env)] = started
     assert name == "learner" and env["HF_HUB_OFFLINE"] == "1"
