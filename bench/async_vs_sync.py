@@ -73,14 +73,17 @@ def main() -> int:
     measured = asyn["steps_per_hour"] / sync["steps_per_hour"]
     efficiency = measured / ideal
     print(
-        f"max_staleness 0 (synchronous): {sync['steps_per_hour']:.0f} steps/hour; per step {t_gen:.3f}s generating, "
-        f"{t_train:.3f}s training (weight sync {sync['sync_weights_s']:.3f}s)"
+        f"max_staleness 0 (synchronous): {sync['steps_per_hour']:.0f} steps/hour; per step "
+        f"{t_gen:.3f}s generating, {t_train:.3f}s training (weight sync "
+        f"{sync['sync_weights_s']:.3f}s)"
     )
     print(
-        f"max_staleness 1 (asynchronous): {asyn['steps_per_hour']:.0f} steps/hour; learner idle {asyn['learner_idle_fraction']:.0%}"
+        f"max_staleness 1 (asynchronous): {asyn['steps_per_hour']:.0f} steps/hour; learner idle "
+        f"{asyn['learner_idle_fraction']:.0%}"
     )
     print(
-        f"speed-up {measured:.2f}x of an ideal {ideal:.2f}x (perfect overlap of generation and training)"
+        f"speed-up {measured:.2f}x of an ideal {ideal:.2f}x (perfect overlap of generation and "
+        "training)"
     )
     save_result(
         "async_vs_sync",

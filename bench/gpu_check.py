@@ -122,8 +122,8 @@ def check_sync(model_dir: Path) -> None:
     expected = sum(float(t.double().sum()) for _, t in named)
     got = engine.param_checksum()[0]
     print(
-        f"weight sync over {backend}: {sum(f.numel() for f in flats) / 1e6:.1f}M params in {sync_s:.3f}s; "
-        f"checksum engine {got:.6f} vs sent {expected:.6f}"
+        f"weight sync over {backend}: {sum(f.numel() for f in flats) / 1e6:.1f}M params in "
+        f"{sync_s:.3f}s; checksum engine {got:.6f} vs sent {expected:.6f}"
     )
     assert abs(got - expected) <= 1e-6 * max(1.0, abs(expected)), "weights differ after the sync"
     engine.close()
@@ -166,12 +166,14 @@ def short_run(model_dir: Path) -> None:
     subprocess.run(cmd, cwd=REPO, check=True, timeout=360)
     summary = json.loads((OUT / "run" / "summary.json").read_text())
     print(
-        f"short run: {summary['steps']} steps in {time.monotonic() - start:.0f}s; eval {summary['base_eval_acc']:.3f} -> "
-        f"{summary['final_eval_acc']:.3f}; ledger {summary['ledger']}; replicas {summary['replica_final_versions']}"
+        f"short run: {summary['steps']} steps in {time.monotonic() - start:.0f}s; eval "
+        f"{summary['base_eval_acc']:.3f} -> {summary['final_eval_acc']:.3f}; ledger "
+        f"{summary['ledger']}; replicas {summary['replica_final_versions']}"
     )
     print(f"evaluation rounds (on the vLLM replica): {summary['eval_history']}")
     print(
-        f"trained response tokens/s: {summary['train_tokens_per_s']:.0f}; mean weight sync {summary['mean_sync_seconds']:.3f}s"
+        f"trained response tokens/s: {summary['train_tokens_per_s']:.0f}; mean weight sync "
+        f"{summary['mean_sync_seconds']:.3f}s"
     )
     ledger = summary["ledger"]
     assert ledger["balanced"] and set(summary["replica_final_versions"].values()) == {
@@ -196,7 +198,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device")
     print(
-        f"GPUs: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}; torch {torch.__version__}"
+        f"GPUs: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}; torch "
+        f"{torch.__version__}"
     )
     model_dir = build_model()
     check_sync(model_dir)

@@ -63,8 +63,9 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(
-        f"{result['steps']} steps in {result['rl_seconds']:.0f} RL seconds; eval {result['eval_history'][0][1]:.3f} -> "
-        f"{result['eval_history'][-1][1]:.3f}; {result['groups_generated']} groups generated for {result['groups_trained']} trained"
+        f"{result['steps']} steps in {result['rl_seconds']:.0f} RL seconds; eval "
+        f"{result['eval_history'][0][1]:.3f} -> {result['eval_history'][-1][1]:.3f}; "
+        f"{result['groups_generated']} groups generated for {result['groups_trained']} trained"
     )
     print(f"floor_seconds_to_plus25={result['seconds_to_plus25']:.1f}")
     return 0

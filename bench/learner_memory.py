@@ -186,16 +186,17 @@ def main() -> int:
     for w in worlds:
         for r in rows[w]:
             print(
-                f"{w:>5} {r['rank']:>4} {r['fixed_mib']:>10.0f} {r['peak_mib']:>9.0f} {r['peak_mib'] - r['fixed_mib']:>17.0f}"
+                f"{w:>5} {r['rank']:>4} {r['fixed_mib']:>10.0f} {r['peak_mib']:>9.0f} "
+                f"{r['peak_mib'] - r['fixed_mib']:>17.0f}"
             )
         sharded[w] = max(r["peak_mib"] - r["fixed_mib"] for r in rows[w])
     for w in worlds:
         r0 = rows[w][0]
         bound = r0["host_copy_mib"] + 2 * r0["bucket_mib"]
         print(
-            f"publication, {w} rank(s): rank 0 extra peak {r0['publish_extra_mib']:.0f} MiB; bound = host copy "
-            f"{r0['host_copy_mib']:.0f} + 2 x {r0['bucket_mib']:.0f} MiB buckets = {bound:.0f} MiB "
-            f"({'within' if r0['publish_extra_mib'] <= bound else 'OVER'})"
+            f"publication, {w} rank(s): rank 0 extra peak {r0['publish_extra_mib']:.0f} MiB; "
+            f"bound = host copy {r0['host_copy_mib']:.0f} + 2 x {r0['bucket_mib']:.0f} MiB buckets "
+            f"= {bound:.0f} MiB ({'within' if r0['publish_extra_mib'] <= bound else 'OVER'})"
         )
     ratio = sharded[2] / sharded[1] if 1 in sharded and 2 in sharded else float("nan")
     save_result(

@@ -117,7 +117,8 @@ def main() -> int:
     save_result("learner_step", {"overrides": args.overrides, **figures}, args.out)
     print(
         f"tiny preset, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per step; "
-        f"train_step {figures['train_s_per_step']:.3f} s, weight gather {figures['gather_s_per_step']:.3f} s"
+        f"train_step {figures['train_s_per_step']:.3f} s, weight gather "
+        f"{figures['gather_s_per_step']:.3f} s"
     )
     print(f"learner_tokens_per_s={figures['tokens_per_s']:.0f}")
     return 0

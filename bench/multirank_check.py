@@ -11,7 +11,7 @@ and some are not with one rank, so a wrongly scaled gradient also clips differen
     .venv/bin/python bench/multirank_check.py [--world-sizes 1,2,4] [--json OUT]
 
 Prints a table and, as its last line, `max_abs_param_diff=<largest |param(W) - param(1)|>`.
-"""
+"""  # noqa: E501 (the first line is the argparse description: __doc__.splitlines()[0])
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def make_groups() -> list[Any]:
 
 
 def worker(model_dir: str, out: str) -> None:
-    """One rank (under torch.distributed.run): every mode, one step each, results saved by rank 0."""
+    """One rank (under torch.distributed.run): every mode, one step each,
+    results saved by rank 0."""
     import torch.distributed as dist
 
     from contracts.config import load_config
@@ -238,7 +239,8 @@ def main() -> int:
     base = results[worlds[0]]
     report = {w: compare(base, results[w]) for w in worlds[1:]}
     print(
-        f"{'ranks':>5} {'loss_agg':<24} {'pg_loss':>10} {'grad_norm':>10} {'metric rel':>11} {'grad abs':>10} {'param abs':>10}"
+        f"{'ranks':>5} {'loss_agg':<24} {'pg_loss':>10} {'grad_norm':>10} {'metric rel':>11} "
+        f"{'grad abs':>10} {'param abs':>10}"
     )
     for mode in MODES:
         m = base[mode]["metrics"]
@@ -248,8 +250,9 @@ def main() -> int:
         for w in worlds[1:]:
             r = report[w][mode]
             print(
-                f"{w:>5} {mode:<24} {r['pg_loss']:>10.6f} {r['grad_norm']:>10.6f} {r['metric_rel_diff']:>11.2e} "
-                f"{r['grad_abs_diff']:>10.2e} {r['param_abs_diff']:>10.2e}"
+                f"{w:>5} {mode:<24} {r['pg_loss']:>10.6f} {r['grad_norm']:>10.6f} "
+                f"{r['metric_rel_diff']:>11.2e} {r['grad_abs_diff']:>10.2e} "
+                f"{r['param_abs_diff']:>10.2e}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({str(w): r for w, r in report.items()}, indent=1))

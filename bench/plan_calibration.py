@@ -34,19 +34,21 @@ def main() -> int:
     print(f"measured run ({args.run_dir}), {m.steps} steady steps:")
     if m.cpu_cores is not None:
         print(
-            f"  learner and replicas shared {m.cpu_cores} CPU cores; simulated rates: generation {p.gen_s_per_group:.4f} s a group "
-            f"(measured {m.gen_s_per_group:.4f}), learner {p.learner_busy_s:.3f} s a step (measured {m.learner_busy_s:.3f})"
+            f"  learner and replicas shared {m.cpu_cores} CPU cores; simulated rates: generation "
+            f"{p.gen_s_per_group:.4f} s a group (measured {m.gen_s_per_group:.4f}), learner "
+            f"{p.learner_busy_s:.3f} s a step (measured {m.learner_busy_s:.3f})"
         )
     print(
-        f"  step time     measured {m.step_s:.3f} s   predicted {p.step_s:.3f} s   error {e['step_time']:+.1%}"
+        f"  step time     measured {m.step_s:.3f} s   predicted {p.step_s:.3f} s   error "
+        f"{e['step_time']:+.1%}"
     )
     print(
-        f"  learner idle  measured {m.learner_idle:.3f}     predicted {p.learner_idle:.3f}     error {e['learner_idle']:+.1%} "
-        f"({e['learner_idle_points']:+.3f} of wall time)"
+        f"  learner idle  measured {m.learner_idle:.3f}     predicted {p.learner_idle:.3f}     "
+        f"error {e['learner_idle']:+.1%} ({e['learner_idle_points']:+.3f} of wall time)"
     )
     print(
-        f"  rollout idle  measured {m.rollout_idle:.3f}     predicted {p.rollout_idle:.3f}     error {e['rollout_idle']:+.1%} "
-        f"({e['rollout_idle_points']:+.3f} of wall time)"
+        f"  rollout idle  measured {m.rollout_idle:.3f}     predicted {p.rollout_idle:.3f}     "
+        f"error {e['rollout_idle']:+.1%} ({e['rollout_idle_points']:+.3f} of wall time)"
     )
     print("published asynchronous speed-ups:")
     cases = []
@@ -54,8 +56,9 @@ def main() -> int:
         r = predict_published(case)
         flag = "  (outside the model)" if case.outside_the_model else ""
         print(
-            f"  {case.name:52s} published {case.speedup:.2f}x  predicted {r.speedup:.2f}x  error {r.error:+.0%}  "
-            f"(step: synchronous {r.sync.step_s:.0f} s, asynchronous {r.asynchronous.step_s:.0f} s){flag}"
+            f"  {case.name:52s} published {case.speedup:.2f}x  predicted {r.speedup:.2f}x  error "
+            f"{r.error:+.0%}  (step: synchronous {r.sync.step_s:.0f} s, asynchronous "
+            f"{r.asynchronous.step_s:.0f} s){flag}"
         )
         cases.append(
             {

@@ -35,8 +35,9 @@ def rows() -> list[tuple[str, str, str]]:
                 "async / sync speed-up",
                 f"{a['measured_speedup']:.2f}x of an ideal {a['ideal_speedup']:.2f}x "
                 f"(efficiency {a['efficiency']:.2f})",
-                f"`async_vs_sync.py`: steps/hour with max_staleness 1 vs 0, {a['steps']} steps each; ideal = perfect overlap "
-                f"of generation ({a['t_gen_s']:.2f} s) and training ({a['t_train_s']:.2f} s)",
+                f"`async_vs_sync.py`: steps/hour with max_staleness 1 vs 0, {a['steps']} steps "
+                f"each; ideal = perfect overlap of generation ({a['t_gen_s']:.2f} s) and training "
+                f"({a['t_train_s']:.2f} s)",
             )
         )
     s = newest("sync_latency")
@@ -58,8 +59,9 @@ def rows() -> list[tuple[str, str, str]]:
             (
                 "Redis hops per step / step time",
                 f"{per_step * 1e3:.1f} ms / {step_s * 1e3:.0f} ms ({per_step / step_s:.1%})",
-                f"`stream_hops.py`: {h['hop_ms']:.3f} ms per atomic hop of a preset-sized group x {HOPS_PER_JOB} hops x "
-                f"{a['async']['jobs_issued_per_step']:.1f} jobs per step (async run)",
+                f"`stream_hops.py`: {h['hop_ms']:.3f} ms per atomic hop of a preset-sized group x "
+                f"{HOPS_PER_JOB} hops x {a['async']['jobs_issued_per_step']:.1f} jobs per step "
+                "(async run)",
             )
         )
     v = newest("verifier_throughput")
@@ -84,15 +86,17 @@ def rows() -> list[tuple[str, str, str]]:
             (
                 "learner tokens/s",
                 f"{ls['tokens_per_s']:,.0f}{vs}",
-                "`learner_step.py`: one rank, the preset's threads and batch shape; the floor trains with both cores",
+                "`learner_step.py`: one rank, the preset's threads and batch shape; the floor "
+                "trains with both cores",
             )
         )
     if t:
         out.append(
             (
                 "RL seconds to +25 points",
-                f"service {t['service_seconds_to_plus25']:.0f} s vs floor {t['floor_seconds_to_plus25']:.0f} s "
-                f"(service_over_floor {t['service_over_floor']:.2f})",
+                f"service {t['service_seconds_to_plus25']:.0f} s vs floor "
+                f"{t['floor_seconds_to_plus25']:.0f} s (service_over_floor "
+                f"{t['service_over_floor']:.2f})",
                 f"`time_to_target.py`: {t['steps']} steps each, evaluation excluded on both sides",
             )
         )

@@ -3,7 +3,8 @@ baseline of plain pipelined XADD + XREADGROUP + XACK in the same run, with reali
 
     .venv/bin/python bench/stream_hops.py [--groups 2000] [--group-size 16] [--tokens 256]
 
-Prints groups/s and MB/s for both, and their ratio. Last line: `hop_ms=<milliseconds per atomic hop>`.
+Prints groups/s and MB/s for both, and their ratio.
+Last line: `hop_ms=<milliseconds per atomic hop>`.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def main() -> None:
         assert bus.ledger().balanced
     n = args.groups
     print(
-        f"group: {args.group_size} responses x {args.tokens} tokens = {size_mb * 1024:.0f} KiB on the wire"
+        f"group: {args.group_size} responses x {args.tokens} tokens = {size_mb * 1024:.0f} KiB on "
+        "the wire"
     )
     print(
         f"baseline xadd+xack pipeline: {n / base_s:8.0f} groups/s  {n * size_mb / base_s:7.1f} MB/s"

@@ -67,8 +67,8 @@ def main() -> int:
     flat = flat_broadcast_seconds(nbytes, replicas=replicas)
     sync = summary["timing"]["sync_weights_s"]
     print(
-        f"rollout slowed {args.slowdown:g}x, {replicas} replicas, {nbytes / 2**20:.1f} MiB of weights: mean learner sync "
-        f"{sync * 1e3:.1f} ms, bare broadcast {flat * 1e3:.1f} ms"
+        f"rollout slowed {args.slowdown:g}x, {replicas} replicas, {nbytes / 2**20:.1f} MiB of "
+        f"weights: mean learner sync {sync * 1e3:.1f} ms, bare broadcast {flat * 1e3:.1f} ms"
     )
     save_result(
         "sync_latency",

@@ -97,7 +97,8 @@ def main() -> int:
     print(f"floor   (eval@step:acc@RL s): {curve(floor['eval_history'])}")
     print(f"service (eval@step:acc@RL s): {curve(service['eval_history'])}")
     print(
-        f"RL seconds to +{GAIN * 100:.0f} points: service {service_s:.1f}, in-process floor {floor_s:.1f}"
+        f"RL seconds to +{GAIN * 100:.0f} points: service {service_s:.1f}, in-process floor "
+        f"{floor_s:.1f}"
     )
     save_result(
         "time_to_target",

@@ -30,9 +30,9 @@ def responses(n: int, seed: int = 0) -> list[tuple[str, str]]:
         a, b = rng.randint(10, 999), rng.randint(10, 999)
         truth = a + b if rng.random() < 0.5 else a + b + rng.randint(1, 9)
         reasoning = (
-            f"First add the tens and units of {a} and {b}. Carry where needed. So the total is {a + b}. "
-            * rng.randint(1, 4)
-        )
+            f"First add the tens and units of {a} and {b}. Carry where needed. "
+            f"So the total is {a + b}. "
+        ) * rng.randint(1, 4)
         answer = f"Answer: {truth}" if rng.random() < 0.5 else f"The answer is \\boxed{{{truth}}}"
         out.append((reasoning + answer, str(a + b)))
     return out

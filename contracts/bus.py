@@ -127,7 +127,8 @@ local function count(key, field, n, damage_mark)
   if type(reply) ~= 'table' or not reply.err then return '' end
   if string.find(reply.err, 'WRONGTYPE', 1, true) then
     redis.call('DEL', key)
-  elseif string.find(reply.err, 'not an integer', 1, true) or string.find(reply.err, 'overflow', 1, true) then
+  elseif string.find(reply.err, 'not an integer', 1, true)
+    or string.find(reply.err, 'overflow', 1, true) then
     redis.call('HDEL', key, field)
   else
     error(reply)  -- fails the script with Redis's own error
@@ -143,7 +144,8 @@ end
 # ("" = unbounded), then field/value pairs for XADD downstream.
 # Returns {1 (0: already acknowledged by someone else, nothing written), ledger repair, counter
 # repair, downstream repair}. A downstream key of another type is replaced (its consumer group
-# comes back with the readers' `ensure_groups`): failing the XADD after the XACK would lose the entry.
+# comes back with the readers' `ensure_groups`): failing the XADD after the XACK would lose the
+# entry.
 _HOP = (
     _FENCE
     + _COUNT
@@ -283,9 +285,9 @@ class PausingRedis(redis.Redis):
                 if paused_at is None:
                     paused_at = time.monotonic()
                     log.error(
-                        "Redis is at maxmemory and refused %s: pausing until it accepts writes again "
-                        "(raise the server's maxmemory, or lower algorithm.max_staleness / oversampling so "
-                        "less work is queued); nothing has been dropped",
+                        "Redis is at maxmemory and refused %s: pausing until it accepts writes "
+                        "again (raise the server's maxmemory, or lower algorithm.max_staleness / "
+                        "oversampling so less work is queued); nothing has been dropped",
                         args[0],
                     )
                 if self.stop is not None:
@@ -366,8 +368,9 @@ def check_memory_policy(client: redis.Redis) -> None:
     policy = str(mem.get("maxmemory_policy", "noeviction"))
     if int(mem.get("maxmemory", 0)) > 0 and policy != "noeviction":
         raise RuntimeError(
-            f"Redis maxmemory-policy is {policy!r}: under memory pressure Redis would delete queued samples; "
-            "set it to noeviction (the run then pauses at maxmemory instead of losing data)"
+            f"Redis maxmemory-policy is {policy!r}: under memory pressure Redis would delete "
+            "queued samples; set it to noeviction (the run then pauses at maxmemory instead of "
+            "losing data)"
         )
 
 
@@ -396,12 +399,14 @@ class LedgerSnapshot:
     stale: int
     dead: int
     in_flight: int
-    """Entries still in a stage stream (waiting or being processed), both lanes, measured with XLEN."""
+    """Entries still in a stage stream (waiting or being processed), both lanes,
+    measured with XLEN."""
     eval_issued: int = 0
     evaluated: int = 0
     eval_dead: int = 0
     damaged: bool = False
-    """The ledger held a planted value (read as 0, skipped and counted): its figures are not the run's."""
+    """The ledger held a planted value (read as 0, skipped and counted):
+    its figures are not the run's."""
 
     @property
     def balanced(self) -> bool:
@@ -488,8 +493,8 @@ class StreamBus:
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise FencedError(
-                    f"refused a write to Redis: this learner's lease token {self.fence[1]!r} was superseded "
-                    "(another learner holds the lease now)"
+                    f"refused a write to Redis: this learner's lease token {self.fence[1]!r} was "
+                    "superseded (another learner holds the lease now)"
                 ) from None
             raise
 
@@ -958,8 +963,8 @@ class StreamBus:
         self.write("HDEL", self.keys.run_info, str(field))
 
     def eval_history(self) -> list[tuple[int, float, float]]:
-        """[(step, accuracy, RL seconds)] of every evaluation so far (RL seconds, -1 if unknown: when the
-        evaluated weights existed, counted from the first training step); malformed history
+        """[(step, accuracy, RL seconds)] of every evaluation so far (RL seconds, -1 if unknown:
+        when the evaluated weights existed, counted from the first training step); malformed history
         reads as empty."""
         try:
             rows = json.loads(self.run_field(RunField.EVAL_HISTORY) or "[]")

@@ -118,7 +118,7 @@ def temp_step_dir(root: Path, step: int) -> Path:
     return root / f"{TMP_PREFIX}{step}"
 
 
-# --- listing ---------------------------------------------------------------------------------------
+# --- listing --------------------------------------------------------------------------------------
 def _step_of(d: Path) -> int | None:
     try:
         return int(d.name.removeprefix("step_"))
@@ -153,7 +153,7 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
-# --- durability --------------------------------------------------------------------------------------
+# --- durability -----------------------------------------------------------------------------------
 def fsync_path(path: Path) -> None:
     """Flush a file's or a directory's entries to stable storage (POSIX; directories included)."""
     fd = os.open(path, os.O_RDONLY)
@@ -192,7 +192,7 @@ def commit_dir(tmp: Path, final: Path) -> None:
         _remove(aside)
 
 
-# --- deleting, cleaning, retiring ---------------------------------------------------------------------
+# --- deleting, cleaning, retiring -----------------------------------------------------------------
 def _move_to_trash(path: Path) -> Path:
     trash = path.with_name(
         f"{TRASH_PREFIX}{path.name.removeprefix('step_')}-{secrets.token_hex(4)}"
@@ -261,7 +261,7 @@ def retire_newer(root: str | Path, step: int) -> list[int]:
     return [s for s, _ in newer]
 
 
-# --- the manifest -------------------------------------------------------------------------------------
+# --- the manifest ---------------------------------------------------------------------------------
 def hashed_files(path: Path, under: str = "") -> tuple[dict[str, int], list[str]]:
     """(size of every regular file the manifest covers, by path relative to `path`; problems).
 
@@ -346,8 +346,9 @@ def read_manifest(path: Path) -> tuple[dict[str, FileDigest], str]:
         }
     except FileNotFoundError:
         raise CheckpointRefused(
-            f"{where} is missing: the checkpoint was written before manifests or not by this learner; "
-            "it cannot be verified, so it is not loaded (move it out of the store to resume from an older one)"
+            f"{where} is missing: the checkpoint was written before manifests or not by this "
+            "learner; it cannot be verified, so it is not loaded (move it out of the store to "
+            "resume from an older one)"
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointRefused(
@@ -381,7 +382,8 @@ def check_listing(
 def verify_files(
     path: Path, manifest: dict[str, FileDigest], names: Iterable[str], *, threads: int
 ) -> list[str]:
-    """Hash `names` (in `threads` threads) and name each one whose SHA-256 differs from the manifest."""
+    """Hash `names` (in `threads` threads) and name each one whose SHA-256
+    differs from the manifest."""
     from concurrent.futures import ThreadPoolExecutor
 
     def check(name: str) -> str | None:

@@ -128,7 +128,8 @@ class ModelConfig(_Section):
     def _check_source(self) -> ModelConfig:
         if self.build_tiny is not None and (self.hub_id or self.catalog_name) is not None:
             raise ValueError(
-                f"model.build_tiny builds a local model: model.path={self.path!r} must be a directory"
+                f"model.build_tiny builds a local model: model.path={self.path!r} must be a "
+                "directory"
             )
         return self
 
@@ -344,7 +345,8 @@ class AlgorithmConfig(_Section):
     """Admission control: at most (max_staleness + 1) train batches of work ahead of the learner.
     0 reproduces synchronous DAPO (rollout never runs ahead of the weights it was given)."""
     is_clip: float = Field(2.0, ge=1)
-    """Truncation of the behaviour importance weight pi_old / pi_behaviour (docs/algorithm.md s9)."""
+    """Truncation of the behaviour importance weight pi_old / pi_behaviour
+    (docs/algorithm.md s9)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ class Counter(StrEnum):
     BAD_CONTROL_REQUESTS = "bad_control_requests"
     """Operator requests in the control hash that did not parse; skipped."""
     BAD_REDIS_VALUES = "bad_redis_values"
-    """Other values read from Redis that did not parse (heartbeats, weight announcements); skipped."""
+    """Other values read from Redis that did not parse
+    (heartbeats, weight announcements); skipped."""
     REWARD_TIMEOUTS = "reward_timeouts"
     """Responses whose verifier ran past `reward.timeout_s` (scored -1)."""
     TRAINED_TWICE = "trained_twice"
@@ -207,11 +208,13 @@ class Keys:
 
     @property
     def run_info(self) -> str:
-        """Hash of `RunField` values: run name, data cursor, eval history, the end-of-run summary."""
+        """Hash of `RunField` values: run name, data cursor, eval history,
+        the end-of-run summary."""
         return self._k("run")
 
     def heartbeat(self, kind: str, instance_id: str) -> str:
-        """TTL key per live service instance (one process of a service); value is its JSON status."""
+        """TTL key per live service instance (one process of a service);
+        value is its JSON status."""
         return self._k("hb", kind, instance_id)
 
     def heartbeat_pattern(self, kind: str = "*") -> str:
@@ -239,10 +242,12 @@ class Keys:
         return self._k("weights", "joined", group_key)
 
     def weight_decision(self, group_key: str) -> str:
-        """`go` (everyone joined: build the group) or `abort` for the broadcast group `group_key`."""
+        """`go` (everyone joined: build the group)
+        or `abort` for the broadcast group `group_key`."""
         return self._k("weights", "decision", group_key)
 
     @property
     def control(self) -> str:
-        """Hash of operator requests by kind (pause, checkpoint, restore; see schemas.ControlRequest)."""
+        """Hash of operator requests by kind (pause, checkpoint, restore;
+        see schemas.ControlRequest)."""
         return self._k("control")

@@ -89,9 +89,10 @@ class LearnerLease:
             holder = self.holder_now()
             if time.monotonic() > deadline or (stop is not None and stop.is_set()):
                 raise LeaseHeldError(
-                    f"another learner holds the learner lease ({holder}) in namespace {self.bus.keys.ns!r}: only one "
-                    f"learner may train a run at a time. Stop the other learner, or wait {self.ttl_s:.0f}s for a dead "
-                    "one's lease to expire, then start again"
+                    f"another learner holds the learner lease ({holder}) in namespace "
+                    f"{self.bus.keys.ns!r}: only one learner may train a run at a time. Stop the "
+                    f"other learner, or wait {self.ttl_s:.0f}s for a dead one's lease to expire, "
+                    "then start again"
                 )
             if not told:
                 log.warning("waiting up to %.0fs for the learner lease, held by %s", wait_s, holder)
@@ -113,7 +114,8 @@ class LearnerLease:
                 continue
             if not held:
                 log.error(
-                    "lost the learner lease (now held by %s): this learner's writes will be refused",
+                    "lost the learner lease (now held by %s): this learner's writes will be "
+                    "refused",
                     self.holder_now(),
                 )
                 self.lost.set()
@@ -125,7 +127,8 @@ class LearnerLease:
         if self.lost.is_set() or not held:
             self.lost.set()
             raise FencedError(
-                f"this learner no longer holds the learner lease (now {self.holder_now()}); not writing"
+                f"this learner no longer holds the learner lease (now {self.holder_now()}); not "
+                "writing"
             )
 
     def release(self) -> None:

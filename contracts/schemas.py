@@ -393,7 +393,8 @@ def _check_group_values(group: RolloutGroup) -> None:
                     raise SchemaError(f"response {i} logprob {j} is {value}")
                 if value > MAX_LOGPROB:
                     raise SchemaError(
-                        f"response {i} logprob {j} is {value:g}, above 0 (a log-prob is never positive)"
+                        f"response {i} logprob {j} is {value:g}, above 0 (a log-prob is never "
+                        "positive)"
                     )
     _check_token_range(group, low=0, high=None, what="token ids are never negative")
 

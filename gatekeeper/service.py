@@ -40,8 +40,8 @@ def keep_group(values: Sequence[float | bool | int]) -> bool:
     """True when a group carries learning signal: its metric is not identical across the group.
 
     values: the metric of each response of one group, shape [G].
-    A single-response group is always kept (docs/algorithm.md s6). NaN never counts as variance: NaNs are
-    ignored, and a group whose values are all NaN is dropped.
+    A single-response group is always kept (docs/algorithm.md s6). NaN never counts as variance:
+    NaNs are ignored, and a group whose values are all NaN is dropped.
     """
     if len(values) == 1:
         return True

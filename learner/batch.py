@@ -11,8 +11,8 @@ in its own row, so log-probs and gradients are those of the row layout, while a 
 computed once instead of G times. That holds only where the model applies the 4-D mask exactly
 as given: under `PACKED_ATTENTION` (sdpa), and in full-attention layers only
 (`packed_layout_problem`). Advantages are computed here, after dynamic
-sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token, sum to
-the response return, which is normalised within the group (s3) and shared by every token.
+sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token,
+sum to the response return, which is normalised within the group (s3) and shared by every token.
 """
 
 from __future__ import annotations

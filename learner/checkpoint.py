@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# --- ranks ---------------------------------------------------------------------------------------------
+# --- ranks ----------------------------------------------------------------------------------------
 def _world_size() -> int:
     import torch.distributed as dist
 
@@ -93,7 +93,7 @@ def _all_gather(value: T) -> list[T]:
     return out
 
 
-# --- RNG states: safetensors + JSON, nothing pickled ------------------------------------------------------
+# --- RNG states: safetensors + JSON, nothing pickled ----------------------------------------------
 def rng_file(path: Path, rank: int) -> Path:
     return path / "rng" / f"rank_{rank}.safetensors"
 
@@ -148,7 +148,7 @@ def load_rng(path: Path, shuffle: random.Random) -> None:
         )
 
 
-# --- saving -----------------------------------------------------------------------------------------------
+# --- saving ---------------------------------------------------------------------------------------
 def save_checkpoint(
     root: Path,
     step: int,
@@ -235,7 +235,7 @@ def _digests(path: Path, names: list[str]) -> list[FileDigest]:
         return list(pool.map(lambda n: file_digest(path / n, sync=True), names))
 
 
-# --- loading ----------------------------------------------------------------------------------------------
+# --- loading --------------------------------------------------------------------------------------
 def verify_checkpoint(path: Path, rank: int) -> None:
     """Every rank: check `path` against its manifest before anything in it is loaded; raises
     CheckpointRefused on every rank, naming the files, when it has no manifest or any file differs.
@@ -264,7 +264,8 @@ def load_checkpoint(
     """Verify, then restore model, optimizer, scheduler and RNG, the mini-batch `shuffle`
     generator's included (every rank); returns trainer.json.
 
-    A rank with no RNG file of its own (the run resumed on more ranks than it saved) takes rank 0's."""
+    A rank with no RNG file of its own (the run resumed on more ranks than it saved)
+    takes rank 0's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 

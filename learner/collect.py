@@ -223,7 +223,8 @@ class StreamSource:
         return {"data_cursor": self.feeder.cursor, "ledger": self.bus.ledger().as_dict()}
 
     def reset_after_data_loss(self) -> None:
-        """Redis lost the streams: what was in hand is gone from the ledger too; re-record the cursor."""
+        """Redis lost the streams: what was in hand is gone from the ledger too;
+        re-record the cursor."""
         self.pending, self.orphans = [], []
         self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
 

@@ -137,7 +137,8 @@ class RunControl:
         if self.bus.run_field(RunField.ALIVE_MARKER) is not None:
             return False
         log.error(
-            "Redis lost the run's state (queued groups and ledger are gone); continuing from step %d",
+            "Redis lost the run's state (queued groups and ledger are gone); continuing "
+            "from step %d",
             progress.step,
         )
         self.bus.ensure_groups()

@@ -80,7 +80,8 @@ def _enum_member(cls: Any, name: Any) -> Any:
 
 def _refuse(what: str) -> CheckpointRefused:
     return CheckpointRefused(
-        f"the checkpoint's metadata {what}, which no checkpoint written by torch does: refused without loading it"
+        f"the checkpoint's metadata {what}, which no checkpoint written by torch does: refused "
+        "without loading it"
     )
 
 

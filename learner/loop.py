@@ -171,7 +171,7 @@ class LearnerLoop:
         log.info("restored checkpoint step %d as policy version %d", step, policy_version)
         return True
 
-    # --- decide (rank 0; the other ranks' decision is replaced by rank 0's) -------------------------
+    # --- decide (rank 0; the other ranks' decision is replaced by rank 0's) -----------------------
     def decide(self) -> Command:
         try:
             if self.control.lost_run_state(self.progress):
@@ -254,8 +254,8 @@ class LearnerLoop:
             norm_by_std=alg.norm_by_std,
             overlong_filter=self.cfg.reward.overlong.filter,
         )
-        # Non-finite steps (learner/trainer.py): a step that skipped an update is counted and goes on
-        # as any other: its weights (unchanged if every update was skipped) are published as the
+        # Non-finite steps (learner/trainer.py): a step that skipped an update is counted and goes
+        # on as any other: its weights (unchanged if every update was skipped) are published as the
         # next policy version, so versions keep matching steps, and its groups are accounted trained
         # (consumed). The trainer raises on every rank after learner.max_nonfinite_steps in a row.
         try:

@@ -153,7 +153,8 @@ class RunReporter:
         self.evals: list[tuple[int, float, float]] = bus.eval_history()
         self.lags: list[float] = []
         self.step_groups: Sequence[RolloutGroup] = ()
-        """The groups of the step being reported: `rollout_metrics` sees them, `report` samples them."""
+        """The groups of the step being reported: `rollout_metrics` sees them,
+        `report` samples them."""
 
     @property
     def has_evals(self) -> bool:

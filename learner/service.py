@@ -89,7 +89,8 @@ def make_share(rank: int) -> Share:
 
 @dataclass(frozen=True)
 class RunClaim:
-    """What rank 0 holds once it is this run's learner: its Redis connection, fenced by the lease."""
+    """What rank 0 holds once it is this run's learner: its Redis connection,
+    fenced by the lease."""
 
     bus: StreamBus
     lease: LearnerLease
@@ -103,8 +104,9 @@ def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
         raise ConfigError("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
     if cfg.learner.lease_wait_s <= cfg.learner.lease_ttl_s:
         log.warning(
-            "learner.lease_wait_s (%.0f s) is not above learner.lease_ttl_s (%.0f s): a learner restarted after "
-            "an unclean exit may still find its predecessor's lease, and exit as not the learner",
+            "learner.lease_wait_s (%.0f s) is not above learner.lease_ttl_s (%.0f s): a learner "
+            "restarted after an unclean exit may still find its predecessor's lease, and exit as "
+            "not the learner",
             cfg.learner.lease_wait_s,
             cfg.learner.lease_ttl_s,
         )
@@ -217,8 +219,8 @@ def main(cfg: DapoConfig) -> int:
         return EXIT_NOT_THE_LEARNER
     except CheckpointRefused as exc:
         message = (
-            f"{exc}. Move that step out of {cfg.checkpoint_dir} (or restore it from a copy you trust) and start "
-            "again: the learner resumes from the newest checkpoint that verifies."
+            f"{exc}. Move that step out of {cfg.checkpoint_dir} (or restore it from a copy you "
+            "trust) and start again: the learner resumes from the newest checkpoint that verifies."
         )
         log.error("%s", message)
         with contextlib.suppress(OSError):  # every rank refuses alike; any of them may say so

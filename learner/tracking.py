@@ -46,7 +46,8 @@ def markdown_table(completions: list[Completion]) -> str:
     for c in completions:
         acc = "-" if c.acc is None else str(c.acc).lower()
         rows.append(
-            f"| {_cell(c.prompt)} | {_cell(c.response)} | {c.reward:.3f} | {acc} | {c.finish_reason} |"
+            f"| {_cell(c.prompt)} | {_cell(c.response)} | {c.reward:.3f} | {acc} | "
+            f"{c.finish_reason} |"
         )
     return "\n".join(rows)
 
@@ -111,7 +112,8 @@ class Trackers:
                 import wandb
             except ImportError as exc:
                 raise RuntimeError(
-                    "tracking.wandb_project is set but the wandb package is not installed (pip install '.[wandb]')"
+                    "tracking.wandb_project is set but the wandb package is not installed "
+                    "(pip install '.[wandb]')"
                 ) from exc
             self.wandb = wandb.init(
                 project=cfg.tracking.wandb_project,

@@ -87,7 +87,8 @@ class WeightPublisher:
         self.last_sync_s = 0.0
         self.join_timeout_s = min(timeout_s, 15.0)
         self.quarantine_s = 30.0
-        # id -> (until, the policy version its heartbeat showed when set aside); see replica_versions
+        # id -> (until, the policy version its heartbeat showed when set aside);
+        # see replica_versions
         self.quarantined: dict[str, tuple[float, int]] = {}
 
     # --- staging -------------------------------------------------------------------------------

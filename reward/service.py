@@ -123,7 +123,8 @@ class RewardWorker:
                     entry_id,
                     fields,
                     f"reward: a response of {longest} tokens exceeds "
-                    f"rollout.max_response_len={max_len} (services running with different configs?)",
+                    f"rollout.max_response_len={max_len} (services running with different "
+                    "configs?)",
                 )
                 continue
             results = score_group(group, self.tokenizer, self.scorer, self.cfg)

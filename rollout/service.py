@@ -7,9 +7,9 @@ lowest and highest version that sampled it); take up to `rollout.prompts_per_bat
 jobs; make sure the weights held are at least as new as each job's `policy_version` (waiting for
 the learner's catch-up broadcast if not); generate `group_size` responses per job with behaviour
 log-probs (an evaluation job: `eval.samples` responses with the eval sampling settings); forward
-each group to the rollouts stream with one atomic hop. The heartbeat reports the policy version held and the idle fraction.
-On SIGTERM the current batch finishes (a batch is short), unstarted jobs are handed back, and the
-process exits.
+each group to the rollouts stream with one atomic hop. The heartbeat reports the policy version held
+and the idle fraction. On SIGTERM the current batch finishes (a batch is short), unstarted jobs are
+handed back, and the process exits.
 
 An evaluation batch takes no in-flight update when the engine receives broadcasts in the
 background (the transformers engine): an evaluation round then measures one policy, every token
@@ -210,7 +210,8 @@ class RolloutWorker:
                         self.bus.keys.prompts,
                         min_idle_s=q.claim_idle_s,
                         max_deliveries=q.max_deliveries,
-                        count=self.cfg.rollout.prompts_per_batch,  # at most a batch of its own and one of others'
+                        # at most a batch of its own and one of others'
+                        count=self.cfg.rollout.prompts_per_batch,
                         heartbeat_ttl_s=q.heartbeat_ttl_s,
                     )
                 if not entries:

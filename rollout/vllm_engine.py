@@ -18,9 +18,10 @@ Weights arrive over the side group of `contracts.weight_sync` inside vLLM's work
 process(es): `update_weights` gets a `WeightStream` and sends its JSON form (vLLM's RPC encodes
 arguments with msgpack, which carries tensors and plain data but no arbitrary objects) through
 `collective_rpc` to `rollout.vllm_worker_ext.WeightSyncExtension`, mixed into the worker class,
-which iterates it there. Any other iterable of tensors is sent whole through the RPC. The prefix cache is reset after every swap, since cached KV blocks were
-computed with the old weights. A swap that fails part-way leaves some layers new and some old;
-the engine then refuses to generate (`WeightSyncError`) until `load_weights_from_dir` succeeds.
+which iterates it there. Any other iterable of tensors is sent whole through the RPC. The prefix
+cache is reset after every swap, since cached KV blocks were computed with the old weights. A swap
+that fails part-way leaves some layers new and some old; the engine then refuses to generate
+(`WeightSyncError`) until `load_weights_from_dir` succeeds.
 
 In-flight weight updates: `generate` queues its requests and drives the engine step by step
 itself (what `LLM.generate` does inside), calling `between_steps` between two engine steps, so a

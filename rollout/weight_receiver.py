@@ -419,9 +419,10 @@ class WeightReceiver:
         Cost: every byte of the export accepted, and of each one refused for its contents, is read
         once more before the load. At the SHA-256 rate measured for the learner (about 550 MiB/s a
         thread, `learner/checkpoint.py`) a 64 GB export in 5 GB shards takes about half a minute on
-        `checkpoint_store.HASH_THREADS` (4) threads and two minutes on one, more when the disk is slower; the heartbeat
-        thread keeps beating meanwhile. That is paid only at start, after a failed broadcast and on
-        a store catch-up, all rare: broadcasts never touch the store and hash nothing.
+        `checkpoint_store.HASH_THREADS` (4) threads and two minutes on one, more when the disk is
+        slower; the heartbeat thread keeps beating meanwhile. That is paid only at start, after a
+        failed broadcast and on a store catch-up, all rare: broadcasts never touch the store and
+        hash nothing.
 
         A checkpoint that retention deleted (or a save of the same step replaced) while it was
         being checked is not damage: the store is listed again, up to STORE_RESCANS times, so a

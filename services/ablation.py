@@ -14,9 +14,9 @@ interrupted ladder resumes where it stopped (an unfinished run is started again 
 From each run's `summary.json` and `metrics.jsonl` the report takes: the final evaluation
 accuracy, the generated responses at the first evaluation at least `gain` above the run's own
 base evaluation, the share of groups the gatekeeper filtered, the truncation rate of generated
-training responses (kept or filtered) and the policy entropy at the end. It writes `ablation.md` (the table), `ablation.json`
-(every figure, per run) and `ablation.svg` (accuracy and entropy against generated responses,
-mean and standard deviation over seeds).
+training responses (kept or filtered) and the policy entropy at the end. It writes `ablation.md`
+(the table), `ablation.json` (every figure, per run) and `ablation.svg` (accuracy and entropy
+against generated responses, mean and standard deviation over seeds).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ LADDER: tuple[Rung, ...] = (
         "overlong_filter",
         "+ overlong filtering",
         {"reward.overlong.filter": "true"},
-        "truncated responses stop teaching 'wrong' to reasoning that was cut off rather than mistaken",
+        "truncated responses stop teaching 'wrong' to reasoning that was cut off rather than "
+        "mistaken",
     ),
     Rung(
         "clip_higher",
@@ -80,13 +81,15 @@ LADDER: tuple[Rung, ...] = (
         "soft_overlong",
         "+ soft overlong punishment",
         {"reward.overlong.enabled": "true"},
-        "responses that run into the last buffer_len tokens lose reward in proportion, steering length",
+        "responses that run into the last buffer_len tokens lose reward in proportion, steering "
+        "length",
     ),
     Rung(
         "token_loss",
         "+ token-level loss",
         {"algorithm.loss_agg": "token-mean"},
-        "every token weighs the same, so long responses count fully and long bad patterns are punished",
+        "every token weighs the same, so long responses count fully and long bad patterns are "
+        "punished",
     ),
     Rung(
         "dapo",
@@ -98,7 +101,8 @@ LADDER: tuple[Rung, ...] = (
 
 
 def rung_overrides(index: int) -> dict[str, str]:
-    """The full overrides of rung `index`: naive GRPO plus every technique up to and including it."""
+    """The full overrides of rung `index`:
+    naive GRPO plus every technique up to and including it."""
     out = dict(NAIVE_GRPO)
     for rung in LADDER[: index + 1]:
         out.update(rung.adds)
@@ -315,7 +319,8 @@ def _mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> s
 
 
 def _reached(samples: Sequence[float | None]) -> str:
-    """Mean ± std over the runs that reached a target, and how many did ("not reached" is counted)."""
+    """Mean ± std over the runs that reached a target, and how many did
+    ("not reached" is counted)."""
     hit = [s for s in samples if s is not None]
     if not hit:
         return f"not reached (0/{len(samples)})"
@@ -324,8 +329,10 @@ def _reached(samples: Sequence[float | None]) -> str:
 
 def table(results: Sequence[RunResult], *, gain: float, rungs: Sequence[Rung] = LADDER) -> str:
     head = (
-        f"| rung | runs | final accuracy | base accuracy | responses to base + {gain * 100:.0f} pts (k) "
-        f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) | groups filtered | truncated | entropy at end | wall s / run |"
+        "| rung | runs | final accuracy | base accuracy "
+        f"| responses to base + {gain * 100:.0f} pts (k) "
+        f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) | groups filtered | truncated "
+        "| entropy at end | wall s / run |"
     )
     lines = [head, "|" + "---|" * 10]
     for rung in rungs:
@@ -334,10 +341,13 @@ def table(results: Sequence[RunResult], *, gain: float, rungs: Sequence[Rung] = 
             lines.append(f"| {rung.label} | 0 | - | - | - | - | - | - | - | - |")
             continue
         lines.append(
-            f"| {rung.label} | {len(rows)} | {_mean_std([r.final_acc for r in rows])} | {_mean_std([r.base_acc for r in rows])} "
-            f"| {_reached([r.samples_to_target for r in rows])} | {_reached([r.samples_to_early_target for r in rows])} "
+            f"| {rung.label} | {len(rows)} | {_mean_std([r.final_acc for r in rows])} "
+            f"| {_mean_std([r.base_acc for r in rows])} "
+            f"| {_reached([r.samples_to_target for r in rows])} "
+            f"| {_reached([r.samples_to_early_target for r in rows])} "
             f"| {_mean_std([r.filtered_share for r in rows], digits=2)} "
-            f"| {_mean_std([r.truncation_rate for r in rows])} | {_mean_std([r.final_entropy for r in rows])} "
+            f"| {_mean_std([r.truncation_rate for r in rows])} "
+            f"| {_mean_std([r.final_entropy for r in rows])} "
             f"| {statistics.fmean(r.wall_s for r in rows):.0f} |"
         )
     return "\n".join(lines)
@@ -365,7 +375,8 @@ def plot(
     results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LADDER, points: int = 24
 ) -> None:
     """Two panels against generated responses: eval accuracy and policy entropy, per rung the mean
-    over seeds (curves interpolated onto a common grid) with a band/bars of one standard deviation."""
+    over seeds (curves interpolated onto a common grid) with a band/bars of one standard
+    deviation."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -440,16 +451,21 @@ def write_report(
     made = provenance()
     md.write_text(
         "# DAPO ablation ladder\n\n"
-        f"Command: `{command}`\n\nDate {made['date']}, commit {made['commit']}, machine: {made['machine']}.\n\n"
+        f"Command: `{command}`\n\n"
+        f"Date {made['date']}, commit {made['commit']}, machine: {made['machine']}.\n\n"
         f"{table(results, gain=gain, rungs=rungs)}\n\n"
-        "Columns: final accuracy is the last evaluation (avg@k on the eval set); responses to target count the "
-        f"training responses requested until the first evaluation at least {gain * 100:.0f} points above the run's "
-        f"own base evaluation (the mean is over the runs that reached it), and the same for +{EARLY_GAIN * 100:.0f} "
-        "points; groups filtered is the share the gatekeeper dropped; truncated is the share of generated training responses cut at max_response_len (kept or filtered); entropy is the "
-        "mean token entropy of the last tenth of training steps. Every run stops at the same sample budget.\n\n"
+        "Columns: final accuracy is the last evaluation (avg@k on the eval set); responses to "
+        "target count the training responses requested until the first evaluation at least "
+        f"{gain * 100:.0f} points above the run's own base evaluation (the mean is over the runs "
+        f"that reached it), and the same for +{EARLY_GAIN * 100:.0f} points; groups filtered is "
+        "the share the gatekeeper dropped; truncated is the share of generated training "
+        "responses cut at max_response_len (kept or filtered); entropy is the mean token "
+        "entropy of the last tenth of training steps. Every run stops at the same sample "
+        "budget.\n\n"
         f"What each rung adds:\n\n{why}\n\n"
-        f"Wall time: {sum(r.wall_s for r in results) / 60:.1f} min for the {len(results)} runs (each `dapo run` from start "
-        f"to exit); this invocation took {wall_s / 60:.1f} min (runs completed earlier are not redone).\n\n"
+        f"Wall time: {sum(r.wall_s for r in results) / 60:.1f} min for the {len(results)} runs "
+        f"(each `dapo run` from start to exit); this invocation took {wall_s / 60:.1f} min "
+        "(runs completed earlier are not redone).\n\n"
         "![curves](ablation.svg)\n"
     )
     data.write_text(

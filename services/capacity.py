@@ -113,7 +113,8 @@ class Budget:
     learner: dict[str, float]
     replica: dict[str, float]
     concurrent_sequences: int
-    """Full-length sequences one replica's KV cache holds at once (0: the weights alone do not fit)."""
+    """Full-length sequences one replica's KV cache holds at once
+    (0: the weights alone do not fit)."""
     batch_sequences: int = 0
     """Sequences of one generation batch (`prompts_per_batch x group_size`): above
     `concurrent_sequences` they are generated in waves, and the long tail costs more."""

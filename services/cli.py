@@ -1,18 +1,19 @@
 """`dapo`: the single entry point.
 
-    dapo run        --config FILE [--output-dir DIR] [key=value ...]   the whole system on one machine
-    dapo rollout    --config FILE [key=value ...]                      one rollout replica
-    dapo reward     --config FILE [key=value ...]                      one reward worker
-    dapo gatekeeper --config FILE [key=value ...]                      the dynamic-sampling stage
-    dapo learner    --config FILE [key=value ...]                      the learner (under torchrun)
-    dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
-    dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
-    dapo status     --config FILE [--json]                             the run's status as a table
-    dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
-    dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
-    dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k, aime-2024, ...
-    dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
-    dapo model list                                                    the catalogue
+  dapo run        --config FILE [--output-dir DIR] [key=value ...]   the whole system on one machine
+  dapo rollout    --config FILE [key=value ...]                      one rollout replica
+  dapo reward     --config FILE [key=value ...]                      one reward worker
+  dapo gatekeeper --config FILE [key=value ...]                      the dynamic-sampling stage
+  dapo learner    --config FILE [key=value ...]                      the learner (under torchrun)
+  dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
+  dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
+  dapo status     --config FILE [--json]                             the run's status as a table
+  dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
+  dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
+  dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k,
+                                                                     aime-2024, ...
+  dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
+  dapo model list                                                    the catalogue
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
 config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
@@ -327,7 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser(
         "plan",
         help="size a cluster before renting it: memory, step time, split, staleness, Redis",
-        description="Predict a config on a cluster (docs/planning.md), or check the prediction against a finished run.",
+        description=(
+            "Predict a config on a cluster (docs/planning.md), or check the prediction "
+            "against a finished run."
+        ),
     )
     pl.add_argument("--config", help="YAML config file (see configs/)")
     pl.add_argument("--gpus", type=int, help="GPUs in the cluster")
@@ -382,7 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--rungs",
         type=lambda v: v.split(","),
         metavar="A,B",
-        help="only these rungs, comma-separated: grpo,overlong_filter,clip_higher,soft_overlong,token_loss,dapo",
+        help=(
+            "only these rungs, comma-separated: "
+            "grpo,overlong_filter,clip_higher,soft_overlong,token_loss,dapo"
+        ),
     )
 
     data = sub.add_parser("data", help="data utilities")

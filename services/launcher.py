@@ -99,7 +99,8 @@ class Prepared:
     """What the services start from once `prepare` ran."""
 
     cfg: DapoConfig
-    """The run's config with `model.path` a local directory (a Hub model's snapshot in the cache)."""
+    """The run's config with `model.path` a local directory
+    (a Hub model's snapshot in the cache)."""
     env: dict[str, str]
     """Environment the services get on top of this process's."""
 
@@ -127,7 +128,8 @@ def _local_model(cfg: DapoConfig) -> None:
         _build_tiny(cfg, spec)
     elif not path.is_dir():
         raise ConfigError(
-            f"model.path={cfg.model.path!r}: no such model directory (a Hugging Face Hub model is written hf://OWNER/NAME)"
+            f"model.path={cfg.model.path!r}: no such model directory (a Hugging Face Hub model is "
+            "written hf://OWNER/NAME)"
         )
 
 
@@ -240,9 +242,13 @@ class Progress:
         step = int(raw) if raw.isdigit() else 0  # Redis values are parsed defensively
         return (
             f"step {step}/{self.total} [{state.get('state', 'starting')}] {self.pace(step)} "
-            f"reward {m.get('critic/rewards/mean', float('nan')):.3f} acc {m.get('rollout/acc_mean', float('nan')):.3f} "
-            f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
-            f"| issued {led.issued} trained {led.trained} filtered {led.filtered} stale {led.stale} evaluated {led.evaluated}/{led.eval_issued} in-flight {led.in_flight}"
+            f"reward {m.get('critic/rewards/mean', float('nan')):.3f} "
+            f"acc {m.get('rollout/acc_mean', float('nan')):.3f} "
+            f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} "
+            f"lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
+            f"| issued {led.issued} trained {led.trained} filtered {led.filtered} "
+            f"stale {led.stale} evaluated {led.evaluated}/{led.eval_issued} "
+            f"in-flight {led.in_flight}"
         )
 
     def pace(self, step: int) -> str:
@@ -324,7 +330,8 @@ def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> 
 
 
 def _stat(stats: dict[str, Any], name: str, default: float) -> float:
-    """A number from an instance's final stats; anything else (a planted value) reads as `default`."""
+    """A number from an instance's final stats; anything else
+    (a planted value) reads as `default`."""
     value = stats.get(name, default)
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     return value if ok else default
@@ -523,7 +530,8 @@ def run_local(
         summary["learner_refused_checkpoint"] = (
             refused.read_text().strip() if refused.exists() else None
         )
-        # Where the services ran: on CPU they share these cores (`dapo plan --calibrate` models that)
+        # Where the services ran: on CPU they share these cores
+        # (`dapo plan --calibrate` models that)
         summary["machine"] = {
             "cpu_cores": len(os.sched_getaffinity(0))
             if hasattr(os, "sched_getaffinity")
@@ -539,8 +547,10 @@ def run_local(
             server.stop()
     sys.stderr.write(
         f"done in {summary['wall_seconds']:.0f}s: eval accuracy {summary['base_eval_acc']:.3f} -> "
-        f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; ledger {summary['ledger']}\n"
-        f"summary: {out / 'summary.json'}, per-step metrics: {out / 'metrics.jsonl'}, curves: {out / 'curves.svg'}\n"
+        f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; "
+        f"ledger {summary['ledger']}\n"
+        f"summary: {out / 'summary.json'}, per-step metrics: {out / 'metrics.jsonl'}, "
+        f"curves: {out / 'curves.svg'}\n"
     )
     return 0 if learner_rc == 0 and finished and not interrupted else 1
 

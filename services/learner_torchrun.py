@@ -46,13 +46,14 @@ VERDICTS = (EXIT_CHECKPOINT_REFUSED, EXIT_NOT_THE_LEARNER, EXIT_BAD_CONFIG)
 """Rank exit codes passed through, in precedence: a refused checkpoint needs an operator
 whatever else the other ranks did."""
 EXPLANATIONS = {
-    EXIT_CHECKPOINT_REFUSED: "the learner refused the newest checkpoint: it failed verification. The reason "
-    "(step and files) is in the log above and in learner-refused-checkpoint.txt in the run's output_dir. Move "
-    "that step out of the checkpoint directory (or restore it from a copy you trust), then start the learner again",
-    EXIT_NOT_THE_LEARNER: "another learner holds this run's lease (the holder is named in the log above): stop "
-    "it, or wait for it to finish, before starting this one",
-    EXIT_BAD_CONFIG: "the learner refused its configuration, or could not fetch its model (the log above says "
-    "which): fix the configuration, or check the network and the model's id",
+    EXIT_CHECKPOINT_REFUSED: "the learner refused the newest checkpoint: it failed verification. "
+    "The reason (step and files) is in the log above and in learner-refused-checkpoint.txt in "
+    "the run's output_dir. Move that step out of the checkpoint directory (or restore it from "
+    "a copy you trust), then start the learner again",
+    EXIT_NOT_THE_LEARNER: "another learner holds this run's lease (the holder is named in the log "
+    "above): stop it, or wait for it to finish, before starting this one",
+    EXIT_BAD_CONFIG: "the learner refused its configuration, or could not fetch its model (the "
+    "log above says which): fix the configuration, or check the network and the model's id",
 }
 
 
@@ -76,13 +77,15 @@ def main(argv: Sequence[str]) -> int:
             log.error("exiting %d: %s", code, EXPLANATIONS[code])
         else:
             log.error(
-                "exiting %d: a learner rank failed; the next attempt resumes from the newest committed checkpoint",
+                "exiting %d: a learner rank failed; the next attempt resumes from the newest "
+                "committed checkpoint",
                 code,
             )
         return code
     except SignalException as exc:
         log.warning(
-            "stopped by %s after the ranks stopped; exiting %d so the Job does not count the run as done",
+            "stopped by %s after the ranks stopped; exiting %d so the Job does not count the run "
+            "as done",
             exc.sigval.name,
             128 + exc.sigval,
         )

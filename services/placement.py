@@ -80,8 +80,9 @@ def plan(cfg: DapoConfig, gpus: int) -> Placement:
     if gpus == 1 and nproc == 1 and replicas == 1 and tp == 1:
         return _shared(cfg)
     raise PlacementError(
-        f"learner.nproc={nproc} + rollout.replicas={replicas} x rollout.tensor_parallel_size={tp} = {needed} GPUs, "
-        f"but this machine has {gpus}: lower one of them (each process needs its own GPUs)"
+        f"learner.nproc={nproc} + rollout.replicas={replicas} x rollout.tensor_parallel_size={tp} "
+        f"= {needed} GPUs, but this machine has {gpus}: lower one of them (each process needs its "
+        "own GPUs)"
     )
 
 
@@ -89,11 +90,13 @@ def _shared(cfg: DapoConfig) -> Placement:
     problems = []
     if cfg.learner.weights_backend != "gloo":
         problems.append(
-            f"learner.weights_backend={cfg.learner.weights_backend} (NCCL refuses two ranks on one GPU; use gloo)"
+            f"learner.weights_backend={cfg.learner.weights_backend} (NCCL refuses two ranks on one "
+            "GPU; use gloo)"
         )
     if cfg.rollout.gpu_memory_utilization >= 0.5:
         problems.append(
-            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} (leave the learner room: < 0.5)"
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} (leave the "
+            "learner room: < 0.5)"
         )
     if problems:
         raise PlacementError(

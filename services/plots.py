@@ -41,12 +41,14 @@ def _panel(
         if not line:
             continue
         d = " ".join(
-            f"{'M' if j == 0 else 'L'}{x0 + (x - lx) / (hx - lx) * w:.1f},{y0 + h - (y - ly) / (hy - ly) * h:.1f}"
+            f"{'M' if j == 0 else 'L'}{x0 + (x - lx) / (hx - lx) * w:.1f},"
+            f"{y0 + h - (y - ly) / (hy - ly) * h:.1f}"
             for j, (x, y) in enumerate(line)
         )
         out.append(f'<path d="{d}" fill="none" stroke="{COLORS[i]}" stroke-width="2"/>')
         out.append(
-            f'<text x="{x0 + 10 + 170 * i}" y="{y0 + 16}" font-size="12" fill="{COLORS[i]}">{name}</text>'
+            f'<text x="{x0 + 10 + 170 * i}" y="{y0 + 16}" font-size="12" '
+            f'fill="{COLORS[i]}">{name}</text>'
         )
     return out
 
@@ -57,11 +59,13 @@ def write_curves_svg(summary: dict[str, Any], path: Path) -> Path:
     reward = [(float(s), float(r)) for s, r, _ in curve if r is not None]
     acc = [(float(s), float(a)) for s, _, a in curve if a is not None]
     parts = [
-        '<svg xmlns="http://www.w3.org/2000/svg" width="980" height="330" font-family="sans-serif">',
+        '<svg xmlns="http://www.w3.org/2000/svg" width="980" height="330" '
+        'font-family="sans-serif">',
         '<rect width="100%" height="100%" fill="white"/>',
     ]
     parts += _panel(
-        f"Eval accuracy (avg@k): {summary.get('base_eval_acc', 0):.3f} -> {summary.get('final_eval_acc', 0):.3f}",
+        f"Eval accuracy (avg@k): {summary.get('base_eval_acc', 0):.3f} -> "
+        f"{summary.get('final_eval_acc', 0):.3f}",
         [("eval acc", evals)],
         60,
         40,

@@ -56,7 +56,8 @@ class _Skipped:
     def read(self, source: str, read: Callable[[], T], default: T) -> T:
         """`read()`, or `default` when what it reads is malformed (`_MALFORMED_REPLIES` included).
         Does NOT catch Redis being unreachable, nor refusing a write at maxmemory; and cannot tell
-        a bug in a reader from a malformed value (both are logged with the exception, and counted)."""
+        a bug in a reader from a malformed value (both are logged with the exception, and
+        counted)."""
         try:
             return read()
         except _MALFORMED as exc:
@@ -323,7 +324,8 @@ def _run_families(page: _Page, status: dict[str, Any]) -> None:
     page.gauge("ledger_in_flight", "Prompt jobs in flight.", ledger.get("in_flight"))
     page.gauge(
         "ledger_balanced",
-        "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead + in flight.",
+        "1 when issued + eval_issued = trained + filtered + stale + dead + evaluated + eval_dead "
+        "+ in flight.",
         _flag(ledger.get("balanced")),
     )
     page.add(
@@ -406,7 +408,8 @@ def format_status(status: dict[str, Any]) -> str:
         ),
         (
             "throughput",
-            f"{status['throughput']['prompts_per_s']:.2f} prompts/s, {status['throughput']['tokens_per_s']:.0f} tokens/s",
+            f"{status['throughput']['prompts_per_s']:.2f} prompts/s, "
+            f"{status['throughput']['tokens_per_s']:.0f} tokens/s",
         ),
         (
             "eval",
@@ -455,8 +458,9 @@ def _ledger_line(led: dict[str, Any] | None) -> str:
     if led is None:
         return "unreadable (malformed in Redis)"
     return (
-        f"issued {led['issued']} + eval {led['eval_issued']} = trained {led['trained']} + filtered {led['filtered']} "
-        f"+ stale {led['stale']} + dead {led['dead']} + evaluated {led['evaluated']} + eval dead {led['eval_dead']} "
+        f"issued {led['issued']} + eval {led['eval_issued']} = trained {led['trained']} "
+        f"+ filtered {led['filtered']} + stale {led['stale']} + dead {led['dead']} "
+        f"+ evaluated {led['evaluated']} + eval dead {led['eval_dead']} "
         f"+ in flight {led['in_flight']} ({'balanced' if led['balanced'] else 'NOT balanced'})"
     )
 
@@ -464,7 +468,10 @@ def _ledger_line(led: dict[str, Any] | None) -> str:
 def _memory_line(mem: dict[str, Any]) -> str:
     mib = 1 << 20
     limit = f"{mem['maxmemory_bytes'] / mib:.1f} MiB" if mem["maxmemory_bytes"] else "no limit"
-    line = f"{mem['used_bytes'] / mib:.1f} MiB used (peak {mem['peak_bytes'] / mib:.1f}), maxmemory {limit}"
+    line = (
+        f"{mem['used_bytes'] / mib:.1f} MiB used (peak {mem['peak_bytes'] / mib:.1f}), maxmemory "
+        f"{limit}"
+    )
     return line + (
         " -- AT MAXMEMORY: writes refused, services paused" if mem["at_maxmemory"] else ""
     )

@@ -245,8 +245,8 @@ def log_probs_from_hidden(
         or weight.shape[1] != hidden.shape[2]
     ):
         raise ValueError(
-            f"expected hidden [B, T, H], weight [V, H] and labels [B, T], got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)} and {tuple(labels.shape)}"
+            "expected hidden [B, T, H], weight [V, H] and labels [B, T], got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}"
         )
     b, t, h = hidden.shape
     logp, ent = _head_rows(

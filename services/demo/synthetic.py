@@ -28,7 +28,8 @@ DIFFICULTY_LEVELS: dict[int, str] = {
     4: "a * k + b - c, 3-digit a, b, c and a 1-digit k; the result is never negative",
     5: "a * b + c, 2-digit a and b and a 3-digit c",
     6: "a sum of 2 to 4 two-digit numbers, solved step by step: each row has a worked `solution` "
-    "(one running sum per line, then `Answer: N`), so useful responses are long (the ablation task)",
+    "(one running sum per line, then `Answer: N`), so useful responses are long (the ablation "
+    "task)",
 }
 """What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
 in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits."""

@@ -303,8 +303,9 @@ def build_tiny_base(
     Every `eval_every` steps it measures avg@`samples_per_problem` on the first `eval_samples`
     eval rows (after a one-sample screen that skips the measurement while accuracy is below
     half the band's low edge); it stops at the first evaluation above the band (or at
-    `max_sft_steps`) and keeps the evaluated checkpoint closest to the band's centre. `build_info.json` records every
-    evaluation, whether the kept one is in the band, and the weights' SHA-256.
+    `max_sft_steps`) and keeps the evaluated checkpoint closest to the band's centre.
+    `build_info.json` records every evaluation, whether the kept one is in the band, and the
+    weights' SHA-256.
 
     Deterministic (`deterministic_cpu`, seeded data order and evaluations): two builds with the
     same arguments on the same machine type give the same weights.

@@ -95,7 +95,8 @@ def read_run(run_dir: str | Path) -> tuple[DapoConfig, RunMeasurement]:
     missing = [k for k in ("timing_s/gen_per_group", "timing_s/wait_data") if k not in steady[-1]]
     if missing:
         raise ValueError(
-            f"{run}: metrics.jsonl lacks {missing} (recorded by the learner since `dapo plan` exists)"
+            f"{run}: metrics.jsonl lacks {missing} (recorded by the learner since `dapo plan` "
+            "exists)"
         )
     span = float(steady[-1]["time"]) - float(steady[0]["time"])
     intervals = len(steady) - 1
@@ -186,7 +187,8 @@ def solve_shared_work(
     """The generation and training work (each process alone on the cores) at which the simulated
     run records the measured wall-clock rates: a replica's `timing_s/gen_per_group` and the
     learner's `timing_s/step`. Under processor sharing the wall time of a piece of work is its
-    work over the mean pace it ran at, so each is scaled by measured over simulated until they agree."""
+    work over the mean pace it ran at, so each is scaled by measured over simulated until they
+    agree."""
     gen = m.gen_s_per_group
     for _ in range(SHARED_WORK_ITERATIONS):
         p = simulate_mean(spec)
@@ -260,7 +262,8 @@ class PublishedCase:
     staleness: float = 1.0
     sync_generation_s: float | None = None
     sync_training_s: float | None = None
-    """The synchronous run's published phase times per step, where given (they calibrate the case)."""
+    """The synchronous run's published phase times per step, where given
+    (they calibrate the case)."""
     outside_the_model: str | None = None
     """Why the published speed-up is not one the pipeline model can explain, where it is not."""
 

@@ -131,7 +131,8 @@ class DecodeModel:
         return max(1, min(self.assumptions.max_num_seqs, int(kv_bytes // per_sequence)))
 
     def step_seconds(self, active: int, context: float) -> float:
-        """One decode step of `active` sequences whose KV caches hold `context` tokens on average."""
+        """One decode step of `active` sequences
+        whose KV caches hold `context` tokens on average."""
         a, gpu, tp = self.assumptions, self.gpu, self.tp
         weights = self.dtype_bytes * self.shape.params / tp
         kv = active * context * self.shape.kv_bytes_per_token(self.dtype_bytes) / tp
@@ -141,7 +142,8 @@ class DecodeModel:
         return self.time_scale * (max(memory, compute) + allreduce + a.decode_step_overhead_s)
 
     def prefill_seconds(self, prompts: int) -> float:
-        """Prompt tokens of `prompts` prompts (each once: the G responses share its prefix cache)."""
+        """Prompt tokens of `prompts` prompts
+        (each once: the G responses share its prefix cache)."""
         flops = 2 * self.shape.params * prompts * self.prompt_len
         return self.time_scale * flops / (self.tp * self.gpu.flops * self.assumptions.train_mfu)
 

@@ -1,4 +1,5 @@
-"""GPU types `dapo plan --gpu TYPE` knows, read from `gpus.toml` (each entry cites its datasheet)."""
+"""GPU types `dapo plan --gpu TYPE` knows, read from `gpus.toml`
+(each entry cites its datasheet)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from contracts.config import ConfigError
 
 GPU_TABLE = Path(__file__).with_name("gpus.toml")
 GPUS_PER_NODE = 8
-"""HGX/DGX nodes: learner ranks and replicas within 8 GPUs talk over NVLink, beyond over the network."""
+"""HGX/DGX nodes: learner ranks and replicas within 8 GPUs talk over NVLink,
+beyond over the network."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class GpuType:
         return self.hbm_tbs * 1e12
 
     def link_bytes_per_s(self, gpus: int) -> float:
-        """Bandwidth between `gpus` GPUs that work together: NVLink within a node, else the network."""
+        """Bandwidth between `gpus` GPUs that work together: NVLink within a node,
+        else the network."""
         return (self.nvlink_gbs if gpus <= GPUS_PER_NODE else self.network_gbs) * 1e9
 
 

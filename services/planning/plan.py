@@ -37,7 +37,8 @@ SIM_STEPS, SIM_WARMUP = 14, 4
 
 def model_shape(cfg: DapoConfig, model_config: str | None = None) -> ModelShape:
     """The model's architecture: `--model-config`, else `model.path/config.json`, else the
-    preset's copy in configs/models/ (named after the model directory), else the tiny model's spec."""
+    preset's copy in configs/models/ (named after the model directory), else the tiny model's
+    spec."""
     candidates = (
         [Path(model_config)]
         if model_config
@@ -166,8 +167,9 @@ def _spread(splits: list[tuple[int, int]], most: int = 8) -> list[tuple[int, int
 
 def describe(p: Prediction) -> str:
     return (
-        f"step {p.step_s:.1f} s, {p.tokens_per_s:,.0f} response tokens/s trained, learner idle {p.learner_idle:.0%}, "
-        f"rollout idle {p.rollout_idle:.0%}, mean staleness {p.mean_staleness:.2f}"
+        f"step {p.step_s:.1f} s, {p.tokens_per_s:,.0f} response tokens/s trained, learner idle "
+        f"{p.learner_idle:.0%}, rollout idle {p.rollout_idle:.0%}, mean staleness "
+        f"{p.mean_staleness:.2f}"
     )
 
 
@@ -176,8 +178,8 @@ def plan_text(
 ) -> str:
     """Everything `dapo plan` prints."""
     lines = [
-        f"{cfg.run_name} on {gpus} x {gpu.name} ({gpu.memory_gib:.0f} GiB, {gpu.bf16_tflops:.0f} bf16 TFLOPS, "
-        f"{gpu.hbm_tbs} TB/s); model {shape.params / 1e9:.2f}B parameters",
+        f"{cfg.run_name} on {gpus} x {gpu.name} ({gpu.memory_gib:.0f} GiB, {gpu.bf16_tflops:.0f} "
+        f"bf16 TFLOPS, {gpu.hbm_tbs} TB/s); model {shape.params / 1e9:.2f}B parameters",
         "",
         "placement (as `dapo run --dry-run`):",
     ]
@@ -205,7 +207,8 @@ def plan_text(
         sync = planner.predict(nproc, replicas, 0)
         lines.append(f"  as configured (max_staleness {k}): {describe(as_written)}")
         lines.append(
-            f"  synchronous (max_staleness 0): {describe(sync)}; asynchronous speed-up {sync.step_s / as_written.step_s:.2f}x"
+            f"  synchronous (max_staleness 0): {describe(sync)}; asynchronous speed-up "
+            f"{sync.step_s / as_written.step_s:.2f}x"
         )
         lines.append(
             f"  Redis: peak {_mib(as_written.redis_peak_bytes)} of stream entries and metrics, "
@@ -217,10 +220,12 @@ def plan_text(
     else:
         (learner, reps), k, pred = best
         lines.append(
-            f"  recommended: learner.nproc={learner} rollout.replicas={reps} algorithm.max_staleness={k}: {describe(pred)}"
+            f"  recommended: learner.nproc={learner} rollout.replicas={reps} "
+            f"algorithm.max_staleness={k}: {describe(pred)}"
         )
         lines.append(
-            f"  Redis at the recommendation: peak {_mib(pred.redis_peak_bytes)}, {_mib(pred.redis_bytes_per_s)}/s"
+            f"  Redis at the recommendation: peak {_mib(pred.redis_peak_bytes)}, "
+            f"{_mib(pred.redis_bytes_per_s)}/s"
         )
     return "\n".join(lines)
 

@@ -125,7 +125,8 @@ class PipelineSpec:
     """Replicas refill decode slots as responses finish instead of batch by batch (needs a
     `DecodeModel`)."""
     admission_batches: float | None = None
-    """Kept groups allowed ahead of the learner, in batches (None: max_staleness + 1, as the feeder)."""
+    """Kept groups allowed ahead of the learner, in batches (None: max_staleness + 1,
+    as the feeder)."""
     drop_stale: bool = True
     cpu_cores: float | None = None
     """The CPU cores the learner and the replicas share (a run on CPU), or None where each has
@@ -279,7 +280,8 @@ class _Pipeline:
                 self._finish(job, version)
 
     def streaming_replica(self, model: DecodeModel) -> Generator[Any, Any, None]:
-        """Decode slots refilled as responses finish; a job's group is done with its last response."""
+        """Decode slots refilled as responses finish;
+        a job's group is done with its last response."""
         slots = model.slots
         context = model.prompt_len + self.spec.lengths.mean / 2
         active: list[tuple[int, int, _Job]] = []  # (end step, tiebreak, job)
@@ -457,7 +459,8 @@ def _steady(st: _Stats, replicas: int, warmup: int, steps: int) -> Prediction:
 
 @dataclass(frozen=True)
 class ColocatedSpec:
-    """The synchronous colocated baseline: all `replicas` generate the batch, then every GPU trains."""
+    """The synchronous colocated baseline: all `replicas` generate the batch,
+    then every GPU trains."""
 
     replicas: int
     train_batch_groups: int

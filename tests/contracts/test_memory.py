@@ -110,7 +110,8 @@ def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(
 def test_redis_62_reports_oom_inside_a_script_as_a_plain_error() -> None:
     assert is_oom(
         redis.ResponseError(
-            "Error running script (call to f_x): @user_script:8: -OOM command not allowed when used memory > 'maxmemory'."
+            "Error running script (call to f_x): @user_script:8: -OOM command not allowed when "
+            "used memory > 'maxmemory'."
         )
     )
     assert is_oom(redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))

@@ -132,7 +132,8 @@ def _with(mutate: Callable[[RolloutGroup], object]) -> dict[bytes, bytes]:
     ],
 )
 def test_numbers_no_model_can_train_on_do_not_decode(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
-    """Every consumer of a group (reward worker, gatekeeper, learner) gets these checks from the decode."""
+    """Every consumer of a group (reward worker, gatekeeper, learner)
+    gets these checks from the decode."""
     with pytest.raises(SchemaError) as err:
         decode_group(_with(mutate))
     assert str(err.value).startswith(message)

@@ -69,7 +69,8 @@ def test_reclaim_from_dead_consumer_then_dead_letter(bus: StreamBus, redis_url: 
     time.sleep(0.06)
     got = bus.reclaim(bus.keys.prompts, min_idle_s=0.05, max_deliveries=3)
     assert len(got) == 1
-    # Keep failing: after max_deliveries the entry is dead-lettered, counted, and the ledger balances.
+    # Keep failing: after max_deliveries the entry is dead-lettered, counted,
+    # and the ledger balances.
     for _ in range(3):
         time.sleep(0.06)
         got = bus.reclaim(bus.keys.prompts, min_idle_s=0.05, max_deliveries=3)

@@ -90,7 +90,7 @@ def test_a_writer_replaces_a_key_of_the_wrong_type(bus: StreamBus, fenced: bool)
     )  # learner state and run info were replaced; SET overwrites any type anyway
 
 
-# --- the ledger: counted inside the scripts that move work, read by every service ------------------
+# --- the ledger: counted inside the scripts that move work, read by every service -----------------
 def issue_and_hop_one(bus: StreamBus) -> None:
     """Issue one training job and move it from the prompts stream to the next stage, counting
     nothing (what a rollout replica does with it)."""

@@ -288,7 +288,10 @@ def deployment(engine: Engine, tmp_path: Path) -> Deployment:
     text = text.replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n").replace(
         "\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n"
     )
-    text += f"\nDAPO_CONFIG_FILE={tmp_path / 'config.yaml'}\nDAPO_DATA_ROOT={data_root}\nDAPO_API_PORT={port}\n"
+    text += (
+        f"\nDAPO_CONFIG_FILE={tmp_path / 'config.yaml'}\n"
+        f"DAPO_DATA_ROOT={data_root}\nDAPO_API_PORT={port}\n"
+    )
     env_file = tmp_path / "env"
     env_file.write_text(text, encoding="utf-8")
     return Deployment(engine, f"dapoe2e{secrets.token_hex(3)}", env_file, data_root, port, token)

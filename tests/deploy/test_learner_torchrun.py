@@ -119,7 +119,8 @@ def test_container_exits_with_the_learners_code(
 
 
 def test_torchrun_alone_reports_every_failure_as_1(tmp_path: Path) -> None:
-    """Why the wrapper exists (torch 2.13): the same command through plain torchrun loses the code."""
+    """Why the wrapper exists (torch 2.13):
+    the same command through plain torchrun loses the code."""
     argv = container_command(tmp_path, 1, str(EXIT_CHECKPOINT_REFUSED))
     plain = [sys.executable, "-m", "torch.distributed.run", *argv[3:]]
     proc = subprocess.run(plain, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)

@@ -871,7 +871,8 @@ def test_learner_job_fails_at_once_on_the_learners_verdicts(overlay: str) -> Non
     }
     assert spec["backoffLimit"] >= 3, "crashes still retry"
     # Exit 3 must mean a learner outside this Job: the Job's own replacement pod waits out its
-    # predecessor's lease (the predecessor has ended: podFailurePolicy implies podReplacementPolicy Failed).
+    # predecessor's lease (the predecessor has ended: podFailurePolicy implies
+    # podReplacementPolicy Failed).
     learner_cfg = load_config(
         OVERLAY_PRESET.get(overlay, REPO / "configs" / "tiny.yaml")
     ).learner  # base: tiny's copy
@@ -1034,7 +1035,8 @@ def test_cpu_demo_prepares_the_model_before_anything_loads_it() -> None:
 )
 def test_kustomize_configs_are_exact_copies_of_the_presets(copy: Path, preset: Path) -> None:
     assert copy.read_text(encoding="utf-8") == preset.read_text(encoding="utf-8"), (
-        f"{copy.relative_to(REPO)} drifted from {preset.relative_to(REPO)}: cp {preset.relative_to(REPO)} {copy.relative_to(REPO)}"
+        f"{copy.relative_to(REPO)} drifted from {preset.relative_to(REPO)}: cp "
+        f"{preset.relative_to(REPO)} {copy.relative_to(REPO)}"
     )
 
 

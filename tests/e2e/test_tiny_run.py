@@ -117,7 +117,8 @@ def test_tiny_run_with_two_learner_ranks(tmp_path: Path) -> None:
     """`learner.nproc=2`: two FSDP2 ranks (gloo) under `dapo run`, rank 0 talking to Redis and
     broadcasting its batches and decisions to rank 1. Both ranks train the same steps, checkpoint
     their own RNG state, and the run ends with the ledger balanced and the replicas on the final
-    policy version. (That two ranks compute the same update as one is `tests/learner/test_multirank.py`.)"""
+    policy version. (That two ranks compute the same update as one is
+    `tests/learner/test_multirank.py`.)"""
     out = tmp_path / "run"
     steps = 8
     summary = run_dapo(

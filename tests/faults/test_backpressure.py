@@ -76,9 +76,10 @@ def test_slow_learner_keeps_queues_and_redis_memory_bounded(tmp_path: Path) -> N
         sampler.join()
         peak = int(redis.Redis.from_url(server.url).info("memory")["used_memory_peak"])
     print(
-        f"slow learner: jobs in flight peaked at {sampler.max_in_flight} (admission limit {limit}); "
-        f"deepest stages {sampler.max_depth}; Redis used_memory peak {peak / MIB:.2f} MiB "
-        f"(sampled {sampler.peak_used / MIB:.2f} MiB); learner idle {summary['learner_idle_fraction']:.2f}, "
+        f"slow learner: jobs in flight peaked at {sampler.max_in_flight} "
+        f"(admission limit {limit}); deepest stages {sampler.max_depth}; "
+        f"Redis used_memory peak {peak / MIB:.2f} MiB (sampled {sampler.peak_used / MIB:.2f} MiB); "
+        f"learner idle {summary['learner_idle_fraction']:.2f}, "
         f"rollout idle {summary['rollout_idle_fraction']:.2f}"
     )
     assert summary["steps"] == 10 and summary["restarts"] == {}
@@ -111,8 +112,8 @@ def test_slow_rollout_keeps_the_learner_waiting_not_failing(tmp_path: Path) -> N
     span = metrics[-1]["time"] - metrics[0]["time"]
     computing = sum(m["timing_s/update_actor"] for m in metrics[1:]) / span
     print(
-        f"slow rollout: the learner computed {computing:.2f} of the time between its first and last "
-        f"step (waited the rest); rollout idle {summary['rollout_idle_fraction']:.2f}; "
+        f"slow rollout: the learner computed {computing:.2f} of the time between its first and "
+        f"last step (waited the rest); rollout idle {summary['rollout_idle_fraction']:.2f}; "
         f"{summary['wall_seconds']:.0f}s for 8 steps"
     )
     assert summary["steps"] == 8 and summary["restarts"] == {}
@@ -148,8 +149,8 @@ def test_redis_at_maxmemory_pauses_the_run_and_loses_nothing(tmp_path: Path) -> 
         summary = finish(proc, tmp_path)
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))
     print(
-        f"maxmemory: paused {paused_s:.0f}s at step {during[0]}; ledger during the pause {during[1]}; "
-        f"{summary['counters'].get(OOM_PAUSE_COUNTER, 0)} service pauses counted"
+        f"maxmemory: paused {paused_s:.0f}s at step {during[0]}; ledger during the pause "
+        f"{during[1]}; {summary['counters'].get(OOM_PAUSE_COUNTER, 0)} service pauses counted"
     )
     assert status["redis_memory"]["at_maxmemory"]
     assert during[1]["balanced"]

@@ -1,11 +1,11 @@
 """A hostile Redis, with real processes: while `dapo run` trains, garbage is written every half
 second into every key the services read (heartbeats, the control hash, the learner state, the
 policy version, run info, the weights stream, every stage stream, the metrics stream, the
-counters, a stray ledger field, final stats), and some keys are replaced by values of the wrong type (a string where
-a hash belongs, a hash where a string belongs). The learner is killed once meanwhile, so that
-its successor starts from a planted data cursor and policy version. Nothing dies of it: each
-malformed value is skipped and counted (or dead-lettered, for stream entries; a wrongly typed
-key a service writes is replaced), the run finishes its steps, and the ledger balances.
+counters, a stray ledger field, final stats), and some keys are replaced by values of the wrong type
+(a string where a hash belongs, a hash where a string belongs). The learner is killed once
+meanwhile, so that its successor starts from a planted data cursor and policy version. Nothing dies
+of it: each malformed value is skipped and counted (or dead-lettered, for stream entries; a wrongly
+typed key a service writes is replaced), the run finishes its steps, and the ledger balances.
 
 The one key left alone is the learner lease: a value there that is not our token is, by design,
 indistinguishable from another learner holding it (`contracts/lease.py`), and stops

@@ -117,7 +117,8 @@ def test_hostile_responses_are_scored_within_the_bound(
         groups = [group_of(name, hostile.get(name, good), good, i) for i, name in enumerate(names)]
         # A response longer than any sampler could produce is malformed: dead-lettered, not scored.
         too_long = group_of("too long", [7] * (MAX_LEN + 1), good, len(groups))
-        # Issue the jobs and hop them to the rollouts stream as a replica would, so the ledger counts them.
+        # Issue the jobs and hop them to the rollouts stream as a replica would,
+        # so the ledger counts them.
         bus.issue([encode_job(g.job) for g in [*groups, too_long]])
         sent_ms = {}
         for (entry_id, _), g in zip(

@@ -76,8 +76,9 @@ def test_replica_hung_mid_sync_is_dropped_and_catches_up_from_the_checkpoint_sto
         summary = finish(proc, tmp_path)
     print(
         f"hung replica: the learner trained 3 more steps {trained_on_s:.1f}s after SIGSTOP "
-        f"(broadcast timeout {TIMEOUT_S}s); after SIGCONT the replica loaded version {from_store} from the "
-        f"checkpoint store in {from_store_s:.1f}s and took the learner's sync {synced_s:.1f}s after waking"
+        f"(broadcast timeout {TIMEOUT_S}s); after SIGCONT the replica loaded version {from_store} "
+        f"from the checkpoint store in {from_store_s:.1f}s and took the learner's sync "
+        f"{synced_s:.1f}s after waking"
     )
     counters = summary["counters"]
     assert (

@@ -54,9 +54,10 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     length = sum(m["response_length/mean"] for m in metrics) / len(metrics)
     mean_sync, median_sync = sum(syncs) / len(syncs), statistics.median(syncs)
     print(
-        f"\nsync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max {max(syncs) * 1e3:.1f}: forming the "
-        f"group) vs a bare broadcast of the same bytes "
-        f"{flat * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean length {length:.1f} of at most 8 tokens"
+        f"\nsync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max "
+        f"{max(syncs) * 1e3:.1f}: forming the group) vs a bare broadcast of the same bytes "
+        f"{flat * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean length "
+        f"{length:.1f} of at most 8 tokens"
     )
     assert in_flight > 0.05, "no response was generated across a weight update"
     # Target 2x. Replicas whose engine takes host tensors receive in their watcher thread while

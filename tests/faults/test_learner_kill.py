@@ -54,7 +54,8 @@ def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subp
 
 
 def _training_again(r: redis.Redis, killed: int) -> bool:
-    """A learner other than the killed one is up (the killed one's heartbeat may linger) and training."""
+    """A learner other than the killed one is up
+    (the killed one's heartbeat may linger) and training."""
     return (
         bool(pids(r, "learner") - {killed}) and r.hget("dapo:learner:state", "state") == b"training"
     )

@@ -35,7 +35,8 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         at = learner_step(r)
         wait_for("training after the restart", lambda: learner_step(r) >= at + 2, 180)
         print(
-            f"seconds from Redis back to two more training steps: {time.monotonic() - restarted_at:.1f}"
+            "seconds from Redis back to two more training steps: "
+            f"{time.monotonic() - restarted_at:.1f}"
         )
         summary = finish(proc, tmp_path)
     finally:

@@ -79,7 +79,8 @@ def test_every_rank_learns_that_rank_0_is_not_the_runs_learner(
                 RANK_SCRIPT,
                 str(REPO / "configs" / "tiny.yaml"),
                 str(tmp_path / f"rank{rank}.code"),
-                # Rank 0 waits for the lease longer than a collective may take: the verdict must still arrive.
+                # Rank 0 waits for the lease longer than a collective may take:
+                # the verdict must still arrive.
                 f"output_dir={tmp_path}",
                 "learner.lease_wait_s=6",
                 "learner.backend=gloo",

@@ -41,7 +41,8 @@ def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
             recovery[kind] = round(time.monotonic() - start, 1)
         summary = finish(proc, tmp_path)
     print(
-        f"seconds from SIGKILL to two more training steps: {recovery}; run {summary['wall_seconds']}s"
+        f"seconds from SIGKILL to two more training steps: {recovery}; run "
+        f"{summary['wall_seconds']}s"
     )
     assert summary["steps"] == 30
     ledger = summary["ledger"]

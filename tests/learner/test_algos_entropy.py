@@ -106,7 +106,7 @@ def test_bad_arguments() -> None:
         log_probs_from_logits(_logits(), torch.zeros(B, T + 1, dtype=torch.long))
 
 
-# --- straight from the hidden states ---------------------------------------------------------------
+# --- straight from the hidden states --------------------------------------------------------------
 def test_the_fused_head_matches_the_logits_path_values_and_gradients() -> None:
     """log_probs_from_hidden == log_softmax(h W^T / t) gathered, and entropy, with the same
     gradients w.r.t. h and W through both outputs, for chunks that do not divide the rows."""

@@ -52,7 +52,8 @@ def test_rewards_sit_on_the_last_token_and_advantages_are_group_relative() -> No
 
 def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> None:
     """One row per group (prompt once, responses in slots) vs one row per response: the same
-    log-probs, to float tolerance, on a real Qwen2 model with unequal prompt and response lengths."""
+    log-probs, to float tolerance, on a real Qwen2 model with unequal prompt and response
+    lengths."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.batch import pack_groups

@@ -104,7 +104,7 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-# --- loading executes nothing -----------------------------------------------------------------------------
+# --- loading executes nothing ---------------------------------------------------------------------
 def test_saved_files_load_without_pickle_and_restore_the_rng_streams(tmp_path: Path) -> None:
     from safetensors import safe_open
 
@@ -372,7 +372,7 @@ def test_verification_runs_before_the_pickled_metadata_is_read(
     assert calls.count("unpickle") == 1 < calls.count("read_metadata")  # read twice, unpickled once
 
 
-# --- atomic and durable -------------------------------------------------------------------------------------
+# --- atomic and durable ---------------------------------------------------------------------------
 def fail(*_: Any, **__: Any) -> None:
     raise OSError("simulated crash")
 
@@ -542,7 +542,7 @@ def test_every_file_and_directory_is_fsynced_before_the_rename_that_commits_the_
     assert str(root) in after  # the store directory: makes the new name `step_1` durable
 
 
-# --- a restore abandons the newer line ----------------------------------------------------------------------
+# --- a restore abandons the newer line ------------------------------------------------------------
 def test_a_second_learner_deletes_nothing_before_it_is_used(tmp_path: Path) -> None:
     """Constructed before the learner lease is taken: a learner refused the lease must not have
     removed the running learner's checkpoint in progress."""
@@ -572,7 +572,7 @@ def test_a_restore_moves_the_newer_steps_aside(tmp_path: Path) -> None:
     assert [c.step for c in list_checkpoints(tmp_path)] == [1, 2]
 
 
-# --- several ranks ------------------------------------------------------------------------------------------
+# --- several ranks --------------------------------------------------------------------------------
 def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

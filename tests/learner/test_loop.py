@@ -168,7 +168,8 @@ class FakePublisher:
 
 
 class FakeEvaluations:
-    """Issued rounds complete one poll later (replicas generate them meanwhile); acc 0.1 per round."""
+    """Issued rounds complete one poll later (replicas generate them meanwhile);
+    acc 0.1 per round."""
 
     def __init__(self) -> None:
         self.issued: list[Progress] = []
@@ -209,7 +210,8 @@ class FakeExporter:
 class FakeControl:
     """`script`: what take_request hands out at successive decisions (None: no request).
     `lease_lost_at`: the lease check (counted from 1) from which another learner holds the lease,
-    so that check and every later one raise `FencedError` as `RunControl.check_lease` does (0: never)."""
+    so that check and every later one raise `FencedError` as `RunControl.check_lease` does
+    (0: never)."""
 
     def __init__(
         self,
@@ -517,7 +519,8 @@ def test_operator_requests_checkpoint_pause_and_restore(tmp_path: Path) -> None:
 
 
 class TamperedCheckpoints(FakeCheckpoints):
-    """Step 1 fails verification (its files do not match its manifest), as the real store refuses it."""
+    """Step 1 fails verification (its files do not match its manifest),
+    as the real store refuses it."""
 
     def load(self, step: int) -> dict[str, Any] | None:
         if step == 1:
@@ -558,7 +561,8 @@ class LeaseWitness(FakeCheckpoints):
 
 
 def test_every_checkpoint_is_preceded_by_its_own_lease_check(tmp_path: Path) -> None:
-    # An operator's checkpoint at step 1, the periodic one at step 2, the end of the run's at step 3.
+    # An operator's checkpoint at step 1, the periodic one at step 2,
+    # the end of the run's at step 3.
     control = FakeControl([None, SaveCheckpoint(keep=True), None, None])
     ckpt = LeaseWitness(control)
     source = FakeSource([batch("a"), batch("b"), batch("c")])

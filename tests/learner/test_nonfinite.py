@@ -49,7 +49,7 @@ NAN, INF = float("nan"), float("inf")
 VOCAB = 100  # make_group's token ids stay below 4 + 50
 
 
-# --- groups on the streams --------------------------------------------------------------------------
+# --- groups on the streams ------------------------------------------------------------------------
 def scored(group_id: str) -> RolloutGroup:
     g = make_group()
     g.job.group_id = group_id
@@ -126,7 +126,8 @@ def bus(redis_url: str) -> StreamBus:
 
 
 def forward(bus: StreamBus, groups: list[RolloutGroup], downstream: Stage) -> None:
-    """Issue one job per group (counted in the ledger) and hop each, as its group, to `downstream`."""
+    """Issue one job per group (counted in the ledger) and hop each, as its group,
+    to `downstream`."""
     assert bus.issue([encode_job(g.job) for g in groups]) == len(groups)
     entries = bus.read(bus.keys.prompts, count=len(groups), block_ms=10)
     for (entry_id, _), g in zip(entries, groups, strict=True):

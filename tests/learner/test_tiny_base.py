@@ -1,4 +1,5 @@
-"""Tests for services.demo.tiny_base: tokenizer, config, and the warm-started tiny base checkpoint."""
+"""Tests for services.demo.tiny_base: tokenizer, config,
+and the warm-started tiny base checkpoint."""
 
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def test_train_step_changes_parameters_and_raises_good_responses(tiny_model_dir:
     assert metrics["actor/updates"] == 2.0 and metrics["actor/grad_norm"] > 0
     with torch.no_grad():
         logp1, _ = trainer._forward(batch, entropy=False)
-    # Policy gradient: mean log-prob of positive-advantage responses rises relative to negative ones.
+    # Policy gradient: mean log-prob of positive-advantage responses rises
+    # relative to negative ones.
     delta = ((logp1 - logp0) * batch.response_mask).sum(-1) / batch.response_mask.sum(-1)
     assert float((delta * batch.advantages).sum()) > 0
 

@@ -34,7 +34,8 @@ def test_the_ladder_starts_at_naive_grpo_and_ends_at_the_dapo_config() -> None:
     for i in range(1, len(LADDER)):
         before, now = rung_overrides(i - 1), rung_overrides(i)
         assert {k for k in now if now[k] != before[k]} == set(LADDER[i].adds)
-    # The last rung is DAPO as the preset configures it, plus the overlong filter the ladder kept on.
+    # The last rung is DAPO as the preset configures it,
+    # plus the overlong filter the ladder kept on.
     dapo = load_config(CONFIG, [f"{k}={v}" for k, v in rung_overrides(len(LADDER) - 1).items()])
     preset = load_config(CONFIG)
     assert dapo.algorithm == preset.algorithm

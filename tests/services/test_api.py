@@ -182,7 +182,8 @@ def test_dashboard_is_self_contained_and_builds_no_html_from_data(
     )
     assert script.headers["content-type"].startswith("text/javascript")
     assert style.headers["content-type"].startswith("text/css")
-    # The CSP runs no inline script or style, so the page holds none: only the two same-origin files.
+    # The CSP runs no inline script or style, so the page holds none:
+    # only the two same-origin files.
     html = page.text
     assert re.findall(r"<script[^>]*>", html) == ['<script src="dashboard.js" defer>']
     assert (

@@ -106,7 +106,10 @@ def test_synth_rows_deterministic_and_seeded() -> None:
 
 def test_synth_rows_deterministic_across_processes() -> None:
     """No dependence on hash randomisation (PYTHONHASHSEED) or other process state."""
-    code = "import json; from services.demo.synthetic import synth_rows; print(json.dumps(synth_rows(5, seed=2, difficulty=4)))"
+    code = (
+        "import json; from services.demo.synthetic import synth_rows; "
+        "print(json.dumps(synth_rows(5, seed=2, difficulty=4)))"
+    )
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

@@ -181,7 +181,8 @@ def test_offline_fetch_fails_with_a_clear_error(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert out.stderr.startswith(
-        "dapo data fetch: cannot download data/aime-2024.parquet of the Hub dataset BytedTsinghua-SIA/AIME-2024"
+        "dapo data fetch: cannot download data/aime-2024.parquet of the Hub dataset "
+        "BytedTsinghua-SIA/AIME-2024"
     )
     assert "This machine may be offline or unable to reach the Hugging Face Hub" in out.stderr
     assert not (tmp_path / "data").exists()

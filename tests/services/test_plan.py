@@ -106,7 +106,8 @@ def test_calibration_on_a_measured_run_predicts_step_time_and_idle_fractions() -
     result = calibrate_run(FIXTURE)
     m, p, e = result.measured, result.predicted, result.errors()
     print(
-        f"\nstep time: measured {m.step_s:.3f} s, predicted {p.step_s:.3f} s ({e['step_time']:+.1%})"
+        f"\nstep time: measured {m.step_s:.3f} s, predicted {p.step_s:.3f} s "
+        f"({e['step_time']:+.1%})"
     )
     print(
         f"learner idle: measured {m.learner_idle:.3f}, predicted {p.learner_idle:.3f} "
@@ -135,7 +136,8 @@ def test_published_speedups_are_reproduced_where_the_pipeline_explains_them() ->
     for r in results:
         note = " (outside the model)" if r.case.outside_the_model else ""
         print(
-            f"\n{r.case.name}: published {r.case.speedup:.2f}x, predicted {r.speedup:.2f}x ({r.error:+.0%}){note}"
+            f"\n{r.case.name}: published {r.case.speedup:.2f}x, predicted {r.speedup:.2f}x "
+            f"({r.error:+.0%}){note}"
         )
     explained = [r for r in results if r.case.outside_the_model is None]
     assert len(explained) >= 5
