@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from contracts.bus import transport as bus_transport
 from contracts.bus import StreamBus, connect
+from contracts.bus import transport as bus_transport
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
 from learner.weight_publisher import WeightPublisher
