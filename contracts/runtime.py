@@ -1,11 +1,18 @@
-"""What every long-running service shares: heartbeat, graceful stop, and the stage work loop.
+"""What every long-running service shares: heartbeat, graceful stop, and the stage skeleton.
 
-A stage worker (rollout, reward, gatekeeper) repeats: reclaim entries abandoned by dead
-consumers (sooner than `queue.claim_idle_s` when their heartbeat is gone: `StreamBus.reclaim`),
-read new entries, hand them to its handler, which finishes each with one atomic hop.
-The catch-all exception handler lives here, at the loop boundary only: an entry whose handler
-raised stays pending, is retried at the next reclaim (every few seconds), and is dead-lettered
-after `queue.max_deliveries` attempts.
+Every stage process (a rollout replica, a reward worker, the gatekeeper; as a `dapo` command or
+hosted by Ray Serve) runs the same skeleton, `serve_stage`: start the heartbeat, run the stage
+loop until asked to stop, write the final stats, release what the worker holds. The loop
+repeats: reclaim entries abandoned by dead consumers (sooner than `queue.claim_idle_s` when their
+heartbeat is gone: `StreamBus.reclaim`), read new entries, hand them to the worker's `handle`,
+which finishes each with one atomic hop. A stage brings only a `StageWorker`: its handler, its
+status, how it reads (`StageLoop`) and what to release.
+
+The one error policy lives here, at the loop boundary only: Redis going away is waited out; an
+entry whose handler raised stays pending, is retried at the next reclaim (every few seconds),
+and is dead-lettered after `queue.max_deliveries` attempts; a worker whose handler fails more
+batches in a row than that is broken rather than fed bad entries, and the loop raises so the
+process exits and its supervisor replaces it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
@@ -150,6 +157,46 @@ class Heartbeat:
             self.client.delete(self.key)
 
 
+@dataclass(frozen=True)
+class StageLoop:
+    """How a stage worker reads its stream: what differs between stages."""
+
+    stage: Stage
+    batch: int = 1
+    """Entries per read, handed to `handle` together."""
+    block: bool = True
+    """Block on the read up to `queue.block_ms`; False: never block, call `idle` when empty (a
+    replica waits on its own signal, which also rings for weight announcements)."""
+    reclaim_every_s: float = 5.0
+    start: Callable[[], None] | None = None
+    """Called once, before the first read (a replica starts receiving weights)."""
+    before_read: Callable[[], None] | None = None
+    """Called before each read (a replica applies weight updates there)."""
+    idle: Callable[[], None] | None = None
+    """Called after a read that found nothing."""
+
+
+class StageWorker(Protocol):
+    """What a stage brings to `serve_stage`."""
+
+    @property
+    def loop(self) -> StageLoop: ...
+
+    def handle(self, entries: list[Entry]) -> None:
+        """Finish every entry with one hop (or a dead letter, or a hand back)."""
+
+    def status(self) -> dict[str, Any]:
+        """The heartbeat's payload and the final stats."""
+
+    def close(self) -> None:
+        """Release what the worker holds (an engine, a verifier sandbox)."""
+
+
+class StageFailing(RuntimeError):
+    """A stage's handler failed more batches in a row than an entry may be delivered: the worker
+    is broken (an engine that died, a bug), not its input; the process exits to be replaced."""
+
+
 def run_stage_loop(
     bus: StreamBus,
     stage: Stage,
@@ -158,15 +205,22 @@ def run_stage_loop(
     queue: QueueConfig,
     stop: StopFlag,
     batch: int = 1,
+    block: bool = True,
     reclaim_every_s: float = 5.0,
+    start: Callable[[], None] | None = None,
+    before_read: Callable[[], None] | None = None,
     idle: Callable[[], None] | None = None,
 ) -> None:
     """Consume `stage` until stopped. `handle` finishes each entry with a hop (or dead letter);
     while it works, its claims are renewed, so only a dead consumer's entries are reclaimed."""
-    last_reclaim = 0.0
+    if start is not None:
+        start()
+    last_reclaim, failed_in_a_row = 0.0, 0
     while not stop.stopping:
         entries: list[Entry] = []
         try:
+            if before_read is not None:
+                before_read()
             if time.monotonic() - last_reclaim > reclaim_every_s:
                 last_reclaim = time.monotonic()
                 # A consumer whose heartbeat is gone loses its entries without the claim timeout.
@@ -178,22 +232,63 @@ def run_stage_loop(
                     heartbeat_ttl_s=queue.heartbeat_ttl_s,
                 )
             if not entries:
-                entries = bus.read(stage, count=batch, block_ms=queue.block_ms)
+                entries = bus.read(stage, count=batch, block_ms=queue.block_ms if block else None)
             if entries:
-                with bus.claims_kept(
-                    stage, [entry_id for entry_id, _ in entries], every_s=queue.claim_idle_s / 3
-                ):
+                ids = [entry_id for entry_id, _ in entries]
+                with bus.claims_kept(stage, ids, every_s=queue.claim_idle_s / 3):
                     handle(entries)
+                failed_in_a_row = 0
             elif idle is not None:
                 idle()
-        except redis.ConnectionError as exc:
+        except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
             log.warning("redis unavailable (%s); retrying", exc)
             stop.wait(1.0)
+        except redis.ResponseError as exc:
+            if stop.stopping and is_oom(exc):  # asked to stop while paused on a full Redis
+                return
+            failed_in_a_row = _failed(stage, entries, failed_in_a_row, queue, stop)
         except Exception:  # the loop boundary: log, leave entries pending for retry/dead-letter
-            log.exception(
-                "handler failed on %d entries of %s; they stay pending", len(entries), stage.stream
-            )
-            stop.wait(1.0)
+            failed_in_a_row = _failed(stage, entries, failed_in_a_row, queue, stop)
+
+
+def _failed(
+    stage: Stage, entries: list[Entry], failed_in_a_row: int, queue: QueueConfig, stop: StopFlag
+) -> int:
+    """Log a failed round (inside its `except`); raise `StageFailing` once more rounds than
+    `queue.max_deliveries` failed in a row, else count it and pause a second."""
+    log.exception(
+        "handler failed on %d entries of %s; they stay pending", len(entries), stage.stream
+    )
+    failed_in_a_row += 1
+    if failed_in_a_row > queue.max_deliveries:
+        raise StageFailing(f"{stage.stream}: {failed_in_a_row} rounds in a row failed") from None
+    stop.wait(1.0)
+    return failed_in_a_row
+
+
+def serve_stage(ctx: ServiceContext, worker: StageWorker, queue: QueueConfig) -> None:
+    """The skeleton of every stage process: heartbeat, the stage loop until stopped, final stats,
+    release. Raises what the loop raises (`StageFailing`); the final stats are written anyway."""
+    ctx.heartbeat(queue.heartbeat_ttl_s, worker.status)
+    loop = worker.loop
+    try:
+        run_stage_loop(
+            ctx.bus,
+            loop.stage,
+            worker.handle,
+            queue=queue,
+            stop=ctx.stop,
+            batch=loop.batch,
+            block=loop.block,
+            reclaim_every_s=loop.reclaim_every_s,
+            start=loop.start,
+            before_read=loop.before_read,
+            idle=loop.idle,
+        )
+    finally:
+        ctx.write_final_stats(worker.status())
+        ctx.stop_heartbeat()  # deletes the key: the learner stops counting this instance at once
+        worker.close()
 
 
 @dataclass
@@ -204,9 +299,20 @@ class ServiceContext:
     inst: str
     bus: StreamBus
     stop: StopFlag
+    beating: Heartbeat | None = None
 
     def heartbeat(self, ttl_s: float, status: Callable[[], dict[str, Any]]) -> Heartbeat:
-        return Heartbeat(self.bus, self.kind, self.inst, ttl_s, status).start()
+        self.beating = Heartbeat(self.bus, self.kind, self.inst, ttl_s, status).start()
+        return self.beating
+
+    def beat_now(self) -> None:
+        """Report a change at once (a replica's new policy version) instead of at the next beat."""
+        if self.beating is not None:
+            self.beating.beat()
+
+    def stop_heartbeat(self) -> None:
+        if self.beating is not None:
+            self.beating.stop()
 
     def write_final_stats(self, stats: dict[str, Any]) -> None:
         """What the run summary reports about this instance after it is gone."""

@@ -22,7 +22,15 @@ import math
 from array import array
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 SCHEMA_VERSION = 4
 """2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
@@ -428,3 +436,36 @@ def _first_error(exc: ValidationError) -> str:
     return f"{loc}: {err['msg']}" + (
         f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     )
+
+
+def is_evaluation(fields: dict[bytes, bytes]) -> bool:
+    """An evaluation job, group or result, read from its stream fields without decoding it whole
+    (it dies in the evaluation lane of the ledger; the drain leaves it to run)."""
+    if fields.get(b"kind") == b"eval":
+        return True
+    try:
+        meta = json.loads(fields[b"meta"])
+        return bool(meta.get("eval") or meta.get("job", {}).get("eval"))
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def group_id_of_fields(fields: dict[bytes, bytes]) -> bytes | None:
+    """The group id of a job or group, read from its stream fields without decoding it whole;
+    None for an entry that carries none (garbage injected into a stream)."""
+    if fields.get(b"group_id"):
+        return fields[b"group_id"]
+    try:
+        meta = json.loads(fields[b"meta"])
+        group_id = meta.get("group_id") or meta.get("job", {}).get("group_id")
+        return str(group_id).encode() if group_id else None
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return None
+
+
+_CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
+
+
+def decode_control_request(raw: bytes | str) -> ControlRequest:
+    """An operator request as stored in the control hash (raises pydantic's ValidationError)."""
+    return _CONTROL_REQUEST.validate_json(raw)

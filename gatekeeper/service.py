@@ -24,7 +24,7 @@ from typing import Any
 from contracts.bus import Entry, StreamBus
 from contracts.config import DapoConfig
 from contracts.keys import LEDGER_FILTERED, Counter
-from contracts.runtime import run_stage_loop, service_context
+from contracts.runtime import StageLoop, serve_stage, service_context
 from contracts.schemas import (
     EvalResult,
     RolloutGroup,
@@ -65,6 +65,10 @@ def group_metric(group: RolloutGroup, metric: str) -> list[float]:
     raise ValueError(f"unknown gatekeeper metric {metric!r}; expected acc, score or reward")
 
 
+GATE_BATCH = 32
+"""Groups per read: deciding is cheap, so the gatekeeper takes many at a time."""
+
+
 class Gatekeeper:
     """The stage handler: decide, then hop each group to `train` or count it as filtered."""
 
@@ -78,6 +82,21 @@ class Gatekeeper:
     def pass_rate(self) -> float:
         seen = self.kept + self.filtered
         return self.kept / seen if seen else 0.0
+
+    @property
+    def loop(self) -> StageLoop:
+        return StageLoop(self.bus.keys.scored, batch=GATE_BATCH)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "kept": self.kept,
+            "filtered": self.filtered,
+            "pass_rate": round(self.pass_rate, 4),
+            "evaluations": self.evaluations,
+        }
+
+    def close(self) -> None:
+        pass
 
     def handle(self, entries: list[Entry]) -> None:
         stage = self.bus.keys.scored
@@ -126,22 +145,6 @@ def main(cfg: DapoConfig) -> int:
     gate = Gatekeeper(
         ctx.bus, metric=cfg.algorithm.gatekeeper_metric, enabled=cfg.algorithm.gatekeeper
     )
-
-    def status() -> dict[str, Any]:
-        return {
-            "kept": gate.kept,
-            "filtered": gate.filtered,
-            "pass_rate": round(gate.pass_rate, 4),
-            "evaluations": gate.evaluations,
-        }
-
-    hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, status)
-    try:
-        run_stage_loop(
-            ctx.bus, ctx.bus.keys.scored, gate.handle, queue=cfg.queue, stop=ctx.stop, batch=32
-        )
-    finally:
-        ctx.write_final_stats(status())
-        hb.stop()
+    serve_stage(ctx, gate, cfg.queue)
     log.info("gatekeeper stopped: kept %d, filtered %d", gate.kept, gate.filtered)
     return 0

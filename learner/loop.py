@@ -39,7 +39,7 @@ import redis
 
 from contracts.checkpoint_store import CheckpointRefused
 from contracts.config import DapoConfig
-from contracts.faults import stretch
+from contracts.faults import slowdown
 from contracts.keys import Counter, RunField
 from contracts.schemas import RolloutGroup
 from learner.batch import build_batch
@@ -110,6 +110,7 @@ class LearnerLoop:
         self.progress = Progress()
         self.state = "starting"
         self.started = time.monotonic()
+        self.slowdown = slowdown("learner.slowdown")  # None outside the fault suite
         self.waited_s = 0.0
         self.waited_before_step_s = 0.0
         """`waited_s` when the last step was reported: the difference is the step's own wait."""
@@ -267,7 +268,8 @@ class LearnerLoop:
             raise
         if metrics.get("actor/nonfinite_steps"):
             self.control.count(Counter.NONFINITE_STEPS)
-        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (contracts/faults.py)
+        if self.slowdown is not None:  # the fault suite only (contracts/faults.py)
+            self.slowdown.after(time.monotonic() - t0)
         return metrics
 
     def _timing(self, update_s: float, step_s: float) -> dict[str, float]:

@@ -46,8 +46,7 @@ from ray.serve.handle import DeploymentHandle
 
 from contracts.config import ConfigError, load_config
 from contracts.model_source import with_local_model
-from contracts.runtime import Heartbeat, run_stage_loop, service_context
-from reward.service import REWARD_BATCH
+from contracts.runtime import StageWorker, serve_stage, service_context
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +61,10 @@ class WorkerDied(RuntimeError):
 
 
 class _StageHost:
-    """One stage worker on a background thread of this process, with a heartbeat.
+    """One stage worker on a background thread of this process, run by the same skeleton as the
+    CLI process (`serve_stage`: heartbeat, the stage loop, final stats, release).
 
-    Subclasses build the worker in `setup`, run its loop in `work` and release it in `close`.
+    Subclasses build the worker (a `StageWorker`) in `setup`.
     """
 
     kind = ""
@@ -82,43 +82,21 @@ class _StageHost:
         self.id, self.stop, self.bus = self.ctx.inst, self.ctx.stop, self.ctx.bus
         self.error: BaseException | None = None
         self._stopped = False
-        self.setup()
-        self.hb = Heartbeat(
-            self.bus, self.kind, self.id, self.cfg.queue.heartbeat_ttl_s, self.worker_status
-        )
-        self.hb.start()
+        self.worker = self.setup()
         self.thread = threading.Thread(target=self._run, name=f"{self.kind}-worker", daemon=True)
         self.thread.start()
         log.info("%s replica %s ready", self.kind, self.id)
 
-    # --- for subclasses ----------------------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self) -> StageWorker:
         raise NotImplementedError
 
-    def work(self) -> None:
-        raise NotImplementedError
-
-    def worker_status(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release what `setup` built (engine, verifier sandbox)."""
-
-    # --- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.work()
+            serve_stage(self.ctx, self.worker, self.cfg.queue)
         except BaseException as exc:  # the thread's boundary: kept for check_health to surface
             log.exception("%s worker %s died", self.kind, self.id)
             self.error = exc
-        finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        self.ctx.write_final_stats(self.worker_status())
-        self.hb.stop()  # deletes the key: the learner stops counting this replica at once
-        self.close()
-        log.info("%s replica %s stopped: %s", self.kind, self.id, self.worker_status())
+        log.info("%s replica %s stopped: %s", self.kind, self.id, self.worker.status())
 
     # --- what Serve calls ----------------------------------------------------------------------
     def __call__(self, request: object = None) -> dict[str, Any]:
@@ -127,7 +105,7 @@ class _StageHost:
             "kind": self.kind,
             "id": self.id,
             "alive": self.thread.is_alive(),
-            **self.worker_status(),
+            **self.worker.status(),
         }
 
     def check_health(self) -> None:
@@ -153,23 +131,16 @@ class RolloutHost(_StageHost):
 
     kind = "rollout"
 
-    def setup(self) -> None:
+    def setup(self) -> StageWorker:
         from rollout.engine import make_engine
         from rollout.service import RolloutWorker
 
         log.info("loading %s engine from %s", self.cfg.rollout.engine, self.cfg.model.path)
-        self.engine = make_engine(self.cfg, replica_id=self.id)  # a seed of its own per replica
-        self.worker = RolloutWorker(self.cfg, self.bus, self.engine, self.id, self.stop)
-
-    def work(self) -> None:
-        self.worker.hb = self.hb  # weight swaps beat at once, as in `dapo rollout`
-        self.worker.run()
-
-    def worker_status(self) -> dict[str, Any]:
-        return self.worker.status()
-
-    def close(self) -> None:
-        self.engine.close()
+        engine = make_engine(self.cfg, replica_id=self.id)  # a seed of its own per replica
+        # Weight swaps beat at once, as in `dapo rollout`.
+        return RolloutWorker(
+            self.cfg, self.bus, engine, self.id, self.stop, beat_now=self.ctx.beat_now
+        )
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For `BacklogPolicy`: jobs waiting or being generated (acked entries are deleted, so
@@ -182,30 +153,13 @@ class RewardHost(_StageHost):
 
     kind = "reward"
 
-    def setup(self) -> None:
+    def setup(self) -> StageWorker:
         from transformers import AutoTokenizer
 
         from reward.service import RewardWorker
 
-        self.worker = RewardWorker(
-            self.cfg, self.bus, AutoTokenizer.from_pretrained(self.cfg.model.path)
-        )
-
-    def work(self) -> None:
-        run_stage_loop(
-            self.bus,
-            self.bus.keys.rollouts,
-            self.worker.handle,
-            queue=self.cfg.queue,
-            stop=self.stop,
-            batch=REWARD_BATCH,
-        )
-
-    def worker_status(self) -> dict[str, Any]:
-        return self.worker.status()
-
-    def close(self) -> None:
-        self.worker.scorer.close()
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        return RewardWorker(self.cfg, self.bus, tokenizer)
 
 
 class StatusIngress:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from contracts import bus as bus_module
 from contracts.bus import StreamBus, connect
+from contracts.bus import transport as bus_transport
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
 from learner.weight_publisher import WeightPublisher
@@ -115,7 +115,7 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
 
 
 def test_the_dead_letter_stream_is_bounded(bus: StreamBus, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bus_module, "DEAD_LETTER_MAXLEN", 200)
+    monkeypatch.setattr(bus_transport, "DEAD_LETTER_MAXLEN", 200)
     stage = bus.keys.rollouts
     for i in range(1000):
         bus.redis.xadd(stage.stream, {"poison": str(i).encode()})

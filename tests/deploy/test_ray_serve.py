@@ -286,12 +286,18 @@ def test_check_health_surfaces_a_dead_worker(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from contracts.keys import Keys
+    from contracts.runtime import StageLoop
+    from reward.service import RewardWorker
     from services.ray_serve import RewardHost, WorkerDied
 
-    def broken(self: RewardHost) -> None:
+    def explode() -> None:
         raise RuntimeError("verifier exploded")
 
-    monkeypatch.setattr(RewardHost, "work", broken)
+    # The worker fails as the skeleton starts it (after the heartbeat, inside the stage loop).
+    def failing_loop(self: RewardWorker) -> StageLoop:
+        return StageLoop(self.bus.keys.rollouts, start=explode)
+
+    monkeypatch.setattr(RewardWorker, "loop", property(failing_loop))
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
     host.thread.join(10)
     with pytest.raises(WorkerDied, match="verifier exploded"):
