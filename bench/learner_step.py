@@ -27,20 +27,41 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
     """One step's groups, shaped like the tiny preset's (prompt 20-40 tokens, responses 3-16)."""
-    from services.contracts.schemas import PromptJob, Response, RolloutGroup
+    from contracts.schemas import PromptJob, Response, RolloutGroup
 
     ro, groups = cfg.rollout, []
     for g in range(cfg.algorithm.train_batch_groups):
-        job = PromptJob(group_id=f"g{g}", prompt_index=g, prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(20, 40))],
-                        ground_truth="1", policy_version=version, issued_at=0.0)
+        job = PromptJob(
+            group_id=f"g{g}",
+            prompt_index=g,
+            prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(20, 40))],
+            ground_truth="1",
+            policy_version=version,
+            issued_at=0.0,
+        )
         responses = []
         for _ in range(ro.group_size):
             n = rng.randint(3, ro.max_response_len)
-            responses.append(Response(token_ids=[rng.randrange(3, 200) for _ in range(n)], logprobs=[-2.0] * n,
-                                      finish_reason="length" if n == ro.max_response_len else "stop"))
+            responses.append(
+                Response(
+                    token_ids=[rng.randrange(3, 200) for _ in range(n)],
+                    logprobs=[-2.0] * n,
+                    finish_reason="length" if n == ro.max_response_len else "stop",
+                )
+            )
         rewards = [1.0, -1.0] + [rng.choice([1.0, -1.0]) for _ in range(ro.group_size - 2)]
-        groups.append(RolloutGroup(job=job, policy_version=version, replica_id="r", responses=responses, scores=rewards,
-                                   acc=[r > 0 for r in rewards], rewards=rewards, preds=[""] * ro.group_size))
+        groups.append(
+            RolloutGroup(
+                job=job,
+                policy_version=version,
+                replica_id="r",
+                responses=responses,
+                scores=rewards,
+                acc=[r > 0 for r in rewards],
+                rewards=rewards,
+                preds=[""] * ro.group_size,
+            )
+        )
     return groups
 
 
@@ -48,11 +69,11 @@ def measure(steps: int, overrides: list[str]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.service import init_distributed
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
-    from services.shell.launcher import prepare
+    from services.launcher import prepare
 
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     prepare(cfg)  # the cached base model and data
@@ -71,10 +92,19 @@ def measure(steps: int, overrides: list[str]) -> dict[str, float]:
             pass
         t2 = time.perf_counter()
         if i >= 2:  # warm-up excluded
-            train_s, gather_s, tokens = train_s + t1 - t0, gather_s + t2 - t1, tokens + float(batch.response_mask.sum())
+            train_s, gather_s, tokens = (
+                train_s + t1 - t0,
+                gather_s + t2 - t1,
+                tokens + float(batch.response_mask.sum()),
+            )
     dist.destroy_process_group()
-    return {"steps": steps, "train_s_per_step": train_s / steps, "gather_s_per_step": gather_s / steps,
-            "tokens_per_step": tokens / steps, "tokens_per_s": tokens / (train_s + gather_s)}
+    return {
+        "steps": steps,
+        "train_s_per_step": train_s / steps,
+        "gather_s_per_step": gather_s / steps,
+        "tokens_per_step": tokens / steps,
+        "tokens_per_s": tokens / (train_s + gather_s),
+    }
 
 
 def main() -> int:
@@ -85,8 +115,11 @@ def main() -> int:
     args = parser.parse_args()
     figures = measure(args.steps, args.overrides)
     save_result("learner_step", {"overrides": args.overrides, **figures}, args.out)
-    print(f"tiny preset, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per step; "
-          f"train_step {figures['train_s_per_step']:.3f} s, weight gather {figures['gather_s_per_step']:.3f} s")
+    print(
+        f"tiny preset, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per step; "
+        f"train_step {figures['train_s_per_step']:.3f} s, weight gather "
+        f"{figures['gather_s_per_step']:.3f} s"
+    )
     print(f"learner_tokens_per_s={figures['tokens_per_s']:.0f}")
     return 0
 

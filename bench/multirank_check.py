@@ -11,7 +11,7 @@ and some are not with one rank, so a wrongly scaled gradient also clips differen
     .venv/bin/python bench/multirank_check.py [--world-sizes 1,2,4] [--json OUT]
 
 Prints a table and, as its last line, `max_abs_param_diff=<largest |param(W) - param(1)|>`.
-"""
+"""  # noqa: E501 (the first line is the argparse description: __doc__.splitlines()[0])
 
 from __future__ import annotations
 
@@ -37,40 +37,72 @@ def build_model(out: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(out)
 
 
 def make_groups() -> list[Any]:
-    from services.contracts.schemas import PromptJob, Response, RolloutGroup
+    from contracts.schemas import PromptJob, Response, RolloutGroup
 
     rng = random.Random(7)
     groups = []
     for g in range(N_GROUPS):
         version = g % 2  # half on-policy (version 1), half one version old (behaviour correction)
-        job = PromptJob(group_id=f"g{g}", prompt_index=g, prompt_ids=[rng.randrange(3, 90) for _ in range(rng.randint(3, 8))],
-                        ground_truth="1", policy_version=version, issued_at=0.0)
+        job = PromptJob(
+            group_id=f"g{g}",
+            prompt_index=g,
+            prompt_ids=[rng.randrange(3, 90) for _ in range(rng.randint(3, 8))],
+            ground_truth="1",
+            policy_version=version,
+            issued_at=0.0,
+        )
         responses = []
         for _ in range(GROUP_SIZE):
             n = rng.randint(1, 6)
-            responses.append(Response(token_ids=[rng.randrange(3, 90) for _ in range(n)],
-                                      logprobs=[-4.5 + rng.uniform(-0.3, 0.3) for _ in range(n)], finish_reason="stop"))
+            responses.append(
+                Response(
+                    token_ids=[rng.randrange(3, 90) for _ in range(n)],
+                    logprobs=[-4.5 + rng.uniform(-0.3, 0.3) for _ in range(n)],
+                    finish_reason="stop",
+                )
+            )
         rewards = [1.0, -1.0] + [rng.choice([1.0, -1.0]) for _ in range(GROUP_SIZE - 2)]
-        groups.append(RolloutGroup(job=job, policy_version=version, replica_id="r", responses=responses,
-                                   scores=rewards, acc=[r > 0 for r in rewards], rewards=rewards, preds=[""] * GROUP_SIZE))
+        groups.append(
+            RolloutGroup(
+                job=job,
+                policy_version=version,
+                replica_id="r",
+                responses=responses,
+                scores=rewards,
+                acc=[r > 0 for r in rewards],
+                rewards=rewards,
+                preds=[""] * GROUP_SIZE,
+            )
+        )
     return groups
 
 
 def worker(model_dir: str, out: str) -> None:
-    """One rank (under torch.distributed.run): every mode, one step each, results saved by rank 0."""
+    """One rank (under torch.distributed.run): every mode, one step each,
+    results saved by rank 0."""
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
-    backend = os.environ.get("DAPO_BENCH_BACKEND", "gloo")  # nccl: one GPU per rank (bench/gpu_check.py)
+    backend = os.environ.get(
+        "DAPO_BENCH_BACKEND", "gloo"
+    )  # nccl: one GPU per rank (bench/gpu_check.py)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
@@ -79,11 +111,20 @@ def worker(model_dir: str, out: str) -> None:
     batch = build_batch(make_groups(), pad_id=0)
     results: dict[str, Any] = {}
     for mode in MODES:
-        cfg = load_config(REPO / "configs" / "tiny.yaml", [
-            f"model.path={model_dir}", "learner.lr=1e-3", "learner.warmup_steps=0", "learner.micro_batch_size=1",
-            "learner.grad_clip=5.0", f"algorithm.loss_agg={mode}", f"algorithm.train_batch_groups={N_GROUPS}",
-            "algorithm.mini_batch_groups=2", "algorithm.entropy_coef=0.01",
-        ])
+        cfg = load_config(
+            REPO / "configs" / "tiny.yaml",
+            [
+                f"model.path={model_dir}",
+                "learner.lr=1e-3",
+                "learner.warmup_steps=0",
+                "learner.micro_batch_size=1",
+                "learner.grad_clip=5.0",
+                f"algorithm.loss_agg={mode}",
+                f"algorithm.train_batch_groups={N_GROUPS}",
+                "algorithm.mini_batch_groups=2",
+                "algorithm.entropy_coef=0.01",
+            ],
+        )
         trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
         grads = record_clipped_gradients(trainer)
         metrics = trainer.train_step(batch, policy_version=1)
@@ -109,7 +150,9 @@ def record_clipped_gradients(trainer: Any) -> list[torch.Tensor]:
     step = trainer.optimizer.step
 
     def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append(torch.cat([_full(p.grad).reshape(-1) for p in trainer.model.parameters()]).cpu())
+        grads.append(
+            torch.cat([_full(p.grad).reshape(-1) for p in trainer.model.parameters()]).cpu()
+        )
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
@@ -120,12 +163,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def launch_ranks(script: str, world: int, *args: str, env: dict[str, str] | None = None, timeout_s: int = 600) -> None:
+def launch_ranks(
+    script: str, world: int, *args: str, env: dict[str, str] | None = None, timeout_s: int = 600
+) -> None:
     """Run `script --worker ARGS` as `world` gloo ranks under torch.distributed.run (one thread
     each); raise with the output's tail when any rank fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script, "--worker", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        script,
+        "--worker",
+        *args,
+    ]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
@@ -143,14 +199,22 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, dict[str, 
     for mode in MODES:
         a, b = base[mode], other[mode]
         metric_diff = max(
-            abs(a["metrics"][k] - b["metrics"][k]) / max(abs(a["metrics"][k]), 1e-3) for k in a["metrics"]
+            abs(a["metrics"][k] - b["metrics"][k]) / max(abs(a["metrics"][k]), 1e-3)
+            for k in a["metrics"]
         )
-        grad_diff = max(float((x - y).abs().max()) for x, y in zip(a["grads"], b["grads"], strict=True))
+        grad_diff = max(
+            float((x - y).abs().max()) for x, y in zip(a["grads"], b["grads"], strict=True)
+        )
         grad_scale = max(float(x.abs().max()) for x in a["grads"])
         param_diff = max(float((a["params"][n] - b["params"][n]).abs().max()) for n in a["params"])
-        out[mode] = {"metric_rel_diff": metric_diff, "grad_abs_diff": grad_diff, "grad_abs_max": grad_scale,
-                     "param_abs_diff": param_diff, "pg_loss": b["metrics"]["actor/pg_loss"],
-                     "grad_norm": b["metrics"]["actor/grad_norm"]}
+        out[mode] = {
+            "metric_rel_diff": metric_diff,
+            "grad_abs_diff": grad_diff,
+            "grad_abs_max": grad_scale,
+            "param_abs_diff": param_diff,
+            "pg_loss": b["metrics"]["actor/pg_loss"],
+            "grad_norm": b["metrics"]["actor/grad_norm"],
+        }
     return out
 
 
@@ -158,7 +222,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--json", help="also write the comparison here")
-    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank")
+    parser.add_argument(
+        "--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -172,14 +238,22 @@ def main() -> int:
         results = {w: run_world(model_dir, w, Path(tmp) / f"w{w}.pt") for w in worlds}
     base = results[worlds[0]]
     report = {w: compare(base, results[w]) for w in worlds[1:]}
-    print(f"{'ranks':>5} {'loss_agg':<24} {'pg_loss':>10} {'grad_norm':>10} {'metric rel':>11} {'grad abs':>10} {'param abs':>10}")
+    print(
+        f"{'ranks':>5} {'loss_agg':<24} {'pg_loss':>10} {'grad_norm':>10} {'metric rel':>11} "
+        f"{'grad abs':>10} {'param abs':>10}"
+    )
     for mode in MODES:
         m = base[mode]["metrics"]
-        print(f"{worlds[0]:>5} {mode:<24} {m['actor/pg_loss']:>10.6f} {m['actor/grad_norm']:>10.6f}")
+        print(
+            f"{worlds[0]:>5} {mode:<24} {m['actor/pg_loss']:>10.6f} {m['actor/grad_norm']:>10.6f}"
+        )
         for w in worlds[1:]:
             r = report[w][mode]
-            print(f"{w:>5} {mode:<24} {r['pg_loss']:>10.6f} {r['grad_norm']:>10.6f} {r['metric_rel_diff']:>11.2e} "
-                  f"{r['grad_abs_diff']:>10.2e} {r['param_abs_diff']:>10.2e}")
+            print(
+                f"{w:>5} {mode:<24} {r['pg_loss']:>10.6f} {r['grad_norm']:>10.6f} "
+                f"{r['metric_rel_diff']:>11.2e} {r['grad_abs_diff']:>10.2e} "
+                f"{r['param_abs_diff']:>10.2e}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({str(w): r for w, r in report.items()}, indent=1))
     worst = max((r[mode]["param_abs_diff"] for r in report.values() for mode in MODES), default=0.0)

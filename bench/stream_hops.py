@@ -3,7 +3,8 @@ baseline of plain pipelined XADD + XREADGROUP + XACK in the same run, with reali
 
     .venv/bin/python bench/stream_hops.py [--groups 2000] [--group-size 16] [--tokens 256]
 
-Prints groups/s and MB/s for both, and their ratio. Last line: `hop_ms=<milliseconds per atomic hop>`.
+Prints groups/s and MB/s for both, and their ratio.
+Last line: `hop_ms=<milliseconds per atomic hop>`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
-from services.shell.redis_server import RedisServer
+from contracts.bus import StreamBus, connect
+from contracts.keys import Keys
+from contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
+from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -25,8 +26,18 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 
 def make_group(group_size: int, tokens: int) -> RolloutGroup:
-    job = PromptJob(group_id="g", prompt_index=0, prompt_ids=list(range(128)), ground_truth="1", policy_version=0, issued_at=0.0)
-    resp = [Response(token_ids=list(range(tokens)), logprobs=[-0.5] * tokens, finish_reason="stop") for _ in range(group_size)]
+    job = PromptJob(
+        group_id="g",
+        prompt_index=0,
+        prompt_ids=list(range(128)),
+        ground_truth="1",
+        policy_version=0,
+        issued_at=0.0,
+    )
+    resp = [
+        Response(token_ids=list(range(tokens)), logprobs=[-0.5] * tokens, finish_reason="stop")
+        for _ in range(group_size)
+    ]
     return RolloutGroup(job=job, policy_version=0, replica_id="r", responses=resp)
 
 
@@ -64,11 +75,29 @@ def main() -> None:
         hop_s = time.perf_counter() - start
         assert bus.ledger().balanced
     n = args.groups
-    print(f"group: {args.group_size} responses x {args.tokens} tokens = {size_mb * 1024:.0f} KiB on the wire")
-    print(f"baseline xadd+xack pipeline: {n / base_s:8.0f} groups/s  {n * size_mb / base_s:7.1f} MB/s")
-    print(f"atomic hop (Lua):            {n / hop_s:8.0f} groups/s  {n * size_mb / hop_s:7.1f} MB/s")
+    print(
+        f"group: {args.group_size} responses x {args.tokens} tokens = {size_mb * 1024:.0f} KiB on "
+        "the wire"
+    )
+    print(
+        f"baseline xadd+xack pipeline: {n / base_s:8.0f} groups/s  {n * size_mb / base_s:7.1f} MB/s"
+    )
+    print(
+        f"atomic hop (Lua):            {n / hop_s:8.0f} groups/s  {n * size_mb / hop_s:7.1f} MB/s"
+    )
     print(f"hop / baseline throughput:   {base_s / hop_s:.2f}x")
-    save_result("stream_hops", {"group_size": args.group_size, "tokens": args.tokens, "groups": n, "hop_groups_per_s": n / hop_s, "baseline_groups_per_s": n / base_s, "hop_ms": 1e3 * hop_s / n}, args.out)
+    save_result(
+        "stream_hops",
+        {
+            "group_size": args.group_size,
+            "tokens": args.tokens,
+            "groups": n,
+            "hop_groups_per_s": n / hop_s,
+            "baseline_groups_per_s": n / base_s,
+            "hop_ms": 1e3 * hop_s / n,
+        },
+        args.out,
+    )
     print(f"hop_ms={1e3 * hop_s / n:.3f}")
 
 

@@ -28,8 +28,8 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 def main() -> int:
     from safetensors import safe_open
 
-    from services.contracts.config import load_config
-    from services.contracts.weight_sync import flat_broadcast_seconds
+    from contracts.config import load_config
+    from contracts.weight_sync import flat_broadcast_seconds
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -40,17 +40,48 @@ def main() -> int:
     replicas = load_config(REPO / "configs" / "tiny.yaml", args.overrides).rollout.replicas
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        subprocess.run([sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(run),
-                        "--quiet", f"learner.total_steps={args.steps}", "eval.every_steps=0", "checkpoint.every_steps=0", *args.overrides],
-                       cwd=REPO, check=True, timeout=3600, env={**os.environ, "DAPO_FAULTS": f"rollout.slowdown={args.slowdown}"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "run",
+                "--config",
+                "configs/tiny.yaml",
+                "--output-dir",
+                str(run),
+                "--quiet",
+                f"learner.total_steps={args.steps}",
+                "eval.every_steps=0",
+                "checkpoint.every_steps=0",
+                *args.overrides,
+            ],
+            cwd=REPO,
+            check=True,
+            timeout=3600,
+            env={**os.environ, "DAPO_FAULTS": f"rollout.slowdown={args.slowdown}"},
+        )
         summary = json.loads((run / "summary.json").read_text())
         with safe_open(str(run / "final_model" / "model.safetensors"), "pt") as f:
             nbytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
     flat = flat_broadcast_seconds(nbytes, replicas=replicas)
     sync = summary["timing"]["sync_weights_s"]
-    print(f"rollout slowed {args.slowdown:g}x, {replicas} replicas, {nbytes / 2**20:.1f} MiB of weights: mean learner sync "
-          f"{sync * 1e3:.1f} ms, bare broadcast {flat * 1e3:.1f} ms")
-    save_result("sync_latency", {"steps": args.steps, "slowdown": args.slowdown, "bytes": nbytes, "mean_sync_s": sync, "flat_broadcast_s": flat, "sync_over_flat": sync / flat}, args.out)
+    print(
+        f"rollout slowed {args.slowdown:g}x, {replicas} replicas, {nbytes / 2**20:.1f} MiB of "
+        f"weights: mean learner sync {sync * 1e3:.1f} ms, bare broadcast {flat * 1e3:.1f} ms"
+    )
+    save_result(
+        "sync_latency",
+        {
+            "steps": args.steps,
+            "slowdown": args.slowdown,
+            "bytes": nbytes,
+            "mean_sync_s": sync,
+            "flat_broadcast_s": flat,
+            "sync_over_flat": sync / flat,
+        },
+        args.out,
+    )
     print(f"sync_over_flat={sync / flat:.2f}")
     return 0
 

@@ -29,7 +29,10 @@ def responses(n: int, seed: int = 0) -> list[tuple[str, str]]:
     for _ in range(n):
         a, b = rng.randint(10, 999), rng.randint(10, 999)
         truth = a + b if rng.random() < 0.5 else a + b + rng.randint(1, 9)
-        reasoning = f"First add the tens and units of {a} and {b}. Carry where needed. So the total is {a + b}. " * rng.randint(1, 4)
+        reasoning = (
+            f"First add the tens and units of {a} and {b}. Carry where needed. "
+            f"So the total is {a + b}. "
+        ) * rng.randint(1, 4)
         answer = f"Answer: {truth}" if rng.random() < 0.5 else f"The answer is \\boxed{{{truth}}}"
         out.append((reasoning + answer, str(a + b)))
     return out
@@ -55,7 +58,9 @@ def main() -> int:
     rates = {}
     for name in ("dapo", "strict-box", "math-verify"):
         try:
-            rates[name] = measure(name, pairs if name != "math-verify" else pairs[: args.responses // 10])
+            rates[name] = measure(
+                name, pairs if name != "math-verify" else pairs[: args.responses // 10]
+            )
         except (ImportError, ValueError) as exc:
             print(f"{name}: skipped ({exc})")
             continue

@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 
-from rollout.engine import Engine, make_engine
-from services.contracts.config import DapoConfig, build_config
-from services.contracts.weight_sync import (
+from contracts.config import DapoConfig, build_config
+from contracts.weight_sync import (
     Announcement,
     WeightStream,
     broadcast_bucket,
     make_group_on_store,
     plan_buckets,
 )
+from rollout.engine import Engine, make_engine
 from services.demo.tiny_base import tiny_qwen2_config, train_tokenizer
 
 TEXTS = ["What is 12 + 30? Answer: 42", "Compute 7 * 6. Answer: 42", "the quick brown fox"] * 20

@@ -11,7 +11,7 @@ It is deliberately not a Kubernetes livenessProbe: it depends on Redis, and rest
 worker while Redis is briefly away would throw away their work. A worker whose process dies
 ends its container anyway, and a hung worker's heartbeat expires, which `dapo status` and the
 API's /status show. The heartbeat thread also does not prove the work loop is progressing
-(see services/contracts/runtime.py).
+(see contracts/runtime.py).
 """
 
 from __future__ import annotations
@@ -28,14 +28,18 @@ DEFAULT_CONFIG = "/etc/dapo/config.yaml"
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dapo-healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=KINDS)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
-    parser.add_argument("--timeout", type=float, default=3.0, help="Redis socket timeout in seconds")
+    parser.add_argument(
+        "--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="Redis socket timeout in seconds"
+    )
     args = parser.parse_args(argv)
 
     import redis
 
-    from services.contracts.bus import open_bus
-    from services.contracts.config import ConfigError, load_config
+    from contracts.bus import open_bus
+    from contracts.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -47,7 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("dapo-healthcheck: no Redis URL (queue.redis_url or DAPO_REDIS_URL)\n")
         return 1
     host = socket.gethostname()
-    bus = open_bus(url, cfg.queue.namespace, "healthcheck", retries=0, pause_when_full=False, socket_timeout=args.timeout)
+    bus = open_bus(
+        url,
+        cfg.queue.namespace,
+        "healthcheck",
+        retries=0,
+        pause_when_full=False,
+        socket_timeout=args.timeout,
+    )
     try:
         mine = [i for i in bus.live_instances(args.kind) if i.get("host") == host]
     except redis.RedisError as exc:

@@ -1,1 +1,2 @@
-"""Learner: turns scored rollouts into policy updates (DAPO loss, optimiser step, weight publication)."""
+"""Learner: turns scored rollouts into policy updates
+(DAPO loss, optimiser step, weight publication)."""

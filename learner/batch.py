@@ -11,8 +11,8 @@ in its own row, so log-probs and gradients are those of the row layout, while a 
 computed once instead of G times. That holds only where the model applies the 4-D mask exactly
 as given: under `PACKED_ATTENTION` (sdpa), and in full-attention layers only
 (`packed_layout_problem`). Advantages are computed here, after dynamic
-sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token, sum to
-the response return, which is normalised within the group (s3) and shared by every token.
+sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token,
+sum to the response return, which is normalised within the group (s3) and shared by every token.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from contracts.schemas import RolloutGroup
 from learner.algos import group_advantages
-from services.contracts.schemas import RolloutGroup
 
 
 @dataclass
@@ -54,7 +54,11 @@ class TrainBatch:
 
 
 def build_batch(
-    groups: list[RolloutGroup], *, pad_id: int, norm_by_std: bool = True, overlong_filter: bool = False
+    groups: list[RolloutGroup],
+    *,
+    pad_id: int,
+    norm_by_std: bool = True,
+    overlong_filter: bool = False,
 ) -> TrainBatch:
     """Pad every response of every group into one batch and compute group advantages."""
     rows = [(gi, g, ri, r) for gi, g in enumerate(groups) for ri, r in enumerate(g.responses)]
@@ -101,7 +105,9 @@ def build_batch(
 class PackedGroups(NamedTuple):
     """A micro-batch laid out one row per group (module docstring); L = P + S x R."""
 
-    input_ids: Tensor  # (g, L) long: the prompt (left-padded to P), then S response slots of width R
+    input_ids: (
+        Tensor  # (g, L) long: the prompt (left-padded to P), then S response slots of width R
+    )
     position_ids: Tensor  # (g, L) long: each slot continues the prompt's positions
     attention_mask: Tensor  # (g, 1, L, L) bool: True where a query position may attend to a key
     keep: Tensor  # (S x R,) long: the positions whose hidden states predict each slot's tokens
@@ -131,12 +137,18 @@ def pack_groups(mb: TrainBatch) -> PackedGroups:
             input_ids[k, start : start + R] = mb.responses[row]
             position_ids[k, start : start + R] = torch.arange(prompt_len, prompt_len + R)
             rows[k, s] = row
-    slot = torch.cat([torch.full((P,), -1), torch.arange(S).repeat_interleave(R)])  # (L,): -1 = prompt
+    slot = torch.cat(
+        [torch.full((P,), -1), torch.arange(S).repeat_interleave(R)]
+    )  # (L,): -1 = prompt
     pos = torch.arange(L)
     causal = pos.unsqueeze(1) >= pos.unsqueeze(0)  # (L, L): query i, key j <= i
-    visible = (slot.unsqueeze(0) == -1) | (slot.unsqueeze(0) == slot.unsqueeze(1))  # the prompt, or the same slot
+    visible = (slot.unsqueeze(0) == -1) | (
+        slot.unsqueeze(0) == slot.unsqueeze(1)
+    )  # the prompt, or the same slot
     mask = (causal & visible).unsqueeze(0) & key_ok.unsqueeze(1)  # (g, L, L)
-    mask |= torch.eye(L, dtype=torch.bool)  # a padding query attends to itself (no empty softmax row)
+    mask |= torch.eye(
+        L, dtype=torch.bool
+    )  # a padding query attends to itself (no empty softmax row)
     t = torch.arange(R).repeat(S)  # (S*R,)
     keep = torch.where(t == 0, P - 1, P + torch.arange(S).repeat_interleave(R) * R + t - 1)
     return PackedGroups(input_ids, position_ids, mask.unsqueeze(1), keep, rows)
@@ -159,14 +171,18 @@ def packed_layout_problem(config: Any) -> str | None:
     """
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != PACKED_ATTENTION:
-        return (f"the model runs {implementation!r} attention; the packed mask is exact under "
-                f"{PACKED_ATTENTION!r} only")
+        return (
+            f"the model runs {implementation!r} attention; the packed mask is exact under "
+            f"{PACKED_ATTENTION!r} only"
+        )
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:  # newer configs name each layer's attention
         other = sorted(set(layer_types) - {"full_attention"})
         if other:
-            return (f"the model has {', '.join(other)} layers (config.layer_types); the packed "
-                    "mask is full attention")
+            return (
+                f"the model has {', '.join(other)} layers (config.layer_types); the packed "
+                "mask is full attention"
+            )
         return None
     window = getattr(config, "sliding_window", None)
     # Mistral-style configs have no `use_sliding_window` switch: a window is always on.

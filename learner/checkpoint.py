@@ -1,6 +1,6 @@
 """Writing and loading the learner's training state in the checkpoint store.
 
-The layout, listing, retention and manifest are the store's (`services/contracts/checkpoint_store.py`).
+The layout, listing, retention and manifest are the store's (`contracts/checkpoint_store.py`).
 Saving (every rank): everything goes to `.tmp-step_<N>/` — each rank's model and optimizer shards
 (torch.distributed.checkpoint) and RNG states, and from rank 0 trainer.json, the Hugging Face export
 and the `keep` marker when asked. After a barrier the ranks hash the files (a share each, fsyncing
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from services.contracts.checkpoint_store import (
+from contracts.checkpoint_store import (
     HASH_THREADS,
     HF_EXPORT,
     KEEP,
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# --- ranks ---------------------------------------------------------------------------------------------
+# --- ranks ----------------------------------------------------------------------------------------
 def _world_size() -> int:
     import torch.distributed as dist
 
@@ -93,7 +93,7 @@ def _all_gather(value: T) -> list[T]:
     return out
 
 
-# --- RNG states: safetensors + JSON, nothing pickled ------------------------------------------------------
+# --- RNG states: safetensors + JSON, nothing pickled ----------------------------------------------
 def rng_file(path: Path, rank: int) -> Path:
     return path / "rng" / f"rank_{rank}.safetensors"
 
@@ -118,8 +118,10 @@ def save_rng(out: Path, shuffle: random.Random) -> None:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()  # the current device: one per rank
-    metadata = {"python": _state_json(random.getstate()),
-                "shuffle": _state_json(shuffle.getstate())}
+    metadata = {
+        "python": _state_json(random.getstate()),
+        "shuffle": _state_json(shuffle.getstate()),
+    }
     save_file(tensors, str(out), metadata=metadata)
     fsync_path(out)
 
@@ -139,11 +141,14 @@ def load_rng(path: Path, shuffle: random.Random) -> None:
     if "shuffle" in metadata:
         shuffle.setstate(_state_from_json(metadata["shuffle"]))
     else:  # saved before the shuffle generator was: it goes on from where this process has it
-        log.warning("%s holds no mini-batch shuffle state; the resumed run's mini-batches "
-                    "differ from the uninterrupted run's", path)
+        log.warning(
+            "%s holds no mini-batch shuffle state; the resumed run's mini-batches "
+            "differ from the uninterrupted run's",
+            path,
+        )
 
 
-# --- saving -----------------------------------------------------------------------------------------------
+# --- saving ---------------------------------------------------------------------------------------
 def save_checkpoint(
     root: Path,
     step: int,
@@ -176,11 +181,18 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))  # fsyncs its files
+    save(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state")
+    )  # fsyncs its files
     rng_file(tmp, rank).parent.mkdir(exist_ok=True)
     save_rng(rng_file(tmp, rank), shuffle)
     if rank == 0:
-        full_meta = {**meta, "step": step, "scheduler": scheduler.state_dict(), "saved_at": time.time()}
+        full_meta = {
+            **meta,
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "saved_at": time.time(),
+        }
         write_durable(tmp / "trainer.json", json.dumps(full_meta, indent=1).encode())
         if hf_export is not None:
             hf_export(tmp / HF_EXPORT)
@@ -223,7 +235,7 @@ def _digests(path: Path, names: list[str]) -> list[FileDigest]:
         return list(pool.map(lambda n: file_digest(path / n, sync=True), names))
 
 
-# --- loading ----------------------------------------------------------------------------------------------
+# --- loading --------------------------------------------------------------------------------------
 def verify_checkpoint(path: Path, rank: int) -> None:
     """Every rank: check `path` against its manifest before anything in it is loaded; raises
     CheckpointRefused on every rank, naming the files, when it has no manifest or any file differs.
@@ -252,20 +264,27 @@ def load_checkpoint(
     """Verify, then restore model, optimizer, scheduler and RNG, the mini-batch `shuffle`
     generator's included (every rank); returns trainer.json.
 
-    A rank with no RNG file of its own (the run resumed on more ranks than it saved) takes rank 0's."""
+    A rank with no RNG file of its own (the run resumed on more ranks than it saved)
+    takes rank 0's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
     from learner.dcp_reader import SafeLoadPlanner, SafeMetadataReader
 
     verify_checkpoint(path, rank)
-    meta: dict[str, Any] = json.loads((path / "trainer.json").read_text())  # the verified bytes, not the listing's read
+    meta: dict[str, Any] = json.loads(
+        (path / "trainer.json").read_text()
+    )  # the verified bytes, not the listing's read
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    reader = SafeMetadataReader(str(path / "state"))  # nothing in the files can run code (learner/dcp_reader.py)
+    reader = SafeMetadataReader(
+        str(path / "state")
+    )  # nothing in the files can run code (learner/dcp_reader.py)
     reader.read_metadata()  # first on its own: DCP's load would wrap a refusal in its own exception
     load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     scheduler.load_state_dict(meta["scheduler"])
     own = rng_file(path, rank)
     load_rng(own if own.exists() else rng_file(path, 0), shuffle)
@@ -275,7 +294,9 @@ def load_checkpoint(
 class CheckpointStore(Protocol):
     def latest_step(self) -> int | None: ...
 
-    def save(self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]) -> Path: ...
+    def save(
+        self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]
+    ) -> Path: ...
 
     def load(self, step: int) -> dict[str, Any] | None: ...
 
@@ -289,7 +310,14 @@ class Checkpoints:
     not have deleted that one's `.tmp-` directory. Other ranks write only after a save's barrier."""
 
     def __init__(
-        self, root: Path, *, trainer: Any, rank: int, keep_last: int, save_hf: bool, barrier: Callable[[], Any]
+        self,
+        root: Path,
+        *,
+        trainer: Any,
+        rank: int,
+        keep_last: int,
+        save_hf: bool,
+        barrier: Callable[[], Any],
     ) -> None:
         self.root, self.trainer, self.rank = Path(root), trainer, rank
         self.keep_last, self.save_hf, self.barrier = keep_last, save_hf, barrier
@@ -306,13 +334,23 @@ class Checkpoints:
         latest = latest_checkpoint(self.root)
         return None if latest is None else latest.step
 
-    def save(self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]) -> Path:
+    def save(
+        self, step: int, meta: dict[str, Any], *, keep: bool, hf_export: Callable[[Path], None]
+    ) -> Path:
         self._clean_once()
         t = self.trainer
         path = save_checkpoint(
-            self.root, step, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-            shuffle=t.rng, rank=self.rank, meta=meta,
-            hf_export=hf_export if self.save_hf else None, barrier=self.barrier, keep=keep,
+            self.root,
+            step,
+            model=t.model,
+            optimizer=t.optimizer,
+            scheduler=t.scheduler,
+            shuffle=t.rng,
+            rank=self.rank,
+            meta=meta,
+            hf_export=hf_export if self.save_hf else None,
+            barrier=self.barrier,
+            keep=keep,
         )
         if self.rank == 0:
             removed = apply_retention(self.root, self.keep_last)
@@ -331,9 +369,18 @@ class Checkpoints:
             return None
         t = self.trainer
         meta = load_checkpoint(
-            info.path, rank=self.rank, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+            info.path,
+            rank=self.rank,
+            model=t.model,
+            optimizer=t.optimizer,
+            scheduler=t.scheduler,
             shuffle=t.rng,
         )
         if self.rank == 0 and (retired := retire_newer(self.root, step)):
-            log.warning("restored step %d: moved the newer steps %s to %s/abandoned/", step, retired, self.root)
+            log.warning(
+                "restored step %d: moved the newer steps %s to %s/abandoned/",
+                step,
+                retired,
+                self.root,
+            )
         return meta

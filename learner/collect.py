@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from contracts.bus import Entry, Fields, StreamBus, is_evaluation
+from contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
+from contracts.runtime import StopFlag
+from contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
 from learner.commands import Picked
 from learner.feeder import PromptFeeder
-from services.contracts.bus import Entry, Fields, StreamBus, is_evaluation
-from services.contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,27 @@ class StreamSource:
     """Rank 0: prompts out through the feeder, kept groups in from the train stream."""
 
     def __init__(
-        self, bus: StreamBus, feeder: PromptFeeder, *, batch_groups: int, max_staleness: int, max_deliveries: int,
-        stop: StopFlag, catch_up: Callable[[], None], vocab_size: int, budget_s: float = 5.0,
+        self,
+        bus: StreamBus,
+        feeder: PromptFeeder,
+        *,
+        batch_groups: int,
+        max_staleness: int,
+        max_deliveries: int,
+        stop: StopFlag,
+        catch_up: Callable[[], None],
+        vocab_size: int,
+        budget_s: float = 5.0,
         drain_timeout_s: float = 120.0,
     ) -> None:
         self.bus, self.feeder, self.stop, self.catch_up = bus, feeder, stop, catch_up
         self.vocab_size = vocab_size
         """Rows of the model's embedding: token ids must be below it (`check_vocabulary`)."""
-        self.batch_groups, self.max_staleness, self.max_deliveries = batch_groups, max_staleness, max_deliveries
+        self.batch_groups, self.max_staleness, self.max_deliveries = (
+            batch_groups,
+            max_staleness,
+            max_deliveries,
+        )
         self.budget_s, self.drain_timeout_s = budget_s, drain_timeout_s
         self.pending: list[Picked] = []
         # Only one learner runs at a time, so any group pending in the train stream belongs to
@@ -190,7 +203,9 @@ class StreamSource:
             self.bus.hop(self.bus.keys.train, entry_id, outcome=LEDGER_STALE)
 
     def _take_over_pending(self) -> list[Entry]:
-        taken = self.bus.reclaim(self.bus.keys.train, min_idle_s=0.0, max_deliveries=self.max_deliveries, count=100_000)
+        taken = self.bus.reclaim(
+            self.bus.keys.train, min_idle_s=0.0, max_deliveries=self.max_deliveries, count=100_000
+        )
         if taken:
             log.info("took over %d groups a previous learner had not trained", len(taken))
         return taken
@@ -208,7 +223,8 @@ class StreamSource:
         return {"data_cursor": self.feeder.cursor, "ledger": self.bus.ledger().as_dict()}
 
     def reset_after_data_loss(self) -> None:
-        """Redis lost the streams: what was in hand is gone from the ledger too; re-record the cursor."""
+        """Redis lost the streams: what was in hand is gone from the ledger too;
+        re-record the cursor."""
         self.pending, self.orphans = [], []
         self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
 
@@ -217,10 +233,15 @@ class StreamSource:
         """Stop issuing and account for every training job still in flight (counted `stale`).
         Evaluation jobs are left to run: the evaluation lane waits for them."""
         keys, deadline = self.bus.keys, time.monotonic() + self.drain_timeout_s
-        self._drop([p.entry_id for p in self.pending] + [eid for eid, _ in [*self.orphans, *self._take_over_pending()]])
+        self._drop(
+            [p.entry_id for p in self.pending]
+            + [eid for eid, _ in [*self.orphans, *self._take_over_pending()]]
+        )
         self.pending, self.orphans = [], []
         drainer = self.bus.as_consumer(f"{self.bus.consumer}-drain")
-        for entry_id, fields in drainer.read(keys.prompts, count=1_000_000, block_ms=None):  # undelivered jobs
+        for entry_id, fields in drainer.read(
+            keys.prompts, count=1_000_000, block_ms=None
+        ):  # undelivered jobs
             if is_evaluation(fields):
                 drainer.hand_back(keys.prompts, entry_id, fields)
             else:
@@ -232,5 +253,9 @@ class StreamSource:
             self.catch_up()  # a replica waiting for weights must not hold jobs forever
         ledger = self.bus.ledger()
         if ledger.train_in_flight:
-            log.warning("drain timed out with %d jobs in flight; stream depths %s", ledger.train_in_flight, self.bus.depths())
+            log.warning(
+                "drain timed out with %d jobs in flight; stream depths %s",
+                ledger.train_in_flight,
+                self.bus.depths(),
+            )
         log.info("drained: %s", ledger.as_dict())

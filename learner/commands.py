@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.contracts.schemas import RolloutGroup
+from contracts.schemas import RolloutGroup
 
 
 @dataclass(frozen=True)

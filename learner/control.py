@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from contracts.bus import StreamBus
+from contracts.keys import Counter, RunField
+from contracts.lease import LearnerLease
+from contracts.runtime import Heartbeat
+from contracts.schemas import CheckpointRequest, PauseRequest, RestoreRequest
 from learner.commands import Command, Pause, Progress, Restore, SaveCheckpoint
-from services.contracts.bus import StreamBus
-from services.contracts.keys import Counter, RunField
-from services.contracts.lease import LearnerLease
-from services.contracts.runtime import Heartbeat
-from services.contracts.schemas import CheckpointRequest, PauseRequest, RestoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +81,33 @@ class RunControl:
     """Rank 0: the learner's face in Redis."""
 
     def __init__(
-        self, bus: StreamBus, *, run_name: str, instance: str, heartbeat_ttl_s: float, lease: LearnerLease | None = None,
+        self,
+        bus: StreamBus,
+        *,
+        run_name: str,
+        instance: str,
+        heartbeat_ttl_s: float,
+        lease: LearnerLease | None = None,
     ) -> None:
         self.bus, self.run_name, self.instance, self.lease = bus, run_name, instance, lease
         self._status: Callable[[], dict[str, Any]] = dict
-        self.heartbeat = Heartbeat(bus, "learner", instance, heartbeat_ttl_s, lambda: self._status())
+        self.heartbeat = Heartbeat(
+            bus, "learner", instance, heartbeat_ttl_s, lambda: self._status()
+        )
 
     def start(self, status: Callable[[], dict[str, Any]]) -> None:
         """Heartbeat with `status()` (state, step, policy_version), and the marker whose absence
         later means Redis lost the run's state."""
         self._status = status
         self.heartbeat.start()
-        self.bus.update_run_info({RunField.RUN_NAME: self.run_name, RunField.ALIVE_MARKER: self.instance})
+        self.bus.update_run_info(
+            {RunField.RUN_NAME: self.run_name, RunField.ALIVE_MARKER: self.instance}
+        )
 
     def announce(self, state: str, progress: Progress) -> None:
-        self.bus.set_learner_state(state, step=progress.step, policy_version=progress.policy_version)
+        self.bus.set_learner_state(
+            state, step=progress.step, policy_version=progress.policy_version
+        )
 
     def published_policy_version(self) -> int:
         return self.bus.policy_version()
@@ -124,11 +136,19 @@ class RunControl:
         hidden; the queued work is gone with it, and the ledger restarts from zero."""
         if self.bus.run_field(RunField.ALIVE_MARKER) is not None:
             return False
-        log.error("Redis lost the run's state (queued groups and ledger are gone); continuing from step %d", progress.step)
+        log.error(
+            "Redis lost the run's state (queued groups and ledger are gone); continuing "
+            "from step %d",
+            progress.step,
+        )
         self.bus.ensure_groups()
-        self.bus.update_run_info({
-            RunField.RUN_NAME: self.run_name, RunField.ALIVE_MARKER: self.instance, RunField.REDIS_DATA_LOST_AT: time.time(),
-        })
+        self.bus.update_run_info(
+            {
+                RunField.RUN_NAME: self.run_name,
+                RunField.ALIVE_MARKER: self.instance,
+                RunField.REDIS_DATA_LOST_AT: time.time(),
+            }
+        )
         self.bus.set_policy_version(progress.policy_version)
         self.bus.incr(Counter.REDIS_DATA_LOSS)
         return True

@@ -35,19 +35,28 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from services.contracts.checkpoint_store import CheckpointRefused
+from contracts.checkpoint_store import CheckpointRefused
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-METADATA_GLOBALS = frozenset({
-    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "TensorProperties"), (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-})
+METADATA_GLOBALS = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 """Every global a checkpoint's `.metadata` may name: records, enums and plain-value constructors."""
 
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
@@ -59,13 +68,21 @@ def _enum_member(cls: Any, name: Any) -> Any:
     """What `builtins.getattr` may do in a `.metadata`: some Python versions (the 3.11 of
     Debian 12, for one) pickle an enum member as `getattr(EnumClass, "NAME")`. Only a member,
     by name, of an enum the list allows (the class itself came through `find_class`)."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
         return cls.__members__[name]
     raise _refuse(f"looks up {name!r} on {cls!r}")
 
 
 def _refuse(what: str) -> CheckpointRefused:
-    return CheckpointRefused(f"the checkpoint's metadata {what}, which no checkpoint written by torch does: refused without loading it")
+    return CheckpointRefused(
+        f"the checkpoint's metadata {what}, which no checkpoint written by torch does: refused "
+        "without loading it"
+    )
 
 
 class MetadataUnpickler(pickle._Unpickler):
@@ -78,13 +95,18 @@ class MetadataUnpickler(pickle._Unpickler):
         if (module, name) == ("builtins", "getattr"):
             return _enum_member
         allowed = (module, name) in METADATA_GLOBALS or (
-            module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS))
+            module == "torch"
+            and name.isidentifier()
+            and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS)
+        )
         if not allowed:
             raise _refuse(f"names {module}.{name}")
         return super().find_class(module, name)
 
     def _load_build(self) -> None:
-        if isinstance(self.stack[-2], type):  # state applied to a class would change it for the whole process
+        if isinstance(
+            self.stack[-2], type
+        ):  # state applied to a class would change it for the whole process
             raise _refuse(f"sets attributes on the class {self.stack[-2].__name__}")
         pickle._Unpickler.load_build(self)
 
@@ -134,7 +156,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise _refuse(f"holds an item {read_item.dest_index.fqn!r} that is not a plain value ({exc})") from None
+            raise _refuse(
+                f"holds an item {read_item.dest_index.fqn!r} that is not a plain value ({exc})"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:

@@ -33,12 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from learner.commands import Progress
-from services.contracts.bus import Entry, StreamBus
-from services.contracts.config import DapoConfig
-from services.contracts.data import encode_prompt, load_eval_problems
-from services.contracts.keys import LEDGER_EVALUATED
-from services.contracts.schemas import (
+from contracts.bus import Entry, StreamBus
+from contracts.config import DapoConfig
+from contracts.data import encode_prompt, load_eval_problems
+from contracts.keys import LEDGER_EVALUATED
+from contracts.schemas import (
     EvalResult,
     EvalTag,
     PromptJob,
@@ -46,6 +45,7 @@ from services.contracts.schemas import (
     decode_eval_result,
     encode_job,
 )
+from learner.commands import Progress
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,25 @@ class EvalLane:
     """Rank 0: issues rounds into the prompt stream and adds up their results."""
 
     def __init__(
-        self, bus: StreamBus, prompts: list[tuple[list[int], str, str]], *, run_name: str, samples: int,
-        max_deliveries: int, catch_up: Callable[[], None], extra_infos: list[dict[str, Any]] | None = None,
+        self,
+        bus: StreamBus,
+        prompts: list[tuple[list[int], str, str]],
+        *,
+        run_name: str,
+        samples: int,
+        max_deliveries: int,
+        catch_up: Callable[[], None],
+        extra_infos: list[dict[str, Any]] | None = None,
     ) -> None:
         """prompts: (prompt ids, ground truth, data source) per distinct problem; extra_infos: each
         problem's data-row `extra_info` (for a `reward.function`), or None for none."""
-        self.bus, self.prompts, self.run_name, self.samples, self.catch_up = bus, prompts, run_name, samples, catch_up
+        self.bus, self.prompts, self.run_name, self.samples, self.catch_up = (
+            bus,
+            prompts,
+            run_name,
+            samples,
+            catch_up,
+        )
         self.extra_infos = extra_infos
         # Rounds are keyed by the policy version they evaluate: versions never repeat, while a
         # step can (a learner that resumes from an older checkpoint retrains it).
@@ -136,7 +149,9 @@ class EvalLane:
         self.finished: set[int] = set()
         # Only one learner runs at a time: results pending in the stream were held by a previous
         # incarnation for rounds it had not finished. Take them over.
-        self.taken_over: list[Entry] = bus.reclaim(bus.keys.evals, min_idle_s=0.0, max_deliveries=max_deliveries, count=1_000_000)
+        self.taken_over: list[Entry] = bus.reclaim(
+            bus.keys.evals, min_idle_s=0.0, max_deliveries=max_deliveries, count=1_000_000
+        )
 
     @property
     def in_flight(self) -> bool:
@@ -147,22 +162,43 @@ class EvalLane:
             return
         now, n = time.time(), len(self.prompts)
         jobs = [
-            encode_job(PromptJob(
-                group_id=f"{self.run_name}-eval{progress.step}-{i}", prompt_index=i, prompt_ids=ids, ground_truth=truth,
-                data_source=source, policy_version=progress.policy_version, issued_at=now,
-                extra_info=self.extra_infos[i] if self.extra_infos is not None else {},
-                eval=EvalTag(round_step=progress.step, policy_version=progress.policy_version, problem=i, problems=n,
-                             samples=self.samples, rl_seconds=rl_seconds),
-            ))
+            encode_job(
+                PromptJob(
+                    group_id=f"{self.run_name}-eval{progress.step}-{i}",
+                    prompt_index=i,
+                    prompt_ids=ids,
+                    ground_truth=truth,
+                    data_source=source,
+                    policy_version=progress.policy_version,
+                    issued_at=now,
+                    extra_info=self.extra_infos[i] if self.extra_infos is not None else {},
+                    eval=EvalTag(
+                        round_step=progress.step,
+                        policy_version=progress.policy_version,
+                        problem=i,
+                        problems=n,
+                        samples=self.samples,
+                        rl_seconds=rl_seconds,
+                    ),
+                )
+            )
             for i, (ids, truth, source) in enumerate(self.prompts)
         ]
         self.bus.issue(jobs, evaluation=True)
         self.issued_at[progress.policy_version] = time.monotonic()
-        log.info("evaluation of step %d (policy version %d) issued: %d problems x %d samples",
-                 progress.step, progress.policy_version, n, self.samples)
+        log.info(
+            "evaluation of step %d (policy version %d) issued: %d problems x %d samples",
+            progress.step,
+            progress.policy_version,
+            n,
+            self.samples,
+        )
 
     def poll(self) -> list[RoundReport]:
-        entries, self.taken_over = self.taken_over + self.bus.read(self.bus.keys.evals, count=100_000, block_ms=None), []
+        entries, self.taken_over = (
+            self.taken_over + self.bus.read(self.bus.keys.evals, count=100_000, block_ms=None),
+            [],
+        )
         for entry_id, fields in entries:
             self._add(entry_id, fields)
         done = [version for version, r in self.rounds.items() if r.complete]
@@ -177,7 +213,11 @@ class EvalLane:
             if not self.in_flight:
                 return reports
             if time.monotonic() > deadline:
-                log.warning("evaluation still in flight after %.0f s: rounds %s unreported", timeout_s, sorted(self.rounds))
+                log.warning(
+                    "evaluation still in flight after %.0f s: rounds %s unreported",
+                    timeout_s,
+                    sorted(self.rounds),
+                )
                 return reports
             self.catch_up()  # a replica waiting for weights must not hold evaluation jobs forever
             time.sleep(0.1)
@@ -190,8 +230,14 @@ class EvalLane:
             self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
             return
         version = result.tag.policy_version
-        rnd = None if version in self.finished else self.rounds.setdefault(version, _Round(result.tag))
-        if rnd is None or result.tag.problem in rnd.results:  # a stray of a round reported, or a duplicate
+        rnd = (
+            None
+            if version in self.finished
+            else self.rounds.setdefault(version, _Round(result.tag))
+        )
+        if (
+            rnd is None or result.tag.problem in rnd.results
+        ):  # a stray of a round reported, or a duplicate
             self.bus.hop(stage, entry_id, outcome=LEDGER_EVALUATED)
             return
         rnd.results[result.tag.problem] = result
@@ -209,22 +255,49 @@ class EvalLane:
         self.finished.add(version)
         step, metrics = rnd.tag.round_step, rnd.metrics(self.issued_at.pop(version, None))
         if not rnd.complete:
-            log.warning("evaluation of step %d lost %d of %d problems (dead-lettered)", step,
-                        rnd.tag.problems - len(rnd.results), rnd.tag.problems)
+            log.warning(
+                "evaluation of step %d lost %d of %d problems (dead-lettered)",
+                step,
+                rnd.tag.problems - len(rnd.results),
+                rnd.tag.problems,
+            )
         # Replicas at different versions may take a round's jobs: normal when asynchronous, and
         # said in the same line so the accuracy is read against the policies it measured.
         low, high = int(metrics["eval/policy_version_min"]), int(metrics["eval/policy_version_max"])
-        log.info("evaluation of step %d: avg@%d = %.3f over %d problems, policy versions %s",
-                 step, rnd.tag.samples, metrics["eval/acc"], len(rnd.results),
-                 low if low == high else f"{low}..{high}")
+        log.info(
+            "evaluation of step %d: avg@%d = %.3f over %d problems, policy versions %s",
+            step,
+            rnd.tag.samples,
+            metrics["eval/acc"],
+            len(rnd.results),
+            low if low == high else f"{low}..{high}",
+        )
         return step, metrics
 
 
-def eval_lane(bus: StreamBus, cfg: DapoConfig, tokenizer: Any, catch_up: Callable[[], None]) -> Evaluations:
+def eval_lane(
+    bus: StreamBus, cfg: DapoConfig, tokenizer: Any, catch_up: Callable[[], None]
+) -> Evaluations:
     """Rank 0's lane over `data.eval_path`'s distinct problems, or none without an eval set."""
     if not cfg.data.eval_path:
         return NullEvaluations()
-    problems = load_eval_problems(cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns)
-    prompts = [(encode_prompt(tokenizer, p.messages, cfg.data.max_prompt_len), p.ground_truth, p.data_source) for p in problems]
-    return EvalLane(bus, prompts, run_name=cfg.run_name, samples=cfg.eval.samples_per_problem,
-                    max_deliveries=cfg.queue.max_deliveries, catch_up=catch_up, extra_infos=[p.extra_info for p in problems])
+    problems = load_eval_problems(
+        cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns
+    )
+    prompts = [
+        (
+            encode_prompt(tokenizer, p.messages, cfg.data.max_prompt_len),
+            p.ground_truth,
+            p.data_source,
+        )
+        for p in problems
+    ]
+    return EvalLane(
+        bus,
+        prompts,
+        run_name=cfg.run_name,
+        samples=cfg.eval.samples_per_problem,
+        max_deliveries=cfg.queue.max_deliveries,
+        catch_up=catch_up,
+        extra_infos=[p.extra_info for p in problems],
+    )

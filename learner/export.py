@@ -55,7 +55,10 @@ class HFExporter:
         if self._metadata is None:
             from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-            self._metadata = [AutoConfig.from_pretrained(self.model_path), AutoTokenizer.from_pretrained(self.model_path)]
+            self._metadata = [
+                AutoConfig.from_pretrained(self.model_path),
+                AutoTokenizer.from_pretrained(self.model_path),
+            ]
             with contextlib.suppress(OSError):  # the base model may have none
                 self._metadata.append(GenerationConfig.from_pretrained(self.model_path))
         for item in self._metadata:
@@ -78,7 +81,11 @@ def save_weights(state: dict[str, Tensor], out: Path, *, max_shard_size: str = "
     shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: _own_storage(state[n]) for n in names}, str(out / filename), metadata={"format": "pt"})
+        save_file(
+            {n: _own_storage(state[n]) for n in names},
+            str(out / filename),
+            metadata={"format": "pt"},
+        )
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -87,7 +94,11 @@ def save_weights(state: dict[str, Tensor], out: Path, *, max_shard_size: str = "
 def _own_storage(t: Tensor) -> Tensor:
     """The tensor itself when it spans its whole storage, else a compact copy."""
     t = t.detach().cpu()
-    whole = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    whole = (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
     return t if whole else t.clone()
 
 

@@ -28,9 +28,9 @@ import random
 import time
 from typing import Any
 
-from services.contracts.bus import StreamBus
-from services.contracts.data import PromptRecord, encode_prompt
-from services.contracts.schemas import PromptJob, encode_job
+from contracts.bus import StreamBus
+from contracts.data import PromptRecord, encode_prompt
+from contracts.schemas import PromptJob, encode_job
 
 
 def budget_jobs(sample_budget: int | None, group_size: int) -> int | None:
@@ -93,7 +93,9 @@ class PromptFeeder:
 
     def _prompt_ids(self, index: int) -> list[int]:
         if index not in self._token_cache:
-            self._token_cache[index] = encode_prompt(self.tokenizer, self.records[index].messages, self.max_prompt_len)
+            self._token_cache[index] = encode_prompt(
+                self.tokenizer, self.records[index].messages, self.max_prompt_len
+            )
         return self._token_cache[index]
 
     def admit(self, policy_version: int) -> int:
@@ -101,7 +103,9 @@ class PromptFeeder:
         ledger = self.bus.ledger()
         rate = self.bus.pass_rate(ledger.filtered)
         n = self.wanted(
-            in_flight=ledger.train_in_flight, train_depth=self.bus.depths()["learner"], pass_rate=1.0 if rate is None else rate
+            in_flight=ledger.train_in_flight,
+            train_depth=self.bus.depths()["learner"],
+            pass_rate=1.0 if rate is None else rate,
         )
         if self.max_jobs is not None:  # trim the admission that reaches the sample budget
             n = min(n, self.max_jobs - self.cursor)
@@ -112,9 +116,14 @@ class PromptFeeder:
             index = self._index(self.cursor)
             rec = self.records[index]
             job = PromptJob(
-                group_id=f"{self.run_name}-{self.cursor}", prompt_index=index, prompt_ids=self._prompt_ids(index),
-                ground_truth=rec.ground_truth, data_source=rec.data_source, policy_version=policy_version,
-                issued_at=time.time(), extra_info=rec.extra_info,
+                group_id=f"{self.run_name}-{self.cursor}",
+                prompt_index=index,
+                prompt_ids=self._prompt_ids(index),
+                ground_truth=rec.ground_truth,
+                data_source=rec.data_source,
+                policy_version=policy_version,
+                issued_at=time.time(),
+                extra_info=rec.extra_info,
             )
             jobs.append(encode_job(job))
             self.cursor += 1

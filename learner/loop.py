@@ -37,6 +37,11 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 
+from contracts.checkpoint_store import CheckpointRefused
+from contracts.config import DapoConfig
+from contracts.faults import slowdown
+from contracts.keys import Counter, RunField
+from contracts.schemas import RolloutGroup
 from learner.batch import build_batch
 from learner.checkpoint import CheckpointStore
 from learner.collect import BatchSource
@@ -58,11 +63,6 @@ from learner.feeder import budget_jobs
 from learner.publish import Publisher
 from learner.report import Reporter
 from learner.trainer import NonFiniteTrainingError
-from services.contracts.checkpoint_store import CheckpointRefused
-from services.contracts.config import DapoConfig
-from services.contracts.faults import stretch
-from services.contracts.keys import Counter, RunField
-from services.contracts.schemas import RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,33 @@ class StopSignal(Protocol):
 
 class LearnerLoop:
     def __init__(
-        self, cfg: DapoConfig, *, trainer: Any, checkpoints: CheckpointStore, source: BatchSource, publisher: Publisher,
-        evaluations: Evaluations, exporter: Exporter, control: Control, reporter: Reporter, share: Share, stop: StopSignal,
+        self,
+        cfg: DapoConfig,
+        *,
+        trainer: Any,
+        checkpoints: CheckpointStore,
+        source: BatchSource,
+        publisher: Publisher,
+        evaluations: Evaluations,
+        exporter: Exporter,
+        control: Control,
+        reporter: Reporter,
+        share: Share,
+        stop: StopSignal,
     ) -> None:
         self.cfg, self.trainer, self.checkpoints = cfg, trainer, checkpoints
-        self.source, self.publisher, self.evaluations, self.exporter = source, publisher, evaluations, exporter
+        self.source, self.publisher, self.evaluations, self.exporter = (
+            source,
+            publisher,
+            evaluations,
+            exporter,
+        )
         self.control, self.reporter, self.share, self.stop = control, reporter, share, stop
         self.layout = trainer.param_shapes()
         self.progress = Progress()
         self.state = "starting"
         self.started = time.monotonic()
+        self.slowdown = slowdown("learner.slowdown")  # None outside the fault suite
         self.waited_s = 0.0
         self.waited_before_step_s = 0.0
         """`waited_s` when the last step was reported: the difference is the step's own wait."""
@@ -105,7 +122,11 @@ class LearnerLoop:
     def status(self) -> dict[str, Any]:
         """For the heartbeat (another thread): `progress` is replaced whole, never mutated."""
         progress = self.progress
-        return {"state": self.state, "step": progress.step, "policy_version": progress.policy_version}
+        return {
+            "state": self.state,
+            "step": progress.step,
+            "policy_version": progress.policy_version,
+        }
 
     def run(self) -> int:
         try:
@@ -144,12 +165,14 @@ class LearnerLoop:
             return False
         published = max(self.control.published_policy_version(), self.progress.policy_version)
         policy_version = resumed_policy_version(int(meta["policy_version"]), published)
-        self._continue_from(Progress(int(meta["step"]), policy_version), data_cursor=int(meta["data_cursor"]))
+        self._continue_from(
+            Progress(int(meta["step"]), policy_version), data_cursor=int(meta["data_cursor"])
+        )
         self.rl_seconds_before, self.rl_clock = float(meta.get("rl_seconds", 0.0)), None
         log.info("restored checkpoint step %d as policy version %d", step, policy_version)
         return True
 
-    # --- decide (rank 0; the other ranks' decision is replaced by rank 0's) -------------------------
+    # --- decide (rank 0; the other ranks' decision is replaced by rank 0's) -----------------------
     def decide(self) -> Command:
         try:
             if self.control.lost_run_state(self.progress):
@@ -222,36 +245,51 @@ class LearnerLoop:
         self.reporter.report(self.progress, metrics)
         self._record_evaluations(self.evaluations.poll())
 
-    def _update_actor(self, groups: list[RolloutGroup], policy_version: int, t0: float) -> dict[str, float]:
+    def _update_actor(
+        self, groups: list[RolloutGroup], policy_version: int, t0: float
+    ) -> dict[str, float]:
         alg = self.cfg.algorithm
-        batch = build_batch(groups, pad_id=0, norm_by_std=alg.norm_by_std, overlong_filter=self.cfg.reward.overlong.filter)
-        # Non-finite steps (learner/trainer.py): a step that skipped an update is counted and goes on
-        # as any other: its weights (unchanged if every update was skipped) are published as the
+        batch = build_batch(
+            groups,
+            pad_id=0,
+            norm_by_std=alg.norm_by_std,
+            overlong_filter=self.cfg.reward.overlong.filter,
+        )
+        # Non-finite steps (learner/trainer.py): a step that skipped an update is counted and goes
+        # on as any other: its weights (unchanged if every update was skipped) are published as the
         # next policy version, so versions keep matching steps, and its groups are accounted trained
         # (consumed). The trainer raises on every rank after learner.max_nonfinite_steps in a row.
         try:
-            metrics: dict[str, float] = self.trainer.train_step(batch, policy_version=policy_version)
+            metrics: dict[str, float] = self.trainer.train_step(
+                batch, policy_version=policy_version
+            )
         except NonFiniteTrainingError:
             self.control.count(Counter.NONFINITE_STEPS)  # the step that stops the run counts too
             raise
         if metrics.get("actor/nonfinite_steps"):
             self.control.count(Counter.NONFINITE_STEPS)
-        stretch("learner.slowdown", time.monotonic() - t0)  # fault suite only (services/contracts/faults.py)
+        if self.slowdown is not None:  # the fault suite only (contracts/faults.py)
+            self.slowdown.after(time.monotonic() - t0)
         return metrics
 
     def _timing(self, update_s: float, step_s: float) -> dict[str, float]:
         wall = max(time.monotonic() - self.started, 1e-9)
         wait_s, self.waited_before_step_s = self.waited_s - self.waited_before_step_s, self.waited_s
         return {
-            "timing_s/update_actor": update_s, "timing_s/sync_weights": self.publisher.last_sync_s,
-            "timing_s/step": step_s, "timing_s/wait_data": wait_s, "perf/learner_idle_fraction": self.waited_s / wall,
+            "timing_s/update_actor": update_s,
+            "timing_s/sync_weights": self.publisher.last_sync_s,
+            "timing_s/step": step_s,
+            "timing_s/wait_data": wait_s,
+            "perf/learner_idle_fraction": self.waited_s / wall,
         }
 
     def _publish(self) -> None:
         """Gather the full weights (every rank); rank 0 stages and sends them to the replicas
         as the current policy version."""
         self._set_state("broadcasting")
-        self.publisher.stage(self.progress.policy_version, self.trainer.named_full_params(), self.layout)
+        self.publisher.stage(
+            self.progress.policy_version, self.trainer.named_full_params(), self.layout
+        )
         self.control.set_policy_version(self.progress)
         self.publisher.publish()
 
@@ -277,8 +315,11 @@ class LearnerLoop:
         self._set_state("checkpointing")
         self.control.check_lease()  # a superseded learner must not write into the store
         meta = {
-            "policy_version": self.progress.policy_version, "rl_seconds": self.rl_seconds, **self.source.checkpoint_meta(),
-            **self.reporter.checkpoint_meta(), "config": self.cfg.model_dump(mode="json"),
+            "policy_version": self.progress.policy_version,
+            "rl_seconds": self.rl_seconds,
+            **self.source.checkpoint_meta(),
+            **self.reporter.checkpoint_meta(),
+            "config": self.cfg.model_dump(mode="json"),
         }
         self.checkpoints.save(self.progress.step, meta, keep=keep, hf_export=self._export)
 
@@ -323,9 +364,12 @@ class LearnerLoop:
     def _summary(self, completed: bool) -> dict[RunField, str | int | float]:
         wall = max(time.monotonic() - self.started, 1e-9)
         return {
-            RunField.STEPS: self.progress.step, RunField.POLICY_VERSION: self.progress.policy_version,
-            RunField.FINISHED: int(completed), RunField.LEARNER_IDLE_FRACTION: self.waited_s / wall,
-            RunField.LEARNER_WALL_S: wall, RunField.MEAN_VERSION_LAG: self.reporter.mean_version_lag,
+            RunField.STEPS: self.progress.step,
+            RunField.POLICY_VERSION: self.progress.policy_version,
+            RunField.FINISHED: int(completed),
+            RunField.LEARNER_IDLE_FRACTION: self.waited_s / wall,
+            RunField.LEARNER_WALL_S: wall,
+            RunField.MEAN_VERSION_LAG: self.reporter.mean_version_lag,
         }
 
     def _complete(self) -> dict[RunField, str | int | float]:
@@ -333,7 +377,9 @@ class LearnerLoop:
         self.source.drain()
         self._set_state("evaluating")
         self.evaluations.issue(self.progress, self.rl_seconds)
-        final = self._record_evaluations(self.evaluations.wait(self.cfg.eval.final_wait_s)).get(self.progress.step, {})
+        final = self._record_evaluations(self.evaluations.wait(self.cfg.eval.final_wait_s)).get(
+            self.progress.step, {}
+        )
         final_acc = final.get("eval/acc", -1.0)
         out = Path(self.cfg.output_dir) / "final_model"
         self._export(out)

@@ -1,6 +1,6 @@
 """Publishing weights to the rollout replicas, as the loop sees it.
 
-Rank 0 holds a `services.contracts.weight_sync.WeightPublisher`; the other ranks hold the null
+Rank 0 holds a `learner.weight_publisher.WeightPublisher`; the other ranks hold the null
 publisher, which only takes part in gathering the full parameters (a collective) and keeps
 nothing.
 """
@@ -18,7 +18,9 @@ NamedTensors = Iterable[tuple[str, Tensor]]
 class Publisher(Protocol):
     last_sync_s: float
 
-    def stage(self, policy_version: int, named_iter: NamedTensors, layout: list[tuple[str, Any]], /) -> None: ...
+    def stage(
+        self, policy_version: int, named_iter: NamedTensors, layout: list[tuple[str, Any]], /
+    ) -> None: ...
 
     def publish(self) -> bool: ...
 
@@ -32,7 +34,9 @@ class NullPublisher:
 
     last_sync_s = 0.0
 
-    def stage(self, policy_version: int, named_iter: NamedTensors, layout: list[tuple[str, Any]]) -> None:
+    def stage(
+        self, policy_version: int, named_iter: NamedTensors, layout: list[tuple[str, Any]]
+    ) -> None:
         for _ in named_iter:
             pass
 

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from contracts.bus import StreamBus
+from contracts.config import TrackingConfig
+from contracts.keys import RunField
+from contracts.schemas import RolloutGroup
 from learner.commands import Progress
 from learner.tracking import Completion, Tracker
-from services.contracts.bus import StreamBus
-from services.contracts.config import TrackingConfig
-from services.contracts.keys import RunField
-from services.contracts.schemas import RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,9 @@ class Reporter(Protocol):
     @property
     def mean_version_lag(self) -> float: ...
 
-    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]: ...
+    def rollout_metrics(
+        self, groups: Sequence[RolloutGroup], trained_on: int
+    ) -> dict[str, float]: ...
 
     def record_eval(self, step: int, result: dict[str, float]) -> None: ...
 
@@ -77,7 +79,9 @@ def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, 
     lengths = [len(r.token_ids) for g in groups for r in g.responses]
     lags = [float(trained_on - g.policy_version) for g in groups]
     truncated = sum(r.finish_reason == "length" for g in groups for r in g.responses)
-    spans = [r.versions[1] - r.versions[0] for g in groups for r in g.responses if r.versions is not None]
+    spans = [
+        r.versions[1] - r.versions[0] for g in groups for r in g.responses if r.versions is not None
+    ]
     gen = [g.gen_seconds for g in groups]
     return {
         "critic/rewards/mean": _mean(rewards),
@@ -87,7 +91,9 @@ def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, 
         "response_length/max": float(max(lengths, default=0)),
         "response_length/clip_ratio": truncated / max(len(lengths), 1),
         "rollout/version_lag_mean": _mean(lags),
-        "rollout/updated_in_flight": _mean([float(span > 0) for span in spans]),  # sampled by 2+ versions
+        "rollout/updated_in_flight": _mean(
+            [float(span > 0) for span in spans]
+        ),  # sampled by 2+ versions
         "rollout/tokens": float(sum(lengths)),
         "rollout/groups": float(len(groups)),
         # A replica's generation time for the batch the group came in, per group of that batch:
@@ -109,7 +115,9 @@ class CompletionSampler:
         self.decode, self.every, self.count = decode, every, count
 
     @classmethod
-    def from_config(cls, tracking: TrackingConfig, decode: Callable[[list[int]], str]) -> CompletionSampler:
+    def from_config(
+        cls, tracking: TrackingConfig, decode: Callable[[list[int]], str]
+    ) -> CompletionSampler:
         return cls(decode, every=tracking.log_completions_every, count=tracking.completions_per_log)
 
     def due(self, step: int) -> bool:
@@ -123,23 +131,30 @@ class CompletionSampler:
             if k >= len(group.responses):  # groups of unequal size: this one has run out
                 continue
             response = group.responses[k]
-            picked.append(Completion(
-                prompt=self.decode(group.job.prompt_ids), response=self.decode(response.token_ids),
-                reward=group.rewards[k] if group.rewards else float("nan"),
-                acc=group.acc[k] if group.acc else None, finish_reason=response.finish_reason,
-            ))
+            picked.append(
+                Completion(
+                    prompt=self.decode(group.job.prompt_ids),
+                    response=self.decode(response.token_ids),
+                    reward=group.rewards[k] if group.rewards else float("nan"),
+                    acc=group.acc[k] if group.acc else None,
+                    finish_reason=response.finish_reason,
+                )
+            )
         return picked
 
 
 class RunReporter:
     """Rank 0: metrics stream, trackers, log line, evaluation history, completion samples."""
 
-    def __init__(self, bus: StreamBus, trackers: Tracker, completions: CompletionSampler | None = None) -> None:
+    def __init__(
+        self, bus: StreamBus, trackers: Tracker, completions: CompletionSampler | None = None
+    ) -> None:
         self.bus, self.trackers, self.completions = bus, trackers, completions
         self.evals: list[tuple[int, float, float]] = bus.eval_history()
         self.lags: list[float] = []
         self.step_groups: Sequence[RolloutGroup] = ()
-        """The groups of the step being reported: `rollout_metrics` sees them, `report` samples them."""
+        """The groups of the step being reported: `rollout_metrics` sees them,
+        `report` samples them."""
 
     @property
     def has_evals(self) -> bool:
@@ -153,7 +168,9 @@ class RunReporter:
         """The batch's statistics plus the pipeline's: gatekeeper, ledger, stream depths."""
         metrics = group_metrics(groups, trained_on)
         self.step_groups = groups
-        self.lags.append(metrics["rollout/version_lag_mean"])  # every step trains the same number of groups
+        self.lags.append(
+            metrics["rollout/version_lag_mean"]
+        )  # every step trains the same number of groups
         ledger = self.bus.ledger()
         rate = self.bus.pass_rate(ledger.filtered)
         return {
@@ -175,23 +192,41 @@ class RunReporter:
         self.bus.update_run_info({RunField.EVAL_HISTORY: json.dumps(self.evals)})
 
     def report(self, progress: Progress, metrics: dict[str, float]) -> None:
-        record = {"step": progress.step, "policy_version": progress.policy_version, "time": time.time(), **metrics}
+        record = {
+            "step": progress.step,
+            "policy_version": progress.policy_version,
+            "time": time.time(),
+            **metrics,
+        }
         self.bus.append_metrics(record)
         self.trackers.log(progress.step, metrics)
-        if self.completions is not None and self.completions.due(progress.step) and self.step_groups:
+        if (
+            self.completions is not None
+            and self.completions.due(progress.step)
+            and self.step_groups
+        ):
             self.trackers.log_completions(progress.step, self.completions.sample(self.step_groups))
         self.step_groups = ()
         log.info(
             "step %d v%d reward %.3f acc %.3f pass %.2f lag %.2f clip %.3f/%.3f kl %.4f",
-            progress.step, progress.policy_version, metrics.get("critic/rewards/mean", 0),
-            metrics.get("rollout/acc_mean", 0), metrics.get("gate/pass_rate", 0), metrics.get("rollout/version_lag_mean", 0),
-            metrics.get("actor/clipfrac_high", 0), metrics.get("actor/clipfrac_low", 0), metrics.get("actor/ppo_kl", 0),
+            progress.step,
+            progress.policy_version,
+            metrics.get("critic/rewards/mean", 0),
+            metrics.get("rollout/acc_mean", 0),
+            metrics.get("gate/pass_rate", 0),
+            metrics.get("rollout/version_lag_mean", 0),
+            metrics.get("actor/clipfrac_high", 0),
+            metrics.get("actor/clipfrac_low", 0),
+            metrics.get("actor/ppo_kl", 0),
         )
 
     def checkpoint_meta(self) -> dict[str, Any]:
         last = self.bus.last_metrics()
         kept = ("eval/", "critic/rewards", "critic/score", "rollout/acc")
-        return {"eval_history": self.evals, "metrics": {k: v for k, v in last.items() if k.startswith(kept)}}
+        return {
+            "eval_history": self.evals,
+            "metrics": {k: v for k, v in last.items() if k.startswith(kept)},
+        }
 
     def close(self) -> None:
         self.trackers.close()

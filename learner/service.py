@@ -24,6 +24,20 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from contracts.bus import FencedError, StreamBus, open_bus
+from contracts.checkpoint_store import CheckpointRefused
+from contracts.config import ConfigError, DapoConfig
+from contracts.data import load_prompts
+from contracts.lease import LearnerLease, LeaseHeldError
+from contracts.model_source import with_local_model
+from contracts.runtime import (
+    CHECKPOINT_REFUSED_FILE,
+    EXIT_CHECKPOINT_REFUSED,
+    EXIT_NOT_THE_LEARNER,
+    StopFlag,
+    free_port,
+    instance_id,
+)
 from learner.checkpoint import Checkpoints
 from learner.collect import NullSource, StreamSource
 from learner.control import NullControl, RunControl
@@ -35,25 +49,10 @@ from learner.publish import NullPublisher
 from learner.report import CompletionSampler, NullReporter, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
-from services.contracts.bus import FencedError, StreamBus, open_bus
-from services.contracts.checkpoint_store import CheckpointRefused
-from services.contracts.config import ConfigError, DapoConfig
-from services.contracts.data import load_prompts
-from services.contracts.lease import LearnerLease, LeaseHeldError
-from services.contracts.model_source import with_local_model
-from services.contracts.runtime import (
-    CHECKPOINT_REFUSED_FILE,
-    EXIT_CHECKPOINT_REFUSED,
-    EXIT_NOT_THE_LEARNER,
-    StopFlag,
-    free_port,
-    instance_id,
-)
-from services.contracts.weight_sync import WeightPublisher
+from learner.weight_publisher import WeightPublisher
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
 
 
 def resolve_backend(name: str) -> str:
@@ -90,7 +89,8 @@ def make_share(rank: int) -> Share:
 
 @dataclass(frozen=True)
 class RunClaim:
-    """What rank 0 holds once it is this run's learner: its Redis connection, fenced by the lease."""
+    """What rank 0 holds once it is this run's learner: its Redis connection,
+    fenced by the lease."""
 
     bus: StreamBus
     lease: LearnerLease
@@ -103,9 +103,13 @@ def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
     if not cfg.redis_url:
         raise ConfigError("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
     if cfg.learner.lease_wait_s <= cfg.learner.lease_ttl_s:
-        log.warning("learner.lease_wait_s (%.0f s) is not above learner.lease_ttl_s (%.0f s): a learner restarted after "
-                    "an unclean exit may still find its predecessor's lease, and exit as not the learner",
-                    cfg.learner.lease_wait_s, cfg.learner.lease_ttl_s)
+        log.warning(
+            "learner.lease_wait_s (%.0f s) is not above learner.lease_ttl_s (%.0f s): a learner "
+            "restarted after an unclean exit may still find its predecessor's lease, and exit as "
+            "not the learner",
+            cfg.learner.lease_wait_s,
+            cfg.learner.lease_ttl_s,
+        )
     inst = instance_id("learner")
     # At maxmemory rank 0 pauses on the refused write, even when asked to stop: giving up half
     # way through a step could record groups as trained in Redis but not in a checkpoint; if
@@ -117,7 +121,9 @@ def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
     return RunClaim(bus, lease, inst)
 
 
-def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag, claim: RunClaim) -> dict[str, Any]:
+def rank0_collaborators(
+    cfg: DapoConfig, backend: str, stop: StopFlag, claim: RunClaim
+) -> dict[str, Any]:
     """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -127,36 +133,69 @@ def rank0_collaborators(cfg: DapoConfig, backend: str, stop: StopFlag, claim: Ru
     alg, le = cfg.algorithm, cfg.learner
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     feeder = PromptFeeder(
-        bus, load_prompts(cfg.data.train_path, columns=cfg.data.columns), tokenizer, run_name=cfg.run_name,
-        limit=PromptFeeder.admission_limit(alg.max_staleness, alg.train_batch_groups, alg.oversampling),
+        bus,
+        load_prompts(cfg.data.train_path, columns=cfg.data.columns),
+        tokenizer,
+        run_name=cfg.run_name,
+        limit=PromptFeeder.admission_limit(
+            alg.max_staleness, alg.train_batch_groups, alg.oversampling
+        ),
         kept_ahead=(alg.max_staleness + 1) * alg.train_batch_groups,
-        max_prompt_len=cfg.data.max_prompt_len, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+        max_prompt_len=cfg.data.max_prompt_len,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
         max_jobs=budget_jobs(le.sample_budget, cfg.rollout.group_size),
     )
     publisher = WeightPublisher(
-        bus, host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"), port=0,
+        bus,
+        host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"),
+        port=0,
         backend=backend if le.weights_backend == "auto" else le.weights_backend,
-        timeout_s=le.collective_timeout_s, bucket_mb=le.broadcast_bucket_mb, dtype=cfg.model.dtype,
+        timeout_s=le.collective_timeout_s,
+        bucket_mb=le.broadcast_bucket_mb,
+        dtype=cfg.model.dtype,
     )
     source = StreamSource(
-        bus, feeder, batch_groups=alg.train_batch_groups, max_staleness=alg.max_staleness,
-        max_deliveries=cfg.queue.max_deliveries, stop=stop, catch_up=publisher.catch_up,
-        vocab_size=AutoConfig.from_pretrained(cfg.model.path).vocab_size,  # the model's embedding rows
+        bus,
+        feeder,
+        batch_groups=alg.train_batch_groups,
+        max_staleness=alg.max_staleness,
+        max_deliveries=cfg.queue.max_deliveries,
+        stop=stop,
+        catch_up=publisher.catch_up,
+        vocab_size=AutoConfig.from_pretrained(
+            cfg.model.path
+        ).vocab_size,  # the model's embedding rows
     )
-    reporter = RunReporter(bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode))
+    reporter = RunReporter(
+        bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode)
+    )
     evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up)
     return {
-        "source": source, "publisher": publisher, "evaluations": evaluations,
-        "exporter": HFExporter(cfg.model.path), "reporter": reporter,
-        "control": RunControl(bus, run_name=cfg.run_name, instance=inst, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s, lease=lease),
+        "source": source,
+        "publisher": publisher,
+        "evaluations": evaluations,
+        "exporter": HFExporter(cfg.model.path),
+        "reporter": reporter,
+        "control": RunControl(
+            bus,
+            run_name=cfg.run_name,
+            instance=inst,
+            heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s,
+            lease=lease,
+        ),
     }
 
 
 def null_collaborators() -> dict[str, Any]:
     """Every other rank: it trains and gathers weights; rank 0 does the rest."""
     return {
-        "source": NullSource(), "publisher": NullPublisher(), "evaluations": NullEvaluations(),
-        "exporter": NullExporter(), "reporter": NullReporter(), "control": NullControl(),
+        "source": NullSource(),
+        "publisher": NullPublisher(),
+        "evaluations": NullEvaluations(),
+        "exporter": NullExporter(),
+        "reporter": NullReporter(),
+        "control": NullControl(),
     }
 
 
@@ -171,13 +210,18 @@ def main(cfg: DapoConfig) -> int:
         torch.set_num_threads(cfg.learner.torch_threads)
     try:
         return _train(cfg, rank, world, backend, stop)
-    except (LeaseHeldError, FencedError) as exc:  # another learner trains this run: not a crash to debug
+    except (
+        LeaseHeldError,
+        FencedError,
+    ) as exc:  # another learner trains this run: not a crash to debug
         if rank == 0:
             log.error("%s", exc)
         return EXIT_NOT_THE_LEARNER
     except CheckpointRefused as exc:
-        message = (f"{exc}. Move that step out of {cfg.checkpoint_dir} (or restore it from a copy you trust) and start "
-                   "again: the learner resumes from the newest checkpoint that verifies.")
+        message = (
+            f"{exc}. Move that step out of {cfg.checkpoint_dir} (or restore it from a copy you "
+            "trust) and start again: the learner resumes from the newest checkpoint that verifies."
+        )
         log.error("%s", message)
         with contextlib.suppress(OSError):  # every rank refuses alike; any of them may say so
             (Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE).write_text(message + "\n")
@@ -204,11 +248,26 @@ def _train(cfg: DapoConfig, rank: int, world: int, backend: str, stop: StopFlag)
     try:
         trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
         checkpoints = Checkpoints(
-            cfg.checkpoint_dir, trainer=trainer, rank=rank, keep_last=cfg.checkpoint.keep_last,
-            save_hf=cfg.checkpoint.save_hf, barrier=dist.barrier,
+            cfg.checkpoint_dir,
+            trainer=trainer,
+            rank=rank,
+            keep_last=cfg.checkpoint.keep_last,
+            save_hf=cfg.checkpoint.save_hf,
+            barrier=dist.barrier,
         )
-        parts = rank0_collaborators(cfg, backend, stop, claim) if claim is not None else null_collaborators()
-        loop = LearnerLoop(cfg, trainer=trainer, checkpoints=checkpoints, share=make_share(rank), stop=stop, **parts)
+        parts = (
+            rank0_collaborators(cfg, backend, stop, claim)
+            if claim is not None
+            else null_collaborators()
+        )
+        loop = LearnerLoop(
+            cfg,
+            trainer=trainer,
+            checkpoints=checkpoints,
+            share=make_share(rank),
+            stop=stop,
+            **parts,
+        )
     except BaseException:
         if claim is not None:  # never trained: the next learner need not wait out the lease's TTL
             claim.lease.release()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.contracts.config import DapoConfig
+from contracts.config import DapoConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,10 @@ def markdown_table(completions: list[Completion]) -> str:
     rows = ["| prompt | response | reward | acc | finish |", "|---|---|---|---|---|"]
     for c in completions:
         acc = "-" if c.acc is None else str(c.acc).lower()
-        rows.append(f"| {_cell(c.prompt)} | {_cell(c.response)} | {c.reward:.3f} | {acc} | {c.finish_reason} |")
+        rows.append(
+            f"| {_cell(c.prompt)} | {_cell(c.response)} | {c.reward:.3f} | {acc} | "
+            f"{c.finish_reason} |"
+        )
     return "\n".join(rows)
 
 
@@ -85,7 +88,9 @@ def wandb_run_id(checkpoint_dir: Path) -> str:
         return kept
     run_id = secrets.token_hex(8)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{WANDB_RUN_ID_FILE}.{run_id}")  # a crash mid-write leaves no torn id
+    partial = path.with_name(
+        f".{WANDB_RUN_ID_FILE}.{run_id}"
+    )  # a crash mid-write leaves no torn id
     with partial.open("w") as f:
         f.write(run_id + "\n")
         f.flush()
@@ -107,15 +112,21 @@ class Trackers:
                 import wandb
             except ImportError as exc:
                 raise RuntimeError(
-                    "tracking.wandb_project is set but the wandb package is not installed (pip install '.[wandb]')"
+                    "tracking.wandb_project is set but the wandb package is not installed "
+                    "(pip install '.[wandb]')"
                 ) from exc
             self.wandb = wandb.init(
-                project=cfg.tracking.wandb_project, name=cfg.run_name, config=cfg.model_dump(mode="json"),
-                id=wandb_run_id(cfg.checkpoint_dir), resume="allow",
+                project=cfg.tracking.wandb_project,
+                name=cfg.run_name,
+                config=cfg.model_dump(mode="json"),
+                id=wandb_run_id(cfg.checkpoint_dir),
+                resume="allow",
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and "/" in k}
+        numeric = {
+            k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and "/" in k
+        }
         for writer in self.writers:
             for key, value in numeric.items():
                 writer.add_scalar(key, value, step)

@@ -1,4 +1,5 @@
-"""The "math-verify" verifier: symbolic equivalence in killable worker processes (docs/algorithm.md s1).
+"""The "math-verify" verifier: symbolic equivalence in killable worker processes
+(docs/algorithm.md s1).
 
 math-verify parses untrusted text into SymPy. Some inputs never finish (a power tower such as
 ``10^{10^{10^{10}}}`` hangs in the comparison; 5000 nested ``\\frac{`` hang the parser) and some

@@ -133,7 +133,8 @@ def apply_substitutions(answer: str) -> str:
 
 
 def drop_units_and_markup(answer: str) -> str:
-    """Delete ``UNIT_WORDS`` then ``MARKUP_TO_DROP`` (docs/algorithm.md s1: "drop units ... `^\\circ`")."""
+    """Delete ``UNIT_WORDS`` then ``MARKUP_TO_DROP`` (docs/algorithm.md s1:
+    "drop units ... `^\\circ`")."""
     for fragment in (*UNIT_WORDS, *MARKUP_TO_DROP):
         answer = answer.replace(fragment, "")
     return answer
@@ -161,7 +162,8 @@ def _content_or_unchanged(match: re.Match[str]) -> str:
 
 
 def fix_shorthand_tex(answer: str) -> str:
-    """Brace TeX shorthand (docs/algorithm.md s1: "fix `\\fracab`->`\\frac{a}{b}`, `\\sqrta`->`\\sqrt{a}`").
+    """Brace TeX shorthand (docs/algorithm.md s1: "fix `\\fracab`->`\\frac{a}{b}`,
+    `\\sqrta`->`\\sqrt{a}`").
 
     Only the single characters right after ``frac`` / ``sqrt`` are braced, as in Minerva:
     ``\\frac12`` -> ``\\frac{1}{2}``, ``\\sqrt2`` -> ``\\sqrt{2}``.
@@ -171,7 +173,8 @@ def fix_shorthand_tex(answer: str) -> str:
 
 
 def drop_dollars(answer: str) -> str:
-    """Remove every remaining ``$`` (docs/algorithm.md s1: the math-mode delimiters carry no value)."""
+    """Remove every remaining ``$`` (docs/algorithm.md s1:
+    the math-mode delimiters carry no value)."""
     return answer.replace("$", "")
 
 
@@ -182,7 +185,8 @@ def strip_trailing_period(answer: str) -> str:
 
 
 def drop_thousands_commas(answer: str) -> str:
-    """``"1,000"`` -> ``"1000"`` for a whole string that is one grouped number (docs/algorithm.md s1).
+    """``"1,000"`` -> ``"1000"`` for a whole string that is one grouped number
+    (docs/algorithm.md s1).
 
     Anything else (``"1,2"``, ``"(1,000, 2)"``) keeps its commas.
     """
@@ -230,7 +234,8 @@ def normalize_answer(answer: str) -> str:
 
 
 def normalize_answer_reference(answer: str) -> str:
-    """Normalise an answer or a ground truth exactly as the reference code does (docs/algorithm.md s1).
+    """Normalise an answer or a ground truth exactly as the reference code does
+    (docs/algorithm.md s1).
 
     ``minerva_steps``, then ``drop_digit_commas_reference``, then surrounding whitespace
     stripped. A trailing ``.`` is kept: ``"42."`` does not equal ``"42"``.

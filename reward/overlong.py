@@ -55,7 +55,8 @@ def shaped_reward(
     factor: float,
     enabled: bool = True,
 ) -> float:
-    """``score + overlong_penalty(...)`` (docs/algorithm.md s2); just ``score`` when not ``enabled``."""
+    """``score + overlong_penalty(...)`` (docs/algorithm.md s2);
+    just ``score`` when not ``enabled``."""
     if not enabled:
         return score
     return score + overlong_penalty(length, max_len, buffer_len, factor)

@@ -25,7 +25,8 @@ from reward.normalize import normalize_answer, normalize_answer_reference
 from reward.result import CORRECT_SCORE, INVALID, WRONG_SCORE, VerifyResult, error_result
 from reward.text import GroundTruthTooLong, clean_text, ground_truth_text, tail
 
-#: The dapo verifier looks only at this many trailing characters of the response (docs/algorithm.md s1).
+#: The dapo verifier looks only at this many trailing characters of the response
+#: (docs/algorithm.md s1).
 DAPO_TAIL_CHARS: Final = 300
 
 #: Strict-box mode looks only at this many trailing characters (docs/algorithm.md s1).
@@ -92,7 +93,8 @@ def verify_dapo_strict(response: str, ground_truth: str | int) -> VerifyResult:
 
 
 def verify_dapo_reference(response: str, ground_truth: str | int) -> VerifyResult:
-    """Score ``response`` exactly as the reference code does ("dapo-reference"; docs/algorithm.md s1).
+    """Score ``response`` exactly as the reference code does
+    ("dapo-reference"; docs/algorithm.md s1).
 
     In the raw last 300 characters, the text after the LAST ``Answer:`` (case-insensitive, to
     the end of its line), or the marker ``[INVALID]`` when there is none, is normalised by

@@ -79,7 +79,8 @@ TIMEOUT_PRED: Final = "[TIMEOUT]"
 
 
 class WorkerStartError(RuntimeError):
-    """A worker could not start (its checker could not be loaded, or it died before it was ready)."""
+    """A worker could not start (its checker could not be loaded,
+    or it died before it was ready)."""
 
 
 @dataclass
@@ -97,7 +98,8 @@ class _Worker:
 
 def _kill(worker: _Worker) -> None:
     if worker.process.is_alive():
-        worker.process.kill()  # SIGKILL: code stuck in a check (SymPy, a loop) ignores anything gentler
+        # SIGKILL: code stuck in a check (SymPy, a loop) ignores anything gentler
+        worker.process.kill()
     worker.process.join(timeout=5.0)
     worker.conn.close()
 
@@ -450,7 +452,8 @@ class _Batch:
         elif worker.head_started:
             self.pool.errors += 1
             self.results[in_flight[0]] = error_result(
-                f"the {self.pool.label} worker died while checking this item (exit code {exit_code})"
+                f"the {self.pool.label} worker died while checking this item (exit code "
+                f"{exit_code})"
             )
             logger.warning(
                 "%s worker died on item %d (exit code %s); replacing it",

@@ -17,16 +17,16 @@ import logging
 from collections import defaultdict
 from typing import Any
 
+from contracts.bus import Entry, StreamBus
+from contracts.config import ConfigError, DapoConfig, RewardConfig
+from contracts.keys import Counter
+from contracts.model_source import with_local_model
+from contracts.runtime import StageLoop, serve_stage, service_context
+from contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
 from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
 from reward.result import VerifyResult
 from reward.verifiers import SandboxPool, Scorer, WorkerStartError, make_scorer
-from services.contracts.bus import Entry, StreamBus
-from services.contracts.config import ConfigError, DapoConfig, RewardConfig
-from services.contracts.keys import Counter
-from services.contracts.model_source import with_local_model
-from services.contracts.runtime import run_stage_loop, service_context
-from services.contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ class MetricMeans:
 
 
 class RewardWorker:
+    """The reward stage's worker: scores whole groups, `REWARD_BATCH` at a time."""
+
     def __init__(self, cfg: DapoConfig, bus: StreamBus, tokenizer: Any) -> None:
         self.cfg, self.bus, self.tokenizer = cfg, bus, tokenizer
         self.scorer = open_scorer(cfg.reward)
@@ -97,6 +99,13 @@ class RewardWorker:
         self.timeouts = 0
         self.unverified = 0
         self.metrics = MetricMeans()
+
+    @property
+    def loop(self) -> StageLoop:
+        return StageLoop(self.bus.keys.rollouts, batch=REWARD_BATCH)
+
+    def close(self) -> None:
+        self.scorer.close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -123,7 +132,8 @@ class RewardWorker:
                     entry_id,
                     fields,
                     f"reward: a response of {longest} tokens exceeds "
-                    f"rollout.max_response_len={max_len} (services running with different configs?)",
+                    f"rollout.max_response_len={max_len} (services running with different "
+                    "configs?)",
                 )
                 continue
             results = score_group(group, self.tokenizer, self.scorer, self.cfg)
@@ -182,19 +192,7 @@ def main(cfg: DapoConfig) -> int:
 
     cfg = with_local_model(cfg)  # an hf:// model: its snapshot (the tokenizer) in the HF cache
     ctx = service_context(cfg, "reward")
-    worker = RewardWorker(cfg, ctx.bus, AutoTokenizer.from_pretrained(cfg.model.path))
-    hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)
-    try:
-        run_stage_loop(
-            ctx.bus,
-            ctx.bus.keys.rollouts,
-            worker.handle,
-            queue=cfg.queue,
-            stop=ctx.stop,
-            batch=REWARD_BATCH,
-        )
-    finally:
-        ctx.write_final_stats(worker.status())
-        hb.stop()
-        worker.scorer.close()
+    serve_stage(
+        ctx, RewardWorker(cfg, ctx.bus, AutoTokenizer.from_pretrained(cfg.model.path)), cfg.queue
+    )
     return 0

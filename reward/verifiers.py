@@ -1,4 +1,5 @@
-"""Verifiers of docs/algorithm.md s1 and their registry: one name per verifier, one ``Scorer`` for all.
+"""Verifiers of docs/algorithm.md s1 and their registry:
+one name per verifier, one ``Scorer`` for all.
 
 * ``"dapo-reference"``: ``verify_dapo_reference``, the reference code's rule, quirks included;
   the one whose numbers compare with the paper's. See ``reward.rules``.

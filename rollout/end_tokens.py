@@ -7,11 +7,11 @@ def end_token_ids(model_dir: str, tokenizer_eos: int | None) -> list[int]:
     """Every token id that ends a response: the tokenizer's eos, then each id of
     `generation_config.json`'s `eos_token_id` (an int or a list).
 
-    Instruct models list their end-of-turn token there besides the tokenizer's eos (Qwen2.5-Instruct:
-    `<|im_end|>` and `<|endoftext|>`; Llama-3-Instruct: `<|eot_id|>` and `<|end_of_text|>`); an
-    engine that stopped at the tokenizer's eos alone would generate past the end of the answer
-    until `max_response_len`, and score and train on that text. A model directory without a
-    generation config (or one that names no eos) ends at the tokenizer's eos only.
+    Instruct models list their end-of-turn token there besides the tokenizer's eos
+    (Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`; Llama-3-Instruct: `<|eot_id|>` and
+    `<|end_of_text|>`); an engine that stopped at the tokenizer's eos alone would generate past the
+    end of the answer until `max_response_len`, and score and train on that text. A model directory
+    without a generation config (or one that names no eos) ends at the tokenizer's eos only.
     """
     from transformers import GenerationConfig
 

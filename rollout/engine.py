@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
+from contracts.config import DapoConfig
 from rollout.sample import Sample
-from services.contracts.config import DapoConfig
 
 __all__ = ["BetweenSteps", "Engine", "Sample", "make_engine", "replica_seed"]
 
@@ -26,7 +26,14 @@ BetweenSteps = Callable[[], int]
 
 class Engine(Protocol):
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
         between_steps: BetweenSteps | None = None,
     ) -> list[list[Sample]]:
         """For each prompt, n samples. Log-probs are of the temperature-scaled distribution,
@@ -38,7 +45,7 @@ class Engine(Protocol):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Swap in every `(name, tensor)` of `weights` (all parameters of a new policy version).
 
-        `weights` is a `services.contracts.weight_sync.WeightStream` in the rollout loop:
+        `weights` is a `contracts.weight_sync.WeightStream` in the rollout loop:
         iterating it receives the broadcast bucket by bucket, in whichever process iterates it.
         Called between generation batches, or between decode steps from `between_steps`.
         """

@@ -17,10 +17,16 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-KEPT = frozenset({
-    "eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id",
-    "transformers_version", "_from_model_config",
-})
+KEPT = frozenset(
+    {
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "decoder_start_token_id",
+        "transformers_version",
+        "_from_model_config",
+    }
+)
 """Entries that are token ids or bookkeeping, not sampling settings."""
 
 
@@ -43,6 +49,7 @@ def log_ignored_settings(model_dir: str) -> dict[str, Any]:
         log.info(
             "%s: generation_config.json settings not applied (only the configured temperature and "
             "top_p shape sampling; the learner computes nothing else): %s",
-            model_dir, ignored,
+            model_dir,
+            ignored,
         )
     return ignored

@@ -34,10 +34,10 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from contracts.weight_sync import DTYPES
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
-from services.contracts.weight_sync import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ class _EveryStep(StoppingCriteria):
         self.between_steps = between_steps
         self.versions = [between_steps()]  # versions[t]: the policy version that sampled token t
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.BoolTensor:
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object
+    ) -> torch.BoolTensor:
         self.versions.append(self.between_steps())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
@@ -97,7 +99,14 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
         between_steps: Callable[[], int] | None = None,
     ) -> list[list[Sample]]:
         if seed is not None:
@@ -110,15 +119,27 @@ class HFEngine:
             mask[i, width - len(p) :] = 1
         hook = _EveryStep(between_steps) if between_steps is not None else None
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-            max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.end_ids, pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_logits=True, stopping_criteria=StoppingCriteriaList([hook] if hook else []),
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            num_return_sequences=n,
+            eos_token_id=self.end_ids,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            stopping_criteria=StoppingCriteriaList([hook] if hook else []),
         )
         new = out.sequences[:, width:]  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
         if top_p < 1.0:
             logits = nucleus_mask(logits, top_p)
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
+        logp = (
+            torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        )  # (B*n, T)
         samples: list[Sample] = []
         for row in range(new.shape[0]):
             toks = new[row].tolist()

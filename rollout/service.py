@@ -1,15 +1,15 @@
 """`dapo rollout`: one rollout replica.
 
-Loop: between generation batches, sync weights (`services.contracts.weight_sync.WeightSubscriber`:
+Loop: between generation batches, sync weights (`rollout.weight_receiver.WeightReceiver`:
 broadcasts, catch-up from the checkpoint store), and between decode steps too (in-flight updates:
 a broadcast is taken mid-batch, responses continue under the new weights, and each records the
 lowest and highest version that sampled it); take up to `rollout.prompts_per_batch` prompt
 jobs; make sure the weights held are at least as new as each job's `policy_version` (waiting for
 the learner's catch-up broadcast if not); generate `group_size` responses per job with behaviour
 log-probs (an evaluation job: `eval.samples` responses with the eval sampling settings); forward
-each group to the rollouts stream with one atomic hop. The heartbeat reports the policy version held and the idle fraction.
-On SIGTERM the current batch finishes (a batch is short), unstarted jobs are handed back, and the
-process exits.
+each group to the rollouts stream with one atomic hop. The heartbeat reports the policy version held
+and the idle fraction. On SIGTERM the current batch finishes (a batch is short), unstarted jobs are
+handed back, and the process exits.
 
 An evaluation batch takes no in-flight update when the engine receives broadcasts in the
 background (the transformers engine): an evaluation round then measures one policy, every token
@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-import redis
-
-from rollout.engine import BetweenSteps, Engine, make_engine
-from services.contracts.bus import Entry, StreamBus, is_oom
-from services.contracts.config import DapoConfig
-from services.contracts.faults import stretch
-from services.contracts.model_source import with_local_model
-from services.contracts.runtime import Heartbeat, StopFlag, service_context
-from services.contracts.schemas import (
+from contracts.bus import Entry, StreamBus
+from contracts.config import DapoConfig
+from contracts.faults import slowdown
+from contracts.model_source import with_local_model
+from contracts.runtime import StageLoop, StopFlag, run_stage_loop, serve_stage, service_context
+from contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
@@ -44,7 +42,8 @@ from services.contracts.schemas import (
     decode_job,
     encode_group,
 )
-from services.contracts.weight_sync import WeightSubscriber
+from rollout.engine import BetweenSteps, Engine, make_engine
+from rollout.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +55,59 @@ thread rings), and at least this often."""
 
 
 class RolloutWorker:
-    """The replica's loop; everything about its weights is `self.weights` (a WeightSubscriber)."""
+    """The replica's loop; everything about its weights is `self.weights` (a WeightReceiver)."""
 
-    def __init__(self, cfg: DapoConfig, bus: StreamBus, engine: Engine, replica_id: str, stop: StopFlag) -> None:
+    def __init__(
+        self,
+        cfg: DapoConfig,
+        bus: StreamBus,
+        engine: Engine,
+        replica_id: str,
+        stop: StopFlag,
+        *,
+        beat_now: Callable[[], None] = lambda: None,
+    ) -> None:
         self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
-        self.weights = WeightSubscriber.from_config(cfg, bus, engine, replica_id, stop, on_change=self.heartbeat_now,
-                                                    watch_also=(bus.keys.prompts.stream,))
+        # A new policy version is reported at once: the learner's catch-up reads it from heartbeats.
+        self.weights = WeightReceiver.from_config(
+            cfg,
+            bus,
+            engine,
+            replica_id,
+            stop,
+            on_change=beat_now,
+            watch_also=(bus.keys.prompts.stream,),
+        )
         self.groups_done = 0
         self.busy_s = 0.0
         self._step_at = 0.0  # when the engine's last decode step began (the slowdown fault)
+        self.slowdown = slowdown("rollout.slowdown")  # None outside the fault suite
+        self._step_hook = self._slowed_between_steps if self.slowdown else self._between_steps
         self.started = time.monotonic()
-        self.hb: Heartbeat | None = None
+
+    @property
+    def loop(self) -> StageLoop:
+        """Read without blocking, a batch at a time; apply weight updates before each read; when
+        there is no job, sleep until a job or a weight announcement is appended."""
+        return StageLoop(
+            self.bus.keys.prompts,
+            batch=self.cfg.rollout.prompts_per_batch,
+            block=False,
+            reclaim_every_s=RECLAIM_EVERY_S,
+            start=self.weights.start,
+            before_read=self._sync_before_read,
+            idle=self._wait_for_activity,
+        )
+
+    def _wait_for_activity(self) -> None:
+        self.weights.activity.wait(IDLE_WAIT_S)
+
+    def _sync_before_read(self) -> None:
+        self.weights.activity.clear()  # before looking: anything appended from now on rings
+        self.weights.sync()
+
+    def close(self) -> None:
+        self.engine.close()
 
     @property
     def policy_version(self) -> int:
@@ -81,11 +122,6 @@ class RolloutWorker:
             "idle_fraction": round(1.0 - (self.busy_s + sync_s) / wall, 4),
             "sync_seconds": round(sync_s, 3),
         }
-
-    def heartbeat_now(self) -> None:
-        """Report a new policy version at once: the learner's catch-up reads it from heartbeats."""
-        if self.hb is not None:
-            self.hb.beat()
 
     # --- work ------------------------------------------------------------------------------
     def handle(self, entries: list[Entry]) -> None:
@@ -110,14 +146,27 @@ class RolloutWorker:
 
     def _generate(self, jobs: list[tuple[str, PromptJob]]) -> None:
         ro, ev, tag = self.cfg.rollout, self.cfg.eval, jobs[0][1].eval
-        n, temperature, top_p = (ro.group_size, ro.temperature, ro.top_p) if tag is None else (tag.samples, ev.temperature, ev.top_p)
-        stage, start, synced, held = self.bus.keys.prompts, time.monotonic(), self.weights.sync_s, self.policy_version
+        n, temperature, top_p = (
+            (ro.group_size, ro.temperature, ro.top_p)
+            if tag is None
+            else (tag.samples, ev.temperature, ev.top_p)
+        )
+        stage, start, synced, held = (
+            self.bus.keys.prompts,
+            time.monotonic(),
+            self.weights.sync_s,
+            self.policy_version,
+        )
         self._step_at = start
         # An evaluation measures one policy where holding costs the learner nothing (docstring).
         hold = tag is not None and self.weights.background
-        between_steps = self._holding(held) if hold else self._between_steps
+        between_steps = self._holding(held) if hold else self._step_hook
         outputs = self.engine.generate(
-            [job.prompt_ids for _, job in jobs], n=n, max_tokens=ro.max_response_len, temperature=temperature, top_p=top_p,
+            [job.prompt_ids for _, job in jobs],
+            n=n,
+            max_tokens=ro.max_response_len,
+            temperature=temperature,
+            top_p=top_p,
             between_steps=between_steps,
         )
         seconds = time.monotonic() - start
@@ -126,19 +175,40 @@ class RolloutWorker:
             # An engine that did not report versions never called the hook: no weights changed.
             versions = [s.versions or (held, held) for s in samples]
             group = RolloutGroup(
-                job=job, policy_version=min(oldest for oldest, _ in versions), replica_id=self.id, gen_seconds=seconds / len(jobs),
+                job=job,
+                policy_version=min(oldest for oldest, _ in versions),
+                replica_id=self.id,
+                gen_seconds=seconds / len(jobs),
                 responses=[
-                    Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason, versions=v)
+                    Response(
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        finish_reason=s.finish_reason,
+                        versions=v,
+                    )
                     for s, v in zip(samples, versions, strict=True)
                 ],
             )
-            self.groups_done += self.bus.hop(stage, entry_id, downstream=self.bus.keys.rollouts.stream, fields=encode_group(group))
+            self.groups_done += self.bus.hop(
+                stage,
+                entry_id,
+                downstream=self.bus.keys.rollouts.stream,
+                fields=encode_group(group),
+            )
 
     def _between_steps(self) -> int:
-        """The engine's hook between decode steps: in-flight weight updates (and, in the fault
-        suite only, the slowdown of each decode step, taking updates while it lasts)."""
-        stretch("rollout.slowdown", time.monotonic() - self._step_at, self.stop.event,
-                wake=self.weights.announced, on_wake=self.weights.between_steps)
+        """The engine's hook between decode steps: in-flight weight updates."""
+        return self.weights.between_steps()
+
+    def _slowed_between_steps(self) -> int:
+        """The same in the fault suite, each decode step slowed, taking updates while it lasts."""
+        assert self.slowdown is not None
+        self.slowdown.after(
+            time.monotonic() - self._step_at,
+            self.stop.event,
+            wake=self.weights.announced,
+            on_wake=self.weights.between_steps,
+        )
         version = self.weights.between_steps()
         self._step_at = time.monotonic()
         return version
@@ -148,41 +218,29 @@ class RolloutWorker:
         announced meanwhile is taken after the batch); only the fault suite's slowdown runs."""
 
         def between_steps() -> int:
-            stretch("rollout.slowdown", time.monotonic() - self._step_at, self.stop.event)
-            self._step_at = time.monotonic()
+            if self.slowdown is not None:
+                self.slowdown.after(time.monotonic() - self._step_at, self.stop.event)
+                self._step_at = time.monotonic()
             return held
 
         return between_steps
 
     def run(self) -> None:
-        """Sync weights, take jobs, generate, hop; until asked to stop."""
-        self.weights.start()
-        last_reclaim = 0.0
-        q = self.cfg.queue
-        while not self.stop.stopping:
-            try:
-                self.weights.activity.clear()  # before looking: anything appended from now on rings
-                self.weights.sync()
-                entries: list[Entry] = []
-                if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
-                    last_reclaim = time.monotonic()
-                    entries = self.bus.reclaim(self.bus.keys.prompts, min_idle_s=q.claim_idle_s, max_deliveries=q.max_deliveries,
-                                               count=self.cfg.rollout.prompts_per_batch,  # at most a batch of its own and one of others'
-                                               heartbeat_ttl_s=q.heartbeat_ttl_s)
-                if not entries:
-                    entries = self.bus.read(self.bus.keys.prompts, count=self.cfg.rollout.prompts_per_batch, block_ms=None)
-                if entries:  # a batch may outlast claim_idle_s: keep its claims while generating
-                    with self.bus.claims_kept(self.bus.keys.prompts, [e for e, _ in entries], every_s=q.claim_idle_s / 3):
-                        self.handle(entries)
-                else:  # idle: sleep until a job or a weight announcement is appended
-                    self.weights.activity.wait(IDLE_WAIT_S)
-            except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
-                log.warning("redis unavailable (%s); retrying", exc)
-                self.stop.wait(1.0)
-            except redis.ResponseError as exc:
-                if self.stop.stopping and is_oom(exc):  # asked to stop while paused on a full Redis
-                    break
-                raise
+        """The stage loop alone, until asked to stop (tests; a process runs `serve_stage`)."""
+        loop = self.loop
+        run_stage_loop(
+            self.bus,
+            loop.stage,
+            self.handle,
+            queue=self.cfg.queue,
+            stop=self.stop,
+            batch=loop.batch,
+            block=loop.block,
+            reclaim_every_s=loop.reclaim_every_s,
+            start=loop.start,
+            before_read=loop.before_read,
+            idle=loop.idle,
+        )
 
 
 def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, PromptJob]]]:
@@ -199,14 +257,8 @@ def main(cfg: DapoConfig) -> int:
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
     engine = make_engine(cfg, replica_id=ctx.inst)  # a seed of its own per replica
-    worker = RolloutWorker(cfg, ctx.bus, engine, ctx.inst, ctx.stop)
-    worker.hb = ctx.heartbeat(cfg.queue.heartbeat_ttl_s, worker.status)
+    worker = RolloutWorker(cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now)
     log.info("rollout replica %s ready", ctx.inst)
-    try:
-        worker.run()
-    finally:
-        ctx.write_final_stats(worker.status())
-        worker.hb.stop()
-        engine.close()
+    serve_stage(ctx, worker, cfg.queue)
     log.info("rollout replica %s stopped after %d groups", ctx.inst, worker.groups_done)
     return 0

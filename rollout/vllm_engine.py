@@ -14,13 +14,14 @@ Every request stops at any of the model's end tokens (`rollout.end_tokens.end_to
 as `stop_token_ids`), which stays in the response with finish reason "stop": the same rule as the
 transformers engine, whatever vLLM's own `generation_config` setting would have added.
 
-Weights arrive over the side group of `services.contracts.weight_sync` inside vLLM's worker
+Weights arrive over the side group of `contracts.weight_sync` inside vLLM's worker
 process(es): `update_weights` gets a `WeightStream` and sends its JSON form (vLLM's RPC encodes
 arguments with msgpack, which carries tensors and plain data but no arbitrary objects) through
 `collective_rpc` to `rollout.vllm_worker_ext.WeightSyncExtension`, mixed into the worker class,
-which iterates it there. Any other iterable of tensors is sent whole through the RPC. The prefix cache is reset after every swap, since cached KV blocks were
-computed with the old weights. A swap that fails part-way leaves some layers new and some old;
-the engine then refuses to generate (`WeightSyncError`) until `load_weights_from_dir` succeeds.
+which iterates it there. Any other iterable of tensors is sent whole through the RPC. The prefix
+cache is reset after every swap, since cached KV blocks were computed with the old weights. A swap
+that fails part-way leaves some layers new and some old; the engine then refuses to generate
+(`WeightSyncError`) until `load_weights_from_dir` succeeds.
 
 In-flight weight updates: `generate` queues its requests and drives the engine step by step
 itself (what `LLM.generate` does inside), calling `between_steps` between two engine steps, so a
@@ -48,11 +49,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from contracts.config import DapoConfig
+from contracts.weight_sync import WeightStream
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
-from services.contracts.config import DapoConfig
-from services.contracts.weight_sync import WeightStream
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -123,7 +124,9 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         ro = cfg.rollout
-        self.end_ids = end_token_ids(model_dir, AutoTokenizer.from_pretrained(model_dir).eos_token_id)
+        self.end_ids = end_token_ids(
+            model_dir, AutoTokenizer.from_pretrained(model_dir).eos_token_id
+        )
         log_ignored_settings(model_dir)
         memory: dict[str, Any]
         if current_platform.is_cpu():
@@ -205,10 +208,14 @@ class VLLMEngine:
         try:
             while llm.llm_engine.has_unfinished_requests():
                 for out in llm.llm_engine.step():
-                    if out.finished:  # request ids number the prompts in order, as LLM.generate sorts them
+                    if (
+                        out.finished
+                    ):  # request ids number the prompts in order, as LLM.generate sorts them
                         finished[int(out.request_id)] = (out, seen)
                 if between_steps is not None and llm.llm_engine.has_unfinished_requests():
-                    version = between_steps()  # may swap weights in (update_weights) before the next step
+                    version = (
+                        between_steps()
+                    )  # may swap weights in (update_weights) before the next step
                     seen = (min(seen[0], version), max(seen[1], version))
         finally:
             self.generating = False
@@ -230,7 +237,9 @@ class VLLMEngine:
             tensors = self._swap_weights(what, "dapo_receive_weights", weights.to_json())
         else:
             what = "tensors"
-            tensors = self._swap_weights(what, "dapo_load_tensors", [_to_wire(n, t) for n, t in weights])
+            tensors = self._swap_weights(
+                what, "dapo_load_tensors", [_to_wire(n, t) for n, t in weights]
+            )
         self.last_sync_seconds = time.monotonic() - start
         log.info("%s: %d tensors swapped in %.3fs", what, tensors, self.last_sync_seconds)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from services.contracts.weight_sync import DTYPES, WeightStream, dtype_of
+from contracts.weight_sync import DTYPES, WeightStream, dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,13 @@ class WeightSyncExtension:
         """Swap in `[name, dtype, shape, raw bytes]` tensors sent whole through the RPC
         (`vllm_engine._to_wire`); returns {"tensors", "error"} as `dapo_receive_weights`."""
         tensors = (
-            (str(name), torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype_of(dtype)).reshape(shape).to(self.device))
+            (
+                str(name),
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                .view(dtype_of(dtype))
+                .reshape(shape)
+                .to(self.device),
+            )
             for name, dtype, shape, raw in named
         )
         return self._dapo_apply(tensors, "tensors")

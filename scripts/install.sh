@@ -269,7 +269,7 @@ install_python_packages() {
 
 # Prints "name=version" lines of what the venv imports; fails if a required package does not.
 installed_versions() {
-  local check="import torch, transformers, redis, fastapi, services.shell.cli
+  local check="import torch, transformers, redis, fastapi, services.cli
 print('torch=' + torch.__version__)
 print('transformers=' + transformers.__version__)"
   if [ "$WITH_VLLM" = 1 ]; then

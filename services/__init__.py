@@ -1,2 +1,3 @@
-"""The shared contracts (`contracts/`), the gatekeeper stage (`gatekeeper.py`), the application
-shell (`shell/`: CLI, launcher, API, Ray Serve, embedded Redis) and the CPU demo (`demo/`)."""
+"""The application on top of the stages: the `dapo` CLI, the one-machine launcher and supervisor,
+the REST control plane and dashboard, Ray Serve hosting, the embedded Redis, planning, and the CPU
+demo (`demo/`). It may import the stages and the contracts; nothing below imports it."""

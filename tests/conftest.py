@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from services.shell.redis_server import RedisServer
+    from services.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
     yield server
@@ -69,7 +69,8 @@ def tiny_cache() -> None:
     import subprocess
     import sys
 
-    code = ("from services.contracts.config import load_config; from services.shell.launcher import prepare; "
-            "prepare(load_config('configs/tiny.yaml'))")
+    code = (
+        "from contracts.config import load_config; from services.launcher import prepare; "
+        "prepare(load_config('configs/tiny.yaml'))"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=3600)
-

@@ -12,9 +12,9 @@ from typing import Any
 
 import redis
 
-from services.contracts.bus import StreamBus
-from services.contracts.config import DapoConfig, build_config
-from services.contracts.keys import Keys
+from contracts.bus import StreamBus
+from contracts.config import DapoConfig, build_config
+from contracts.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,18 +22,38 @@ REPO = Path(__file__).resolve().parents[1]
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
     """`dapo run` on the tiny preset against the test's Redis, output in tmp_path/dapo-run.log
     (a pipe nobody reads could fill and block the launcher). No evals, no checkpoints unless
-    the overrides ask for them. `faults` is passed as DAPO_FAULTS (services/contracts/faults.py)."""
+    the overrides ask for them. `faults` is passed as DAPO_FAULTS (contracts/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
-        [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
-         f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "DAPO_FAULTS": faults},
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "run",
+            "--config",
+            "configs/tiny.yaml",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--quiet",
+            f"queue.redis_url={url}",
+            "eval.every_steps=0",
+            "checkpoint.every_steps=0",
+            *overrides,
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "DAPO_FAULTS": faults},
     )
 
 
 def versions_by_pid(r: redis.Redis, kind: str = "rollout") -> dict[int, int]:
     """pid -> policy version of every live instance of `kind` (from the heartbeats)."""
-    return {int(i["pid"]): int(i.get("policy_version", -1)) for i in StreamBus(r, Keys("dapo"), "test").live_instances(kind)}
+    return {
+        int(i["pid"]): int(i.get("policy_version", -1))
+        for i in StreamBus(r, Keys("dapo"), "test").live_instances(kind)
+    }
 
 
 def pids(r: redis.Redis, kind: str) -> set[int]:
@@ -87,14 +107,18 @@ def learner_step(r: redis.Redis, namespace: str = "dapo") -> int:
     return int(r.hget(f"{namespace}:learner:state", "step") or 0)
 
 
-def model_config(tmp_path: Path, model_path: str, *, redis_url: str | None = None, **model: Any) -> DapoConfig:
+def model_config(
+    tmp_path: Path, model_path: str, *, redis_url: str | None = None, **model: Any
+) -> DapoConfig:
     """The smallest valid config around `model.path` (and other `model` fields): what the model
     resolution tests vary."""
-    return build_config({
-        "output_dir": str(tmp_path / "run"),
-        "model": {"path": model_path, **model},
-        "data": {"train_path": str(tmp_path / "train.jsonl")},
-        "rollout": {"max_response_len": 16},
-        "reward": {"overlong": {"buffer_len": 4}},
-        "queue": {"redis_url": redis_url},
-    })
+    return build_config(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": model_path, **model},
+            "data": {"train_path": str(tmp_path / "train.jsonl")},
+            "rollout": {"max_response_len": 16},
+            "reward": {"overlong": {"buffer_len": 4}},
+            "queue": {"redis_url": redis_url},
+        }
+    )

@@ -12,19 +12,27 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("services", "learner", "rollout", "reward")
+PACKAGES = ("contracts", "rollout", "reward", "gatekeeper", "learner", "services")
 LINT = Path(sys.executable).with_name("lint-imports")
 
 
 def _copy_tree(dest: Path) -> None:
     for pkg in PACKAGES:
-        shutil.copytree(REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.html"))
+        shutil.copytree(
+            REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.html")
+        )
     shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")
 
 
 def _lint(cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(LINT), "--no-cache"], cwd=cwd, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(cwd), "PATH": str(LINT.parent)}, timeout=300)
+    return subprocess.run(
+        [str(LINT), "--no-cache"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(cwd), "PATH": str(LINT.parent)},
+        timeout=300,
+    )
 
 
 @pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed")
@@ -40,10 +48,18 @@ def test_layer_contracts_hold_and_catch_a_wrong_import(tmp_path: Path) -> None:
     assert "learner is not allowed to import rollout" in bad.stdout
     # The contracts importing a stage.
     batch.write_text(batch.read_text().replace("from rollout.engine import Sample  # noqa\n", ""))
-    keys = tmp_path / "services" / "contracts" / "keys.py"
+    keys = tmp_path / "contracts" / "keys.py"
     keys.write_text(keys.read_text() + "\nimport learner.batch  # noqa\n")
     bad = _lint(tmp_path)
-    assert bad.returncode != 0 and "services.contracts" in bad.stdout
+    assert bad.returncode != 0 and "contracts.keys -> learner.batch" in bad.stdout, bad.stdout
+    # A stage importing the application above it: the gatekeeper reaching into the launcher.
+    keys.write_text(keys.read_text().replace("\nimport learner.batch  # noqa\n", ""))
+    gate = tmp_path / "gatekeeper" / "service.py"
+    gate.write_text(gate.read_text() + "\nimport services.launcher  # noqa\n")
+    bad = _lint(tmp_path)
+    assert bad.returncode != 0 and "gatekeeper.service -> services.launcher" in bad.stdout, (
+        bad.stdout
+    )
 
 
 def test_no_raw_redis_client_outside_the_contracts() -> None:
@@ -51,11 +67,17 @@ def test_no_raw_redis_client_outside_the_contracts() -> None:
     offenders = []
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
-            if path.is_relative_to(REPO / "services" / "contracts"):
+            if path.is_relative_to(REPO / "contracts"):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and node.attr in ("redis", "r") and isinstance(node.value, ast.Attribute | ast.Name):
-                    owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("redis", "r")
+                    and isinstance(node.value, ast.Attribute | ast.Name)
+                ):
+                    owner = (
+                        node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                    )
                     if "bus" in owner:
                         offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert not offenders, f"raw Redis client used outside services/contracts: {offenders}"
+    assert not offenders, f"raw Redis client used outside contracts: {offenders}"

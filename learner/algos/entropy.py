@@ -120,7 +120,14 @@ class _ChunkedHead(torch.autograd.Function):
     dH/dz = -p (z - sum(p z)); then dh = dz W / t and dW = dz^T h / t, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        temperature: float,
+        chunk_size: int,
+    ) -> tuple[Tensor, Tensor]:
         # hidden: (N, H), weight: (V, H), labels: (N,) -> logp (N,), entropy (N,)
         # The projection runs in the weights' dtype, like the model's own lm_head (bf16 on a GPU);
         # the softmax and everything after it in float32. No float32 copy of W is made.
@@ -141,7 +148,9 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor, Tensor, None, None, None]:
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None
+    ) -> tuple[Tensor, Tensor, None, None, None]:
         hidden, weight, labels, lse_all = ctx.saved_tensors
         dtype, t = lse_all.dtype, ctx.temperature
         grad_h = torch.empty_like(hidden)  # (N, H)
@@ -171,7 +180,9 @@ class _ChunkedHead(torch.autograd.Function):
 # torch types ``Function.apply`` as untyped; these aliases give the calls their real signature.
 _entropy_rows: Callable[[Tensor, int], Tensor] = _ChunkedEntropy.apply
 _log_prob_rows: Callable[[Tensor, Tensor, int], Tensor] = _ChunkedLogProb.apply
-_head_rows: Callable[[Tensor, Tensor, Tensor, float, int], tuple[Tensor, Tensor]] = _ChunkedHead.apply
+_head_rows: Callable[[Tensor, Tensor, Tensor, float, int], tuple[Tensor, Tensor]] = (
+    _ChunkedHead.apply
+)
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -213,7 +224,12 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int = 1
 
 
 def log_probs_from_hidden(
-    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor]:
     """(log-prob of ``labels``, entropy) under ``softmax(hidden @ weight.T / temperature)``;
     hidden [B, T, H], weight [V, H], labels [B, T] -> two [B, T] tensors in float32 (or float64).
@@ -222,11 +238,22 @@ def log_probs_from_hidden(
     never built (module docstring). Pass ``chunk_size`` rows such that chunk_size x V floats fit.
     """
     _check_chunk_size(chunk_size)
-    if hidden.ndim != 3 or labels.shape != hidden.shape[:2] or weight.ndim != 2 or weight.shape[1] != hidden.shape[2]:
+    if (
+        hidden.ndim != 3
+        or labels.shape != hidden.shape[:2]
+        or weight.ndim != 2
+        or weight.shape[1] != hidden.shape[2]
+    ):
         raise ValueError(
-            f"expected hidden [B, T, H], weight [V, H] and labels [B, T], got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)} and {tuple(labels.shape)}"
+            "expected hidden [B, T, H], weight [V, H] and labels [B, T], got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}"
         )
     b, t, h = hidden.shape
-    logp, ent = _head_rows(hidden.reshape(b * t, h), weight, labels.reshape(b * t).long(), float(temperature), chunk_size)
+    logp, ent = _head_rows(
+        hidden.reshape(b * t, h),
+        weight,
+        labels.reshape(b * t).long(),
+        float(temperature),
+        chunk_size,
+    )
     return logp.view(b, t), ent.view(b, t)

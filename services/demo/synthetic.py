@@ -2,7 +2,7 @@
 
 `synth_rows` makes word problems with integer answers, for runs that must learn within minutes
 on a CPU. Its `difficulty` knob (see `DIFFICULTY_LEVELS`) sets how hard the arithmetic is.
-Demo-only: the product reads any DAPO-Math-17K-style file through `services.contracts.data`.
+Demo-only: the product reads any DAPO-Math-17K-style file through `contracts.data`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ DIFFICULTY_LEVELS: dict[int, str] = {
     4: "a * k + b - c, 3-digit a, b, c and a 1-digit k; the result is never negative",
     5: "a * b + c, 2-digit a and b and a 3-digit c",
     6: "a sum of 2 to 4 two-digit numbers, solved step by step: each row has a worked `solution` "
-    "(one running sum per line, then `Answer: N`), so useful responses are long (the ablation task)",
+    "(one running sum per line, then `Answer: N`), so useful responses are long (the ablation "
+    "task)",
 }
 """What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
 in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits."""
@@ -82,7 +83,6 @@ _TEMPLATES: dict[int, tuple[str, ...]] = {
 CHAIN_TERMS = (2, 3, 4)
 """Level 6: how many numbers a problem adds, drawn uniformly. Two-term problems are easy (one
 addition), four-term ones are three chained additions and the longest responses."""
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +187,10 @@ def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> 
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if difficulty == 6:
         listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
-        count = {2: "two", 3: "three", 4: "four"}[len(numbers)]  # in words: the only digits are the operands
+        count = {2: "two", 3: "three", 4: "four"}[
+            len(numbers)
+        ]  # in words: the only digits are the operands
         return sentence.format(name=name, item=item, count=count, numbers=listed)
     # Placeholder names in the order `_draw_problem` lists the operands.
     keys = {1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
     return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))
-
-

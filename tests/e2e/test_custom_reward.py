@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.bus import StreamBus
-from services.contracts.keys import Keys
+from contracts.bus import StreamBus
+from contracts.keys import Keys
 from tests.helpers import finish, start_run
 from tests.reward.sample_rewards import RIGHT_SCORE, WRONG_SCORE
 

@@ -20,22 +20,40 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import build_config
-from services.contracts.keys import Keys, RunField
-from services.contracts.runtime import free_port
-from services.shell.api import create_app
-from services.shell.redis_server import RedisServer
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import Keys, RunField
+from contracts.runtime import free_port
+from services.api import create_app
+from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (scripts/install.sh installs it)"
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 
 
 def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=10000", *args, url]
+    cmd = [
+        str(CHROMIUM),
+        *FLAGS,
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=10000",
+        *args,
+        url,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -44,15 +62,41 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
 def test_dashboard_renders_a_real_run(tmp_path: Path, artifacts_dir: Path) -> None:
     with RedisServer(tmp_path / "redis", appendonly=False) as server:
         run = subprocess.run(
-            [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(tmp_path / "run"),
-             "--quiet", f"queue.redis_url={server.url}", "learner.total_steps=12", "eval.every_steps=4", "checkpoint.every_steps=0"],
-            cwd=REPO, capture_output=True, text=True, timeout=900,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "run",
+                "--config",
+                "configs/tiny.yaml",
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--quiet",
+                f"queue.redis_url={server.url}",
+                "learner.total_steps=12",
+                "eval.every_steps=4",
+                "checkpoint.every_steps=0",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         assert run.returncode == 0, run.stderr[-3000:]
         port = free_port()
         api = subprocess.Popen(
-            [sys.executable, "-m", "services.shell.cli", "api", "--config", str(tmp_path / "run" / "config.yaml"), f"queue.redis_url={server.url}",
-             "--port", str(port)], cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "api",
+                "--config",
+                str(tmp_path / "run" / "config.yaml"),
+                f"queue.redis_url={server.url}",
+                "--port",
+                str(port),
+            ],
+            cwd=REPO,
         )
         try:
             url = f"http://127.0.0.1:{port}/"
@@ -70,14 +114,29 @@ def test_dashboard_renders_a_real_run(tmp_path: Path, artifacts_dir: Path) -> No
             assert 'data-loaded="1"' in dom, dom[:2000]
             points = {}
             for tag in re.findall(r"<svg[^>]*>", dom):
-                chart, count = re.search(r'data-chart="(\w+)"', tag), re.search(r'data-points="(\d+)"', tag)
+                chart, count = (
+                    re.search(r'data-chart="(\w+)"', tag),
+                    re.search(r'data-points="(\d+)"', tag),
+                )
                 if chart:
                     points[chart.group(1)] = int(count.group(1)) if count else 0
-            assert set(points) >= {"eval", "reward", "length", "entropy", "clip", "pass", "depth", "throughput", "lag"}
+            assert set(points) >= {
+                "eval",
+                "reward",
+                "length",
+                "entropy",
+                "clip",
+                "pass",
+                "depth",
+                "throughput",
+                "lag",
+            }
             assert all(n > 0 for n in points.values()), points
             assert points["reward"] >= 12 and points["eval"] >= 3
             shot = artifacts_dir / "dashboard.png"
-            chromium(url, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1400,1500")
+            chromium(
+                url, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1400,1500"
+            )
             assert shot.exists() and shot.stat().st_size > 20_000
         finally:
             api.terminate()
@@ -90,9 +149,17 @@ HOSTILE = "<img src=x onerror=alert(1)>"
 @pytest.fixture()
 def api_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
     """The API served in this process (uvicorn in a thread) over the test Redis."""
-    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "queue": {"redis_url": redis_url, "namespace": "t"},
-                        "output_dir": str(tmp_path)})
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning"))
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "queue": {"redis_url": redis_url, "namespace": "t"},
+            "output_dir": str(tmp_path),
+        }
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg), host="127.0.0.1", port=free_port(), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -106,20 +173,43 @@ def api_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
         thread.join(10)
 
 
-def test_dashboard_shows_hostile_strings_as_text(redis_url: str, api_url: str, tmp_path: Path) -> None:
+def test_dashboard_shows_hostile_strings_as_text(
+    redis_url: str, api_url: str, tmp_path: Path
+) -> None:
     bus = StreamBus(connect(redis_url), Keys("t"), "test")
     bus.ensure_groups()
     for kind in ("rollout", "learner"):
-        beat = {"kind": kind, "id": f"{HOSTILE}-{kind}", "host": HOSTILE, "pid": 1, "policy_version": 2, "state": HOSTILE, "at": time.time()}
+        beat = {
+            "kind": kind,
+            "id": f"{HOSTILE}-{kind}",
+            "host": HOSTILE,
+            "pid": 1,
+            "policy_version": 2,
+            "state": HOSTILE,
+            "at": time.time(),
+        }
         bus.redis.set(bus.keys.heartbeat(kind, "x"), json.dumps(beat), ex=600)
     bus.redis.hset(bus.keys.learner_state, mapping={"state": HOSTILE, "step": 2})
     bus.update_run_info({RunField.RUN_NAME: HOSTILE})
     bus.append_metrics({"step": 1, "time": time.time(), "critic/rewards/mean": 0.5})
     run = chromium(api_url, tmp_path / "profile", "--dump-dom", "--enable-logging=stderr", "--v=0")
     dom = run.stdout
-    assert 'data-loaded="1"' in dom, (dom[:2000], run.stderr[-2000:])  # the same-origin script ran under the CSP
-    assert "<img" not in dom.lower() and "onerror" not in dom.replace(html.escape(HOSTILE, quote=False), "")
+    assert 'data-loaded="1"' in dom, (
+        dom[:2000],
+        run.stderr[-2000:],
+    )  # the same-origin script ran under the CSP
+    assert "<img" not in dom.lower() and "onerror" not in dom.replace(
+        html.escape(HOSTILE, quote=False), ""
+    )
     cells = re.findall(r"<td>([^<]*)</td>", dom)
-    assert html.escape(HOSTILE, quote=False) + "-rollout" in cells and html.escape(HOSTILE, quote=False) in cells
-    assert html.escape(f"DAPO · {HOSTILE}", quote=False) in dom and html.escape(HOSTILE, quote=False) + "</b>" in dom
-    assert "Content Security Policy" not in run.stderr, run.stderr[-3000:]  # nothing of the page's own was blocked
+    assert (
+        html.escape(HOSTILE, quote=False) + "-rollout" in cells
+        and html.escape(HOSTILE, quote=False) in cells
+    )
+    assert (
+        html.escape(f"DAPO · {HOSTILE}", quote=False) in dom
+        and html.escape(HOSTILE, quote=False) + "</b>" in dom
+    )
+    assert "Content Security Policy" not in run.stderr, run.stderr[
+        -3000:
+    ]  # nothing of the page's own was blocked

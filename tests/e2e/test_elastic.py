@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.shell.redis_server import RedisServer
+from services.redis_server import RedisServer
 from tests.helpers import learner_step, versions_by_pid, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,10 +37,27 @@ def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis", appendonly=True) as server:
         r = redis.Redis.from_url(server.url)
         run = subprocess.Popen(
-            [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out), "--quiet",
-             f"queue.redis_url={server.url}", "rollout.replicas=1", f"learner.total_steps={TOTAL_STEPS}", "eval.every_steps=0",
-             "checkpoint.every_steps=10", "queue.heartbeat_ttl_s=6"],
-            cwd=REPO, stdout=LOG(tmp_path), stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "run",
+                "--config",
+                "configs/tiny.yaml",
+                "--output-dir",
+                str(out),
+                "--quiet",
+                f"queue.redis_url={server.url}",
+                "rollout.replicas=1",
+                f"learner.total_steps={TOTAL_STEPS}",
+                "eval.every_steps=0",
+                "checkpoint.every_steps=10",
+                "queue.heartbeat_ttl_s=6",
+            ],
+            cwd=REPO,
+            stdout=LOG(tmp_path),
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         extra: list[subprocess.Popen[bytes]] = []
         try:
@@ -48,13 +65,26 @@ def test_replicas_join_and_leave_mid_run(tmp_path: Path) -> None:
             config = str(out / "config.yaml")
             wait_for("step 5", lambda: learner_step(r) >= 5)
             for target in (10, 18):
-                extra.append(subprocess.Popen([sys.executable, "-m", "services.shell.cli", "rollout", "--config", config],
-                                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                extra.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "services.cli", "rollout", "--config", config],
+                        cwd=REPO,
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 want = len(extra) + 1
                 wait_for(f"{want} replicas", lambda want=want: len(versions_by_pid(r)) == want, 120)
                 wait_for(f"step {target}", lambda t=target: learner_step(r) >= t)
             # The newcomers caught up and receive every broadcast.
-            versions = wait_for("3 replicas in sync", lambda: (v := versions_by_pid(r)) and len(set(v.values())) == 1 and len(v) == 3 and v, 60)
+            versions = wait_for(
+                "3 replicas in sync",
+                lambda: (
+                    (v := versions_by_pid(r)) and len(set(v.values())) == 1 and len(v) == 3 and v
+                ),
+                60,
+            )
             assert min(versions.values()) >= 17  # step N is trained by version N - 1
             victim = extra[0]
             victim.send_signal(signal.SIGKILL)

@@ -23,7 +23,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def run_dapo(out: Path, *overrides: str, timeout_s: int = 1200) -> dict:
-    cmd = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out), "--quiet", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        "--config",
+        "configs/tiny.yaml",
+        "--output-dir",
+        str(out),
+        "--quiet",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     summary_path = out / "summary.json"
     assert proc.returncode == 0, f"dapo run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -33,23 +44,34 @@ def run_dapo(out: Path, *overrides: str, timeout_s: int = 1200) -> dict:
 def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     out = tmp_path / "run"
     steps = 120
-    summary = run_dapo(out, f"learner.total_steps={steps}", "eval.every_steps=40", "checkpoint.every_steps=60")
+    summary = run_dapo(
+        out, f"learner.total_steps={steps}", "eval.every_steps=40", "checkpoint.every_steps=60"
+    )
     assert summary["steps"] == steps
     rise = summary["final_eval_acc"] - summary["base_eval_acc"]
-    assert rise >= 0.08, f"eval accuracy {summary['base_eval_acc']:.3f} -> {summary['final_eval_acc']:.3f}"
+    assert rise >= 0.08, (
+        f"eval accuracy {summary['base_eval_acc']:.3f} -> {summary['final_eval_acc']:.3f}"
+    )
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["trained"] == steps * 16
     # Evaluation ran on the replicas: 4 rounds (base, steps 40 and 80, final) of flagged jobs went
     # through the pipeline and the gatekeeper, none trained, each recorded under its step.
     assert [row[0] for row in summary["eval_history"]] == [0, 40, 80, steps]
-    assert ledger["eval_issued"] > 0 and ledger["eval_issued"] % 4 == 0 and ledger["evaluated"] == ledger["eval_issued"]
+    assert (
+        ledger["eval_issued"] > 0
+        and ledger["eval_issued"] % 4 == 0
+        and ledger["evaluated"] == ledger["eval_issued"]
+    )
     assert summary["gatekeeper_evaluations"] == ledger["eval_issued"] and ledger["eval_dead"] == 0
     assert summary["counters"].get("trained_twice", 0) == 0
     versions = summary["replica_final_versions"]
     assert len(versions) == 2 and set(versions.values()) == {summary["policy_version"]}
     # The parameters changed: the exported final model differs from the base model.
     cfg_model = REPO / "runs" / "cache" / "tiny-qwen2-arith-v2"
-    base, final = load_file(cfg_model / "model.safetensors"), load_file(out / "final_model" / "model.safetensors")
+    base, final = (
+        load_file(cfg_model / "model.safetensors"),
+        load_file(out / "final_model" / "model.safetensors"),
+    )
     changed = sum(not torch.equal(base[k], final[k]) for k in base)
     assert changed == len(base)
     assert 0 <= summary["learner_idle_fraction"] < 1 and 0 <= summary["rollout_idle_fraction"] < 1
@@ -57,7 +79,11 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     # The embedded Redis had a generated password, kept in one 0600 file and nowhere else.
     password = (out / "redis" / "redis.conf").read_text().split()[1]
     assert len(password) >= 24
-    leaked = [p for p in out.rglob("*") if p.is_file() and p.name != "redis.conf" and password.encode() in p.read_bytes()]
+    leaked = [
+        p
+        for p in out.rglob("*")
+        if p.is_file() and p.name != "redis.conf" and password.encode() in p.read_bytes()
+    ]
     assert not leaked, leaked
 
 
@@ -72,8 +98,15 @@ def test_tiny_run_with_the_vllm_engine(tmp_path: Path) -> None:
     gloo side group every step, and training proceeds on its samples."""
     out = tmp_path / "run"
     steps = 8
-    summary = run_dapo(out, "rollout.engine=vllm", "rollout.replicas=1", f"learner.total_steps={steps}", "eval.every_steps=0",
-                       "checkpoint.every_steps=0", "rollout.cpu_kv_cache_gib=1")
+    summary = run_dapo(
+        out,
+        "rollout.engine=vllm",
+        "rollout.replicas=1",
+        f"learner.total_steps={steps}",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=0",
+        "rollout.cpu_kv_cache_gib=1",
+    )
     assert summary["steps"] == steps
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
     assert list(summary["replica_final_versions"].values()) == [steps]
@@ -84,10 +117,17 @@ def test_tiny_run_with_two_learner_ranks(tmp_path: Path) -> None:
     """`learner.nproc=2`: two FSDP2 ranks (gloo) under `dapo run`, rank 0 talking to Redis and
     broadcasting its batches and decisions to rank 1. Both ranks train the same steps, checkpoint
     their own RNG state, and the run ends with the ledger balanced and the replicas on the final
-    policy version. (That two ranks compute the same update as one is `tests/learner/test_multirank.py`.)"""
+    policy version. (That two ranks compute the same update as one is
+    `tests/learner/test_multirank.py`.)"""
     out = tmp_path / "run"
     steps = 8
-    summary = run_dapo(out, "learner.nproc=2", f"learner.total_steps={steps}", "eval.every_steps=0", "checkpoint.every_steps=4")
+    summary = run_dapo(
+        out,
+        "learner.nproc=2",
+        f"learner.total_steps={steps}",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=4",
+    )
     assert summary["steps"] == steps and summary["learner_exit_code"] == 0
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["trained"] == steps * 16

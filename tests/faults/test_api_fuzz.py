@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import build_config
-from services.contracts.keys import (
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import (
     LEDGER_ISSUED,
     LEDGER_OUTCOMES,
     Counter,
@@ -27,24 +27,34 @@ from services.contracts.keys import (
     RunField,
     restarts_counter,
 )
-from services.contracts.runtime import Heartbeat
-from services.shell.api import create_app
-from tests.services.test_streams import issue
+from contracts.runtime import Heartbeat
+from services.api import create_app
+from tests.contracts.test_streams import issue
 
 TOKEN = "fuzz-token"
 MUTATING = {"POST"}
 
 
 @pytest.fixture()
-def api_schema(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> schemathesis.schemas.BaseSchema:
+def api_schema(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> schemathesis.schemas.BaseSchema:
     monkeypatch.setenv("DAPO_API_TOKEN", TOKEN)
-    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "output_dir": str(tmp_path),
-                        "queue": {"redis_url": redis_url, "namespace": "dapo"}})
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "output_dir": str(tmp_path),
+            "queue": {"redis_url": redis_url, "namespace": "dapo"},
+        }
+    )
     bus = StreamBus(connect(redis_url), Keys("dapo"), "fuzz")
     bus.ensure_groups()
     issue(bus, 3)
     # A live learner, so /readyz answers 200 (its 503 without one is the designed answer).
-    Heartbeat(bus, "learner", "learner-fuzz", ttl_s=600, status=lambda: {"state": "training"}).beat()
+    Heartbeat(
+        bus, "learner", "learner-fuzz", ttl_s=600, status=lambda: {"state": "training"}
+    ).beat()
     return schemathesis.openapi.from_asgi("/openapi.json", create_app(cfg))
 
 
@@ -58,7 +68,12 @@ def fuzz(schema: schemathesis.schemas.BaseSchema, check: object, max_examples: i
     for op in operations(schema):
 
         @given(case=op.as_strategy())  # type: ignore[attr-defined]
-        @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(
+            max_examples=max_examples,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
         def run(case: schemathesis.Case) -> None:
             nonlocal ran
             ran += 1
@@ -71,19 +86,25 @@ def fuzz(schema: schemathesis.schemas.BaseSchema, check: object, max_examples: i
 def test_no_server_errors_with_a_valid_token(api_schema: schemathesis.schemas.BaseSchema) -> None:
     def check(case: schemathesis.Case) -> None:
         response = case.call(headers={"Authorization": f"Bearer {TOKEN}"})
-        assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}"
+        assert response.status_code < 500, (
+            f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}"
+        )
 
     assert fuzz(api_schema, check, 40) > 100
 
 
-def test_mutating_routes_refuse_missing_or_wrong_tokens(api_schema: schemathesis.schemas.BaseSchema) -> None:
+def test_mutating_routes_refuse_missing_or_wrong_tokens(
+    api_schema: schemathesis.schemas.BaseSchema,
+) -> None:
     def check(case: schemathesis.Case) -> None:
         # The spec documents the Authorization header, so generated cases carry random values:
         # those must be refused (403); without the header, 401.
         generated = {k.lower(): v for k, v in (case.headers or {}).items()}
         if case.method.upper() in MUTATING and "authorization" in generated:
             assert case.call().status_code in (403, 422)
-        case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
+        case.headers = {
+            k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"
+        }
         anonymous = case.call()
         assert anonymous.status_code < 500
         if case.method.upper() in MUTATING:
@@ -97,12 +118,29 @@ def test_mutating_routes_refuse_missing_or_wrong_tokens(api_schema: schemathesis
 # --- garbage in Redis ----------------------------------------------------------------------
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=8,
 )
-HEARTBEAT_FIELDS = ("kind", "id", "at", "host", "pid", "policy_version", "state", "idle_fraction", "groups", "pass_rate")
+HEARTBEAT_FIELDS = (
+    "kind",
+    "id",
+    "at",
+    "host",
+    "pid",
+    "policy_version",
+    "state",
+    "idle_fraction",
+    "groups",
+    "pass_rate",
+)
 ALMOST_A_HEARTBEAT = st.fixed_dictionaries(
-    {"kind": st.sampled_from(["learner", "rollout"]), "id": st.text(max_size=8), "at": st.floats() | st.just(1e10)},
+    {
+        "kind": st.sampled_from(["learner", "rollout"]),
+        "id": st.text(max_size=8),
+        "at": st.floats() | st.just(1e10),
+    },
     optional={f: JSON for f in HEARTBEAT_FIELDS[3:]},
 )
 RAW = st.binary(max_size=16) | JSON.map(lambda v: json.dumps(v).encode())
@@ -113,25 +151,40 @@ def hash_of(names: list[str]) -> st.SearchStrategy[dict[str, bytes]]:
     return st.dictionaries(st.sampled_from(names) | st.text(max_size=6), RAW, max_size=4)
 
 
-HASHES = st.fixed_dictionaries({
-    "learner_state": hash_of(["state", "step", "policy_version", "at"]),
-    "ledger": hash_of([LEDGER_ISSUED, *LEDGER_OUTCOMES]),
-    "counters": hash_of([*(c.value for c in Counter), restarts_counter("rollout-0")]),
-    "run_info": hash_of([f.value for f in RunField]),
-    "control": hash_of(["pause", "checkpoint", "restore"]),
-})
+HASHES = st.fixed_dictionaries(
+    {
+        "learner_state": hash_of(["state", "step", "policy_version", "at"]),
+        "ledger": hash_of([LEDGER_ISSUED, *LEDGER_OUTCOMES]),
+        "counters": hash_of([*(c.value for c in Counter), restarts_counter("rollout-0")]),
+        "run_info": hash_of([f.value for f in RunField]),
+        "control": hash_of(["pause", "checkpoint", "restore"]),
+    }
+)
 
 
 def test_garbage_in_redis_never_gives_a_server_error(redis_url: str, tmp_path: Path) -> None:
-    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "output_dir": str(tmp_path),
-                        "queue": {"redis_url": redis_url, "namespace": "garbage"}})
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "output_dir": str(tmp_path),
+            "queue": {"redis_url": redis_url, "namespace": "garbage"},
+        }
+    )
     bus = StreamBus(connect(redis_url), Keys("garbage"), "fuzz")
     client = TestClient(create_app(cfg), raise_server_exceptions=False)
     ran = 0
 
     @given(heartbeats=HEARTBEATS, hashes=HASHES, records=st.lists(RAW, max_size=3), version=RAW)
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    def run(heartbeats: list[bytes], hashes: dict[str, dict[str, bytes]], records: list[bytes], version: bytes) -> None:
+    @settings(
+        max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
+    def run(
+        heartbeats: list[bytes],
+        hashes: dict[str, dict[str, bytes]],
+        records: list[bytes],
+        version: bytes,
+    ) -> None:
         nonlocal ran
         ran += 1
         bus.clear_namespace()
@@ -147,7 +200,9 @@ def test_garbage_in_redis_never_gives_a_server_error(redis_url: str, tmp_path: P
             r = client.get(path)
             assert r.status_code == 200, f"{path}: {r.status_code} {r.text[:300]}"
         ready = client.get("/readyz")
-        assert ready.status_code == 200 or "learner heartbeat" in ready.json()["detail"], ready.text[:300]
+        assert ready.status_code == 200 or "learner heartbeat" in ready.json()["detail"], (
+            ready.text[:300]
+        )
         assert_one_series_each(client.get("/metrics").text)
 
     run()
@@ -158,5 +213,7 @@ def assert_one_series_each(text: str) -> None:
     families = list(text_string_to_metric_families(text))
     names = [f.name for f in families]
     assert len(names) == len(set(names)), names
-    series: list[tuple[str, Any]] = [(s.name, sorted(s.labels.items())) for f in families for s in f.samples]
+    series: list[tuple[str, Any]] = [
+        (s.name, sorted(s.labels.items())) for f in families for s in f.samples
+    ]
     assert len(series) == len({(n, tuple(labels)) for n, labels in series}), series

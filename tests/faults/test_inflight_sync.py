@@ -15,10 +15,10 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.weight_sync import flat_broadcast_seconds
+from contracts.bus import StreamBus, connect
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.weight_sync import flat_broadcast_seconds
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -31,12 +31,20 @@ def weight_bytes(model_dir: Path) -> int:
 
 def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url: str) -> None:
     steps = 40
-    proc = start_run(tmp_path, redis_url, f"learner.total_steps={steps}", "rollout.max_response_len=8",
-                     "reward.overlong.buffer_len=2", faults="rollout.slowdown=10")
+    proc = start_run(
+        tmp_path,
+        redis_url,
+        f"learner.total_steps={steps}",
+        "rollout.max_response_len=8",
+        "reward.overlong.buffer_len=2",
+        faults="rollout.slowdown=10",
+    )
     # The reference transfer is measured in the same run: while it trains, with the same machine
     # load, the same bytes from one process to as many receiving processes as there are replicas.
     wait_for("step 10", lambda: learner_step(redis.Redis.from_url(redis_url)) >= 10, timeout_s=600)
-    model = REPO / load_config(REPO / "configs" / "tiny.yaml").model.path  # the weights this run broadcasts
+    model = (
+        REPO / load_config(REPO / "configs" / "tiny.yaml").model.path
+    )  # the weights this run broadcasts
     flat = flat_broadcast_seconds(weight_bytes(model), replicas=2, repeats=9)
     summary = finish(proc, tmp_path)
     assert summary["steps"] == steps and summary["ledger"]["balanced"]
@@ -46,10 +54,14 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     in_flight = sum(m["rollout/updated_in_flight"] for m in metrics) / len(metrics)
     length = sum(m["response_length/mean"] for m in metrics) / len(metrics)
     mean_sync, median_sync = sum(syncs) / len(syncs), statistics.median(syncs)
-    print(f"\nsync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max {max(syncs) * 1e3:.1f}: "
-          f"forming the group) vs a bare broadcast of the same bytes {flat * 1e3:.1f} ms "
-          f"({median_sync / flat:.1f}x); one group's share of a generation batch {gen_per_group * 1e3:.1f} ms; "
-          f"responses updated in flight {in_flight:.0%}, mean length {length:.1f} of at most 8 tokens")
+    print(
+        f"
+sync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max "
+        f"{max(syncs) * 1e3:.1f}: forming the group) vs a bare broadcast of the same bytes "
+        f"{flat * 1e3:.1f} ms ({median_sync / flat:.1f}x); one group's share of a generation "
+        f"batch {gen_per_group * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean "
+        f"length {length:.1f} of at most 8 tokens"
+    )
     assert in_flight > 0.05, "no response was generated across a weight update"
     # The mechanism, not a speed: a learner that waited for the replicas to finish their batch
     # would spend a whole generation batch (several groups' worth) in every sync. Taking the
@@ -59,5 +71,6 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     # bound failed once on scheduling noise). Less than one group's share of a batch holds with
     # a wide margin and fails as soon as a sync waits for generation.
     assert median_sync < gen_per_group, (
-        f"median sync {median_sync:.4f}s >= one group's generation {gen_per_group:.4f}s: the learner "
-        "waited for the replicas' batches")
+        f"median sync {median_sync:.4f}s >= one group's generation {gen_per_group:.4f}s: the "
+        "learner waited for the replicas' batches"
+    )

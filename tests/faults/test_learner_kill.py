@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.checkpoint_store import latest_checkpoint
-from services.shell.redis_server import RedisServer
+from contracts.checkpoint_store import latest_checkpoint
+from services.redis_server import RedisServer
 from tests.helpers import learner_step, pid_of, pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,16 +31,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
 def dapo_run(out: Path, url: str, *overrides: str, resume: bool = False) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "services.shell.cli", "run", "--config", "configs/tiny.yaml", "--output-dir", str(out), "--quiet",
-           f"queue.redis_url={url}", "eval.every_steps=0", "checkpoint.every_steps=5", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        "--config",
+        "configs/tiny.yaml",
+        "--output-dir",
+        str(out),
+        "--quiet",
+        f"queue.redis_url={url}",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=5",
+        *overrides,
+    ]
     if resume:
         cmd.append("--resume")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=LOG(out.parent), stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=LOG(out.parent), stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _training_again(r: redis.Redis, killed: int) -> bool:
-    """A learner other than the killed one is up (the killed one's heartbeat may linger) and training."""
-    return bool(pids(r, "learner") - {killed}) and r.hget("dapo:learner:state", "state") == b"training"
+    """A learner other than the killed one is up
+    (the killed one's heartbeat may linger) and training."""
+    return (
+        bool(pids(r, "learner") - {killed}) and r.hget("dapo:learner:state", "state") == b"training"
+    )
 
 
 def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
@@ -53,7 +71,9 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
             killed = pid_of(r, "learner")
             os.kill(killed, signal.SIGKILL)
             killed_at, step_at_kill = time.monotonic(), learner_step(r)
-            wait_for("the restarted learner training", lambda: _training_again(r, killed), every_s=0.1)
+            wait_for(
+                "the restarted learner training", lambda: _training_again(r, killed), every_s=0.1
+            )
             recovery_s = time.monotonic() - killed_at
             proc.wait(timeout=900)
             output = (tmp_path / "dapo-run.log").read_text()
@@ -62,8 +82,10 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
                 proc.kill()
         assert proc.returncode == 0, output[-4000:]
         summary = json.loads((out / "summary.json").read_text())
-        print(f"learner SIGKILL at step {step_at_kill}: training again {recovery_s:.1f}s later "
-              "(supervisor back-off, process start, checkpoint load)")
+        print(
+            f"learner SIGKILL at step {step_at_kill}: training again {recovery_s:.1f}s later "
+            "(supervisor back-off, process start, checkpoint load)"
+        )
         assert summary["restarts"] == {"learner": 1}
         assert summary["steps"] == 30
         ledger = summary["ledger"]
@@ -88,4 +110,3 @@ def test_learner_killed_mid_run_resumes_without_loss(tmp_path: Path) -> None:
         assert summary2["ledger"]["balanced"] and summary2["ledger"]["in_flight"] == 0
         assert summary2["ledger"]["trained"] == summary["ledger"]["trained"] + 5 * 16
         assert summary2["policy_version"] == summary["policy_version"] + 5
-

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.shell.redis_server import RedisServer
+from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -27,11 +27,17 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         server = RedisServer(tmp_path / "redis", port=server.port, appendonly=True).start()
         r = redis.Redis.from_url(server.url)
         after = {k.decode(): int(v) for k, v in r.hgetall("dapo:ledger").items()}
-        assert all(after.get(k, 0) >= v for k, v in before.items()), (before, after)  # nothing acknowledged was lost
+        assert all(after.get(k, 0) >= v for k, v in before.items()), (
+            before,
+            after,
+        )  # nothing acknowledged was lost
         restarted_at = time.monotonic()
         at = learner_step(r)
         wait_for("training after the restart", lambda: learner_step(r) >= at + 2, 180)
-        print(f"seconds from Redis back to two more training steps: {time.monotonic() - restarted_at:.1f}")
+        print(
+            "seconds from Redis back to two more training steps: "
+            f"{time.monotonic() - restarted_at:.1f}"
+        )
         summary = finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
@@ -46,9 +52,9 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
 def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> None:
     """With persistence off a restart loses the queues and the ledger: that must be detected,
     reported in /status and the counters, and the run must carry on, not hang or crash."""
-    from services.contracts.bus import StreamBus, connect
-    from services.contracts.keys import Keys
-    from services.shell.status import run_status
+    from contracts.bus import StreamBus, connect
+    from contracts.keys import Keys
+    from services.status import run_status
 
     server = RedisServer(tmp_path / "redis", appendonly=False).start()
     proc = start_run(tmp_path, server.url, "learner.total_steps=20")
@@ -59,7 +65,11 @@ def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> N
         time.sleep(2)
         server = RedisServer(tmp_path / "redis", port=server.port, appendonly=False).start()
         bus = StreamBus(connect(server.url), Keys("dapo"), "test")
-        status = wait_for("the loss reported", lambda: (s := run_status(bus, heartbeat_ttl_s=30))["redis_data_lost_at"] and s, 120)
+        status = wait_for(
+            "the loss reported",
+            lambda: (s := run_status(bus, heartbeat_ttl_s=30))["redis_data_lost_at"] and s,
+            120,
+        )
         assert status["counters"]["redis_data_loss"] == 1
         summary = finish(proc, tmp_path)
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.shell.redis_server import RedisServer
+from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, pid_of, pids, process_gone, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -35,7 +35,11 @@ def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Pa
             start = time.monotonic()
             wait_for(f"the {kind} to exit", lambda pid=pid: process_gone(pid), timeout_s=GRACE_S)
             exit_s[kind] = round(time.monotonic() - start, 2)
-            wait_for(f"a restarted {kind}", lambda kind=kind, before=before: pids(r, kind) - before, timeout_s=60)
+            wait_for(
+                f"a restarted {kind}",
+                lambda kind=kind, before=before: pids(r, kind) - before,
+                timeout_s=60,
+            )
         logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))
         summary = finish(proc, tmp_path)
     print(f"seconds from SIGTERM to exit: {exit_s}")
@@ -43,12 +47,18 @@ def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Pa
     # The supervisor saw four clean exits (code 0) and restarted each service once.
     assert len(re.findall(r"exited with 0; restart 1/", launcher_log)) == 4, launcher_log[-3000:]
     restarted = summary["restarts"]
-    assert restarted.get("learner") == 1 and restarted.get("reward-0") == 1 and restarted.get("gatekeeper") == 1
+    assert (
+        restarted.get("learner") == 1
+        and restarted.get("reward-0") == 1
+        and restarted.get("gatekeeper") == 1
+    )
     assert sum(v for k, v in restarted.items() if k.startswith("rollout")) == 1
     assert summary["steps"] == 30
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["dead"] == 0
     counters = summary["counters"]
-    assert counters.get("trained_twice", 0) == 0 and counters.get("replica_version_regressions", 0) == 0
+    assert (
+        counters.get("trained_twice", 0) == 0
+        and counters.get("replica_version_regressions", 0) == 0
+    )
     assert logs.count("received SIGTERM") == 4  # before the end of the run: the four sent above
-

@@ -10,21 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.runtime import EXIT_CHECKPOINT_REFUSED
+from contracts.runtime import EXIT_CHECKPOINT_REFUSED
 from tests.helpers import finish, start_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
-def test_a_resume_from_a_tampered_checkpoint_is_refused_and_not_restarted(tmp_path: Path, redis_url: str) -> None:
-    first = finish(start_run(tmp_path, redis_url, "learner.total_steps=4", "checkpoint.every_steps=2"), tmp_path)
+def test_a_resume_from_a_tampered_checkpoint_is_refused_and_not_restarted(
+    tmp_path: Path, redis_url: str
+) -> None:
+    first = finish(
+        start_run(tmp_path, redis_url, "learner.total_steps=4", "checkpoint.every_steps=2"),
+        tmp_path,
+    )
     assert first["steps"] == 4
     newest = tmp_path / "run" / "checkpoints" / "step_4"
     shard = sorted((newest / "state").glob("*.distcp"))[0]
     with shard.open("ab") as f:
         f.write(b"\0")  # one byte more than the manifest says
 
-    proc = start_run(tmp_path, redis_url, "learner.total_steps=6", "checkpoint.every_steps=2", "--resume")
+    proc = start_run(
+        tmp_path, redis_url, "learner.total_steps=6", "checkpoint.every_steps=2", "--resume"
+    )
     try:
         proc.wait(timeout=600)
     finally:
@@ -34,7 +41,9 @@ def test_a_resume_from_a_tampered_checkpoint_is_refused_and_not_restarted(tmp_pa
     assert proc.returncode != 0, run_log[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["learner_exit_code"] == EXIT_CHECKPOINT_REFUSED, run_log[-3000:]
-    assert shard.name in summary["learner_refused_checkpoint"]  # what a multi-rank (torchrun) learner leaves too
+    assert (
+        shard.name in summary["learner_refused_checkpoint"]
+    )  # what a multi-rank (torchrun) learner leaves too
     assert "learner" not in summary["restarts"]  # refused once, not restarted into the same refusal
     assert summary["steps"] == 4  # nothing trained on top of it
     learner_log = (tmp_path / "run" / "logs" / "learner.log").read_text()

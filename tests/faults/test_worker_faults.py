@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.schemas import encode_group
-from services.shell.redis_server import RedisServer
-from services.shell.status import run_status
+from contracts.bus import StreamBus, connect
+from contracts.keys import Keys
+from contracts.schemas import encode_group
+from services.redis_server import RedisServer
+from services.status import run_status
+from tests.contracts.test_schemas import make_group
 from tests.helpers import finish, learner_step, pid_of, start_run, wait_for
-from tests.services.test_schemas import make_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
@@ -40,7 +40,10 @@ def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
             wait_for(f"training after killing the {kind}", lambda at=at: learner_step(r) >= at + 2)
             recovery[kind] = round(time.monotonic() - start, 1)
         summary = finish(proc, tmp_path)
-    print(f"seconds from SIGKILL to two more training steps: {recovery}; run {summary['wall_seconds']}s")
+    print(
+        f"seconds from SIGKILL to two more training steps: {recovery}; run "
+        f"{summary['wall_seconds']}s"
+    )
     assert summary["steps"] == 30
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0

@@ -21,19 +21,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 def worker(model_dir: str, out: str) -> None:
     from bench.multirank_check import make_groups
+    from contracts.config import load_config
     from learner.batch import build_batch
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     batch = build_batch(make_groups(), pad_id=0)
     batch.advantages[0] = float("nan")  # one row of one mini-batch: on one rank only
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
-        f"model.path={model_dir}", "learner.lr=1e-3", "learner.warmup_steps=0", "learner.micro_batch_size=1",
-        "algorithm.train_batch_groups=4", "algorithm.mini_batch_groups=2",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            f"model.path={model_dir}",
+            "learner.lr=1e-3",
+            "learner.warmup_steps=0",
+            "learner.micro_batch_size=1",
+            "algorithm.train_batch_groups=4",
+            "algorithm.mini_batch_groups=2",
+        ],
+    )
     trainer = Trainer(cfg, rank=rank, world_size=world, backend="gloo")
     before = {n: t.cpu().clone() for n, t in trainer.named_full_params()}
     metrics = trainer.train_step(batch, policy_version=1)

@@ -106,7 +106,7 @@ def test_bad_arguments() -> None:
         log_probs_from_logits(_logits(), torch.zeros(B, T + 1, dtype=torch.long))
 
 
-# --- straight from the hidden states ---------------------------------------------------------------
+# --- straight from the hidden states --------------------------------------------------------------
 def test_the_fused_head_matches_the_logits_path_values_and_gradients() -> None:
     """log_probs_from_hidden == log_softmax(h W^T / t) gathered, and entropy, with the same
     gradients w.r.t. h and W through both outputs, for chunks that do not divide the rows."""
@@ -126,7 +126,10 @@ def test_the_fused_head_matches_the_logits_path_values_and_gradients() -> None:
     ((ref_logp * weights).sum() + 0.3 * ref_ent.sum()).backward()
     for a, b in zip(got, (ref_logp, ref_ent, h.grad, w.grad), strict=True):
         torch.testing.assert_close(a, b.detach())
-    assert torch.autograd.gradcheck(lambda x, y: log_probs_from_hidden(x, y, labels, chunk_size=4), (h.detach().requires_grad_(), w.detach().requires_grad_()))
+    assert torch.autograd.gradcheck(
+        lambda x, y: log_probs_from_hidden(x, y, labels, chunk_size=4),
+        (h.detach().requires_grad_(), w.detach().requires_grad_()),
+    )
 
 
 def test_the_fused_head_skips_the_entropy_gradient_when_the_loss_does_not_use_it() -> None:

@@ -228,6 +228,8 @@ def test_combine_losses() -> None:
     assert combine_losses(pg).item() == 1.0
     assert combine_losses(pg, ent).item() == 1.0  # DAPO default: coefficient 0
     assert combine_losses(pg, ent, entropy_coef=0.01).item() == pytest.approx(1.0 - 0.02)
-    assert combine_losses(pg, torch.tensor(float("nan"))).item() == 1.0  # a skipped term cannot leak NaN
+    assert (
+        combine_losses(pg, torch.tensor(float("nan"))).item() == 1.0
+    )  # a skipped term cannot leak NaN
     with pytest.raises(ValueError, match="entropy_coef"):
         combine_losses(pg, entropy_coef=0.1)

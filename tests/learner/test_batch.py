@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import torch
 
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.batch import build_batch
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 
 def _group(finish: list[str], rewards: list[float]) -> RolloutGroup:
-    job = PromptJob(group_id="g-0", prompt_index=0, prompt_ids=[5, 6], ground_truth="1", policy_version=0, issued_at=0.0)
-    responses = [Response(token_ids=[1, 2, 3][: i + 1], logprobs=[-0.1] * (i + 1), finish_reason=f) for i, f in enumerate(finish)]  # type: ignore[arg-type]
-    return RolloutGroup(job=job, policy_version=0, replica_id="r", responses=responses, rewards=rewards,
-                        scores=rewards, acc=[r > 0 for r in rewards])
+    job = PromptJob(
+        group_id="g-0",
+        prompt_index=0,
+        prompt_ids=[5, 6],
+        ground_truth="1",
+        policy_version=0,
+        issued_at=0.0,
+    )
+    responses = [
+        Response(token_ids=[1, 2, 3][: i + 1], logprobs=[-0.1] * (i + 1), finish_reason=f)
+        for i, f in enumerate(finish)
+    ]  # type: ignore[arg-type]
+    return RolloutGroup(
+        job=job,
+        policy_version=0,
+        replica_id="r",
+        responses=responses,
+        rewards=rewards,
+        scores=rewards,
+        acc=[r > 0 for r in rewards],
+    )
 
 
 def test_overlong_filter_masks_only_truncated_responses() -> None:
@@ -35,31 +52,81 @@ def test_rewards_sit_on_the_last_token_and_advantages_are_group_relative() -> No
 
 def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> None:
     """One row per group (prompt once, responses in slots) vs one row per response: the same
-    log-probs, to float tolerance, on a real Qwen2 model with unequal prompt and response lengths."""
+    log-probs, to float tolerance, on a real Qwen2 model with unequal prompt and response
+    lengths."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.batch import pack_groups
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).eval()
 
     def group(gid: int, prompt: list[int], lengths: list[int]) -> RolloutGroup:
-        job = PromptJob(group_id=f"g-{gid}", prompt_index=gid, prompt_ids=prompt, ground_truth="1", policy_version=0, issued_at=0.0)
-        responses = [Response(token_ids=[(7 * i + n) % 50 for n in range(k)], logprobs=[-0.1] * k, finish_reason="stop")
-                     for i, k in enumerate(lengths)]
-        return RolloutGroup(job=job, policy_version=0, replica_id="r", responses=responses, rewards=[1.0, -1.0, 1.0][: len(lengths)],
-                            scores=[1.0] * len(lengths), acc=[True] * len(lengths))
+        job = PromptJob(
+            group_id=f"g-{gid}",
+            prompt_index=gid,
+            prompt_ids=prompt,
+            ground_truth="1",
+            policy_version=0,
+            issued_at=0.0,
+        )
+        responses = [
+            Response(
+                token_ids=[(7 * i + n) % 50 for n in range(k)],
+                logprobs=[-0.1] * k,
+                finish_reason="stop",
+            )
+            for i, k in enumerate(lengths)
+        ]
+        return RolloutGroup(
+            job=job,
+            policy_version=0,
+            replica_id="r",
+            responses=responses,
+            rewards=[1.0, -1.0, 1.0][: len(lengths)],
+            scores=[1.0] * len(lengths),
+            acc=[True] * len(lengths),
+        )
 
-    batch = build_batch([group(0, [3, 4, 5, 6, 7], [2, 5, 1]), group(1, [9, 8], [4, 3, 6])], pad_id=0)
+    batch = build_batch(
+        [group(0, [3, 4, 5, 6, 7], [2, 5, 1]), group(1, [9, 8], [4, 3, 6])], pad_id=0
+    )
     P, R = batch.prompt_len, batch.responses.shape[1]
     with torch.no_grad():
-        rows = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
-        expected = torch.log_softmax(rows[:, P - 1 : P - 1 + R], -1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+        rows = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits
+        expected = (
+            torch.log_softmax(rows[:, P - 1 : P - 1 + R], -1)
+            .gather(-1, batch.responses.unsqueeze(-1))
+            .squeeze(-1)
+        )
         packed = pack_groups(batch.select([4, 0, 1, 2, 3, 5]))  # rows need not be in group order
-        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids).logits
-        slots = torch.log_softmax(logits[:, packed.keep], -1).gather(-1, packed.input_ids[:, P:].unsqueeze(-1)).squeeze(-1)
-    got = slots.reshape(-1, R)[packed.rows.reshape(-1).argsort()]  # back to the selected rows' order
+        logits = model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+        ).logits
+        slots = (
+            torch.log_softmax(logits[:, packed.keep], -1)
+            .gather(-1, packed.input_ids[:, P:].unsqueeze(-1))
+            .squeeze(-1)
+        )
+    got = slots.reshape(-1, R)[
+        packed.rows.reshape(-1).argsort()
+    ]  # back to the selected rows' order
     mask = batch.response_mask.bool()[[4, 0, 1, 2, 3, 5]]
     torch.testing.assert_close(got[mask], expected[[4, 0, 1, 2, 3, 5]][mask], rtol=1e-5, atol=1e-5)
 
@@ -79,8 +146,9 @@ def test_the_packed_layout_is_refused_for_attention_that_does_not_apply_its_mask
 
     assert packed_layout_problem(qwen2(PACKED_ATTENTION)) is None
     assert "'eager'" in str(packed_layout_problem(qwen2("eager")))
-    sliding = qwen2(PACKED_ATTENTION, use_sliding_window=True, sliding_window=8,
-                    max_window_layers=1)
+    sliding = qwen2(
+        PACKED_ATTENTION, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
     assert "sliding_attention layers" in str(packed_layout_problem(sliding))
     mistral = MistralConfig(num_hidden_layers=2, sliding_window=8)  # no layer_types, no switch
     mistral._attn_implementation = PACKED_ATTENTION

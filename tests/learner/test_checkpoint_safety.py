@@ -34,9 +34,7 @@ import pytest
 import torch
 
 from bench.multirank_check import launch_ranks
-from learner import checkpoint as ckpt_mod
-from learner.checkpoint import Checkpoints, load_checkpoint, rng_file, verify_checkpoint
-from services.contracts.checkpoint_store import (
+from contracts.checkpoint_store import (
     ABANDONED,
     MANIFEST,
     MARKER,
@@ -45,6 +43,8 @@ from services.contracts.checkpoint_store import (
     step_dir,
     temp_step_dir,
 )
+from learner import checkpoint as ckpt_mod
+from learner.checkpoint import Checkpoints, load_checkpoint, rng_file, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,8 +67,9 @@ def tiny_trainer(seed: int = 0) -> SimpleNamespace:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     train(SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler))
-    return SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler,
-                           rng=random.Random(seed))
+    return SimpleNamespace(
+        model=model, optimizer=optimizer, scheduler=scheduler, rng=random.Random(seed)
+    )
 
 
 def train(t: SimpleNamespace) -> None:
@@ -79,7 +80,9 @@ def train(t: SimpleNamespace) -> None:
 
 
 def store(root: Path, trainer: SimpleNamespace, *, keep_last: int = 5) -> Checkpoints:
-    return Checkpoints(root, trainer=trainer, rank=0, keep_last=keep_last, save_hf=True, barrier=lambda: None)
+    return Checkpoints(
+        root, trainer=trainer, rank=0, keep_last=keep_last, save_hf=True, barrier=lambda: None
+    )
 
 
 def export(out: Path) -> None:
@@ -89,14 +92,19 @@ def export(out: Path) -> None:
 
 
 def save(ckpt: Checkpoints, step: int, **meta: Any) -> Path:
-    return ckpt.save(step, {"policy_version": step, "data_cursor": 10 * step, **meta}, keep=False, hf_export=export)
+    return ckpt.save(
+        step,
+        {"policy_version": step, "data_cursor": 10 * step, **meta},
+        keep=False,
+        hf_export=export,
+    )
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-# --- loading executes nothing -----------------------------------------------------------------------------
+# --- loading executes nothing ---------------------------------------------------------------------
 def test_saved_files_load_without_pickle_and_restore_the_rng_streams(tmp_path: Path) -> None:
     from safetensors import safe_open
 
@@ -107,8 +115,15 @@ def test_saved_files_load_without_pickle_and_restore_the_rng_streams(tmp_path: P
     expected = (torch.rand(4), random.random(), params(t.model))
     train(t)
     files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
-    assert files == [MARKER, "hf/config.json", MANIFEST, "rng/rank_0.safetensors", "state/.metadata",
-                     "state/__0_0.distcp", "trainer.json"]  # no rng.pt, nothing else pickled but DCP's .metadata
+    assert files == [
+        MARKER,
+        "hf/config.json",
+        MANIFEST,
+        "rng/rank_0.safetensors",
+        "state/.metadata",
+        "state/__0_0.distcp",
+        "trainer.json",
+    ]  # no rng.pt, nothing else pickled but DCP's .metadata
     with safe_open(str(rng_file(path, 0)), framework="pt") as f:
         assert f.get_tensor("torch_cpu").dtype == torch.uint8
         assert json.loads(f.metadata()["python"])[0] == 3  # random.getstate()'s version, as JSON
@@ -147,8 +162,12 @@ def test_a_restored_learner_draws_the_mini_batch_shuffle_an_uninterrupted_one_wo
 
 
 def test_no_code_loads_with_weights_only_false() -> None:
-    offenders = [str(p.relative_to(REPO)) for pkg in ("learner", "services", "rollout", "reward")
-                 for p in (REPO / pkg).rglob("*.py") if "weights_only=False" in p.read_text()]
+    offenders = [
+        str(p.relative_to(REPO))
+        for pkg in ("learner", "services", "rollout", "reward")
+        for p in (REPO / pkg).rglob("*.py")
+        if "weights_only=False" in p.read_text()
+    ]
     assert offenders == []
 
 
@@ -166,16 +185,29 @@ TAMPERING = {
     "pickle in the RNG file": ("rng/rank_0.safetensors", plant_pickle, "rng/rank_0.safetensors"),
     "pickle as DCP metadata": ("state/.metadata", plant_pickle, "state/.metadata"),
     "pickle added as rng.pt": ("rng.pt", plant_pickle, "rng.pt is not in manifest.json"),
-    "shard truncated": ("state/__0_0.distcp", lambda p, _: p.write_bytes(p.read_bytes()[:100]), "state/__0_0.distcp has 100 bytes"),
-    "shard byte flipped": ("state/__0_0.distcp", lambda p, _: flip_a_byte(p), "state/__0_0.distcp does not match its SHA-256"),
-    "export file swapped for a link": ("hf/config.json", lambda p, _: (p.unlink(), p.symlink_to(REPO / "pyproject.toml")),
-                                       "hf/config.json is not a regular file"),
+    "shard truncated": (
+        "state/__0_0.distcp",
+        lambda p, _: p.write_bytes(p.read_bytes()[:100]),
+        "state/__0_0.distcp has 100 bytes",
+    ),
+    "shard byte flipped": (
+        "state/__0_0.distcp",
+        lambda p, _: flip_a_byte(p),
+        "state/__0_0.distcp does not match its SHA-256",
+    ),
+    "export file swapped for a link": (
+        "hf/config.json",
+        lambda p, _: (p.unlink(), p.symlink_to(REPO / "pyproject.toml")),
+        "hf/config.json is not a regular file",
+    ),
     "manifest removed": (MANIFEST, lambda p, _: p.unlink(), "manifest.json is missing"),
 }
 
 
 @pytest.mark.parametrize("case", list(TAMPERING))
-def test_a_tampered_checkpoint_is_refused_naming_the_file_and_nothing_runs(tmp_path: Path, case: str) -> None:
+def test_a_tampered_checkpoint_is_refused_naming_the_file_and_nothing_runs(
+    tmp_path: Path, case: str
+) -> None:
     target, tamper, named = TAMPERING[case]
     marker = tmp_path / "payload-ran"
     live = tmp_path / "payload-is-live"
@@ -196,11 +228,13 @@ def test_a_tampered_checkpoint_is_refused_naming_the_file_and_nothing_runs(tmp_p
     assert ckpt.latest_step() == 2  # a refused restore abandons nothing
 
 
-def test_planted_metadata_runs_no_code_even_with_a_manifest_rewritten_to_match(tmp_path: Path) -> None:
+def test_planted_metadata_runs_no_code_even_with_a_manifest_rewritten_to_match(
+    tmp_path: Path,
+) -> None:
     """A writer with full access to the store can plant a pickle and a manifest that agrees with
     it; the manifest check passes, and DCP's metadata reader is what stands between the pickle
     and the learner: it refuses the global the pickle names before looking it up."""
-    from services.contracts.checkpoint_store import file_digest, hashed_files, write_manifest
+    from contracts.checkpoint_store import file_digest, hashed_files, write_manifest
 
     marker = tmp_path / "payload-ran"
     t = tiny_trainer()
@@ -220,11 +254,16 @@ def test_planted_metadata_runs_no_code_even_with_a_manifest_rewritten_to_match(t
 
 METADATA_ATTACKS = {
     # A dotted name inside an allowed module reaches anything that module imports (os, operator).
-    "a dotted name into an allowed module": (b"\x80\x04ctorch.distributed.checkpoint.filesystem\nos.system\n.", "names"),
+    "a dotted name into an allowed module": (
+        b"\x80\x04ctorch.distributed.checkpoint.filesystem\nos.system\n.",
+        "names",
+    ),
     "a global outside the list": (b"\x80\x04cbuiltins\neval\n.", "names builtins.eval"),
     # BUILD on a class object sets class attributes for the whole process.
-    "state applied to a class": (b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}\x8c\x01xK\x01s\x86b.",
-                                 "sets attributes on the class Metadata"),
+    "state applied to a class": (
+        b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}\x8c\x01xK\x01s\x86b.",
+        "sets attributes on the class Metadata",
+    ),
 }
 
 
@@ -243,7 +282,9 @@ def test_enum_members_pickled_by_name_load_and_nothing_else_through_getattr() ->
 
     from learner.dcp_reader import MetadataUnpickler
 
-    member = MetadataUnpickler(io.BytesIO(pickle.dumps(MemberByName(_MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST")))).load()
+    member = MetadataUnpickler(
+        io.BytesIO(pickle.dumps(MemberByName(_MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST")))
+    ).load()
     assert member is _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST
     for cls, name in ((Metadata, "__init__"), (_MEM_FORMAT_ENCODING, "__class__")):
         with pytest.raises(CheckpointRefused, match="looks up"):
@@ -259,7 +300,9 @@ def test_the_metadata_unpickler_refuses_what_no_checkpoint_holds(attack: str) ->
         MetadataUnpickler(io.BytesIO(payload)).load()
 
 
-def test_storage_files_outside_the_state_directory_and_unsafe_items_are_refused(tmp_path: Path) -> None:
+def test_storage_files_outside_the_state_directory_and_unsafe_items_are_refused(
+    tmp_path: Path,
+) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -267,8 +310,18 @@ def test_storage_files_outside_the_state_directory_and_unsafe_items_are_refused(
 
     for path in ("../../etc/passwd", "/etc/passwd", "..", "sub/__0_0.distcp"):
         with pytest.raises(CheckpointRefused, match="points at the storage file"):
-            _check_storage_files(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo(path, 0, 1)}))
-    _check_storage_files(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 1)}))
+            _check_storage_files(
+                Metadata(
+                    state_dict_metadata={},
+                    storage_data={MetadataIndex("w"): _StorageInfo(path, 0, 1)},
+                )
+            )
+    _check_storage_files(
+        Metadata(
+            state_dict_metadata={},
+            storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 1)},
+        )
+    )
 
     # A non-tensor item (how DCP stores optimizer hyper-parameters) that is not a plain value.
     marker = tmp_path / "payload-ran"
@@ -281,7 +334,9 @@ def test_storage_files_outside_the_state_directory_and_unsafe_items_are_refused(
     assert not marker.exists()
 
 
-def test_verification_runs_before_the_pickled_metadata_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verification_runs_before_the_pickled_metadata_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The order matters more than the hashes: verification must come before DCP's reader."""
     t = tiny_trainer()
     ckpt = store(tmp_path, t)
@@ -310,19 +365,22 @@ def test_verification_runs_before_the_pickled_metadata_is_read(tmp_path: Path, m
 
     monkeypatch.setattr(FileSystemReader, "read_metadata", read_metadata)
     monkeypatch.setattr(MetadataUnpickler, "load", unpickle)
-    load_checkpoint(path, rank=0, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-                    shuffle=t.rng)
+    load_checkpoint(
+        path, rank=0, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, shuffle=t.rng
+    )
     assert calls[:3] == ["verify", "read_metadata", "unpickle"]
     assert calls.count("unpickle") == 1 < calls.count("read_metadata")  # read twice, unpickled once
 
 
-# --- atomic and durable -------------------------------------------------------------------------------------
+# --- atomic and durable ---------------------------------------------------------------------------
 def fail(*_: Any, **__: Any) -> None:
     raise OSError("simulated crash")
 
 
 @pytest.mark.parametrize("where", ["while writing", "just before the rename"])
-def test_an_interrupted_save_leaves_no_step_and_the_previous_stays_newest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+def test_an_interrupted_save_leaves_no_step_and_the_previous_stays_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
     t = tiny_trainer()
     ckpt = store(tmp_path, t)
     save(ckpt, 1)
@@ -334,7 +392,9 @@ def test_an_interrupted_save_leaves_no_step_and_the_previous_stays_newest(tmp_pa
             m.setattr(ckpt_mod, "commit_dir", fail)
             with pytest.raises(OSError, match="simulated"):
                 save(ckpt, 2)
-            assert (temp_step_dir(tmp_path, 2) / MARKER).exists()  # complete, marker and all, yet not listed
+            assert (
+                temp_step_dir(tmp_path, 2) / MARKER
+            ).exists()  # complete, marker and all, yet not listed
     assert not step_dir(tmp_path, 2).exists()
     assert [c.step for c in list_checkpoints(tmp_path)] == [1] and ckpt.latest_step() == 1
 
@@ -360,7 +420,9 @@ def fail_to_delete(path: str | Path, *_: Any, **__: Any) -> None:
     raise OSError("Directory not empty: a file held open on a network filesystem")
 
 
-def test_retention_crashing_mid_delete_leaves_no_half_deleted_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_crashing_mid_delete_leaves_no_half_deleted_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     t = tiny_trainer()
     ckpt = store(tmp_path, t, keep_last=2)
     save(ckpt, 1)
@@ -373,13 +435,17 @@ def test_retention_crashing_mid_delete_leaves_no_half_deleted_step(tmp_path: Pat
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3]
     for c in list_checkpoints(tmp_path):
         verify_checkpoint(c.path, 0)
-    assert [p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith(".")] == [".trash"]
+    assert [p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith(".")] == [
+        ".trash"
+    ]
 
     assert store(tmp_path, t).latest_step() == 3  # a restart removes the half-deleted one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
 
 
-def test_a_failed_deletion_does_not_fail_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_deletion_does_not_fail_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The checkpoint is committed and the old one out of the listing; what could not be deleted
     waits for the next start."""
     t = tiny_trainer()
@@ -393,7 +459,9 @@ def test_a_failed_deletion_does_not_fail_the_save(tmp_path: Path, monkeypatch: p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
 
 
-def test_saving_a_step_again_never_deletes_the_committed_one_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_saving_a_step_again_never_deletes_the_committed_one_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same step saved twice (a periodic save, then an operator's) replaces it whole."""
     t = tiny_trainer()
     ckpt = store(tmp_path, t)
@@ -401,7 +469,9 @@ def test_saving_a_step_again_never_deletes_the_committed_one_in_place(tmp_path: 
     with monkeypatch.context() as m:
         m.setattr(shutil, "rmtree", crash_mid_delete)
         with pytest.raises(Crash):
-            save(ckpt, 2, data_cursor=21)  # the old copy is deleted only after the new one is in place
+            save(
+                ckpt, 2, data_cursor=21
+            )  # the old copy is deleted only after the new one is in place
     verify_checkpoint(step_dir(tmp_path, 2), 0)
     meta = ckpt.load(2)
     assert meta is not None and meta["data_cursor"] == 21
@@ -438,7 +508,8 @@ class DiskJournal:
 
 
 def test_every_file_and_directory_is_fsynced_before_the_rename_that_commits_the_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A power cut after the rename must not leave a listed `step_N` whose files or directory
     entries were still in the page cache: everything under `.tmp-step_N` reaches the disk first,
@@ -451,11 +522,18 @@ def test_every_file_and_directory_is_fsynced_before_the_rename_that_commits_the_
     commit = ("rename", str(tmp), str(final))
     assert journal.events.count(commit) == 1, journal.events
     at = journal.events.index(commit)
-    before, after = journal.synced(journal.events[:at]), journal.synced(journal.events[at + 1:])
+    before, after = journal.synced(journal.events[:at]), journal.synced(journal.events[at + 1 :])
 
     files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
-    assert {MARKER, MANIFEST, "keep", "trainer.json", "hf/config.json", "rng/rank_0.safetensors",
-            "state/.metadata"} <= set(files)
+    assert {
+        MARKER,
+        MANIFEST,
+        "keep",
+        "trainer.json",
+        "hf/config.json",
+        "rng/rank_0.safetensors",
+        "state/.metadata",
+    } <= set(files)
     dirs = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_dir())
     assert dirs == ["hf", "rng", "state"]
     assert [f for f in files if str(tmp / f) not in before] == []
@@ -464,7 +542,7 @@ def test_every_file_and_directory_is_fsynced_before_the_rename_that_commits_the_
     assert str(root) in after  # the store directory: makes the new name `step_1` durable
 
 
-# --- a restore abandons the newer line ----------------------------------------------------------------------
+# --- a restore abandons the newer line ------------------------------------------------------------
 def test_a_second_learner_deletes_nothing_before_it_is_used(tmp_path: Path) -> None:
     """Constructed before the learner lease is taken: a learner refused the lease must not have
     removed the running learner's checkpoint in progress."""
@@ -494,12 +572,21 @@ def test_a_restore_moves_the_newer_steps_aside(tmp_path: Path) -> None:
     assert [c.step for c in list_checkpoints(tmp_path)] == [1, 2]
 
 
-# --- several ranks ------------------------------------------------------------------------------------------
-def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(tiny_model_dir: Path, tmp_path: Path) -> None:
-    launch_ranks(__file__, 2, str(tiny_model_dir), str(tmp_path))  # raises with the ranks' output if one fails
+# --- several ranks --------------------------------------------------------------------------------
+def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    launch_ranks(
+        __file__, 2, str(tiny_model_dir), str(tmp_path)
+    )  # raises with the ranks' output if one fails
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     manifest = json.loads((tmp_path / "ckpt" / "step_1" / MANIFEST).read_text())["files"]
-    assert {"state/__0_0.distcp", "state/__1_0.distcp", "rng/rank_0.safetensors", "rng/rank_1.safetensors"} <= set(manifest)
+    assert {
+        "state/__0_0.distcp",
+        "state/__1_0.distcp",
+        "rng/rank_0.safetensors",
+        "rng/rank_1.safetensors",
+    } <= set(manifest)
     for r in results:
         assert "state/__1_0.distcp does not match its SHA-256" in r["refused"]
         assert r["params_restored"] and r["rng_restored"] and r["latest_after_restore"] == 1
@@ -511,8 +598,8 @@ def test_two_ranks_write_one_checkpoint_load_it_and_refuse_a_changed_shard(tiny_
 def _rank_main(model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
+    from contracts.config import load_config
     from learner.trainer import Trainer
-    from services.contracts.config import load_config
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -520,7 +607,9 @@ def _rank_main(model_dir: str, out: str) -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml", [f"model.path={model_dir}"])
     trainer = Trainer(cfg, rank=rank, world_size=dist.get_world_size(), backend="gloo")
     root = Path(out) / "ckpt"
-    ckpt = Checkpoints(root, trainer=trainer, rank=rank, keep_last=3, save_hf=False, barrier=dist.barrier)
+    ckpt = Checkpoints(
+        root, trainer=trainer, rank=rank, keep_last=3, save_hf=False, barrier=dist.barrier
+    )
 
     def step_params() -> dict[str, torch.Tensor]:
         for p in trainer.model.parameters():
@@ -546,7 +635,9 @@ def _rank_main(model_dir: str, out: str) -> None:
     ckpt.load(1)
     restored = {n: t for n, t in trainer.named_full_params()}
     result = {
-        "refused": refused, "latest_after_restore": ckpt.latest_step(), "rng_draw": draw.tolist(),
+        "refused": refused,
+        "latest_after_restore": ckpt.latest_step(),
+        "rng_draw": draw.tolist(),
         "rng_restored": torch.equal(torch.rand(3), draw),
         "shuffle_restored": shuffled(trainer.rng) == next_shuffle,
         "params_restored": all(torch.equal(restored[n], saved[n]) for n in saved),

@@ -8,17 +8,22 @@ from types import SimpleNamespace
 
 import pytest
 
+from contracts.bus import StreamBus, connect
+from contracts.data import PromptRecord
+from contracts.keys import LEDGER_FILTERED, Keys
+from contracts.runtime import StopFlag
+from contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
 from learner.collect import StreamSource
 from learner.commands import Picked
 from learner.feeder import PromptFeeder, budget_jobs
-from services.contracts.bus import StreamBus, connect
-from services.contracts.data import PromptRecord
-from services.contracts.keys import LEDGER_FILTERED, Keys
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
 
-RECORD = PromptRecord(index=0, messages=[{"role": "user", "content": "1+1"}], ground_truth="2",
-                      data_source="t", extra_info={})
+RECORD = PromptRecord(
+    index=0,
+    messages=[{"role": "user", "content": "1+1"}],
+    ground_truth="2",
+    data_source="t",
+    extra_info={},
+)
 
 
 @pytest.fixture()
@@ -30,17 +35,40 @@ def bus(redis_url: str) -> StreamBus:
 
 def source(bus: StreamBus, *, max_staleness: int, batch_groups: int) -> StreamSource:
     """The learner's collector, with a feeder that issues nothing itself (`kept_ahead=0`)."""
-    feeder = PromptFeeder(bus, [RECORD], None, run_name="t", limit=0, kept_ahead=0,
-                          max_prompt_len=16, shuffle=False, seed=0)
-    return StreamSource(bus, feeder, batch_groups=batch_groups, max_staleness=max_staleness,
-                        max_deliveries=3, stop=StopFlag(), catch_up=lambda: None, vocab_size=100,
-                        budget_s=0.5)
+    feeder = PromptFeeder(
+        bus,
+        [RECORD],
+        None,
+        run_name="t",
+        limit=0,
+        kept_ahead=0,
+        max_prompt_len=16,
+        shuffle=False,
+        seed=0,
+    )
+    return StreamSource(
+        bus,
+        feeder,
+        batch_groups=batch_groups,
+        max_staleness=max_staleness,
+        max_deliveries=3,
+        stop=StopFlag(),
+        catch_up=lambda: None,
+        vocab_size=100,
+        budget_s=0.5,
+    )
 
 
 def job(i: int) -> PromptJob:
     """The i-th job the feeder issues (its group id ends with the data cursor)."""
-    return PromptJob(group_id=f"t-{i}", prompt_index=0, prompt_ids=[5, 6], ground_truth="2",
-                     policy_version=0, issued_at=100.0 + i)
+    return PromptJob(
+        group_id=f"t-{i}",
+        prompt_index=0,
+        prompt_ids=[5, 6],
+        ground_truth="2",
+        policy_version=0,
+        issued_at=100.0 + i,
+    )
 
 
 def issue(bus: StreamBus, n: int) -> dict[str, str]:
@@ -60,13 +88,23 @@ def finish(
     if not kept:
         assert replica.hop(bus.keys.prompts, entry, outcome=LEDGER_FILTERED)
         return
-    responses = [Response(token_ids=[7] * length, logprobs=[-0.5] * length, finish_reason="stop")
-                 for _ in range(2)]
-    group = RolloutGroup(job=job(i), policy_version=0, replica_id="r", responses=responses,
-                         rewards=[1.0, -1.0], scores=[1.0, -1.0], acc=[True, False],
-                         preds=["2", "3"])
-    assert replica.hop(bus.keys.prompts, entry, downstream=bus.keys.train.stream,
-                       fields=encode_group(group))
+    responses = [
+        Response(token_ids=[7] * length, logprobs=[-0.5] * length, finish_reason="stop")
+        for _ in range(2)
+    ]
+    group = RolloutGroup(
+        job=job(i),
+        policy_version=0,
+        replica_id="r",
+        responses=responses,
+        rewards=[1.0, -1.0],
+        scores=[1.0, -1.0],
+        acc=[True, False],
+        preds=["2", "3"],
+    )
+    assert replica.hop(
+        bus.keys.prompts, entry, downstream=bus.keys.train.stream, fields=encode_group(group)
+    )
 
 
 def ids(picked: list[Picked] | None) -> list[str] | None:
@@ -107,8 +145,18 @@ def test_a_sample_budget_issues_exactly_its_jobs_however_admission_batches_them(
     the admission that crosses it; a budget that divides is spent to the response."""
     assert budget_jobs(30, 4) == 8 and budget_jobs(32, 4) == 8 and budget_jobs(None, 4) is None
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6])
-    feeder = PromptFeeder(bus, [RECORD], tokenizer, run_name="t", limit=100, kept_ahead=5,
-                          max_prompt_len=16, shuffle=False, seed=0, max_jobs=budget_jobs(30, 4))
+    feeder = PromptFeeder(
+        bus,
+        [RECORD],
+        tokenizer,
+        run_name="t",
+        limit=100,
+        kept_ahead=5,
+        max_prompt_len=16,
+        shuffle=False,
+        seed=0,
+        max_jobs=budget_jobs(30, 4),
+    )
     assert feeder.admit(policy_version=0) == 5  # admission control alone would allow 5 at a time
     feeder.kept_ahead = 10
     assert feeder.admit(policy_version=0) == 3  # trimmed: 8 in all, not 10

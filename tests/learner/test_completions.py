@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from contracts.bus import open_bus
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.commands import Picked
 from learner.report import CompletionSampler, RunReporter
 from learner.tracking import COMPLETIONS_TAG, Completion, Trackers, markdown_table
-from services.contracts.bus import open_bus
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 from tests.learner.test_loop import FakeSource, config, rank0
 
 VOCAB = {5: "What", 6: "is", 7: "2+2?", 1: "4", 2: "<|endoftext|>", 3: "5", 4: "6"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.bus import FencedError, StreamBus, connect
+from contracts.keys import Keys
+from contracts.lease import LearnerLease
 from learner.control import RunControl
-from services.contracts.bus import FencedError, StreamBus, connect
-from services.contracts.keys import Keys
-from services.contracts.lease import LearnerLease
 
 
 def new_bus(url: str, name: str) -> StreamBus:
@@ -21,14 +21,18 @@ def test_check_lease_refuses_once_another_learner_holds_the_lease(redis_url: str
     bus = new_bus(redis_url, "learner-a")
     lease = LearnerLease(bus, holder="learner-a", ttl_s=30.0)
     lease.acquire(wait_s=0)
-    control = RunControl(bus, run_name="run", instance="learner-a", heartbeat_ttl_s=5.0, lease=lease)
+    control = RunControl(
+        bus, run_name="run", instance="learner-a", heartbeat_ttl_s=5.0, lease=lease
+    )
     control.check_lease()  # held: the checkpoint may be written
 
     # learner-a was paused past its TTL (the key expired) and learner-b took over meanwhile.
     bus.redis.delete(bus.keys.learner_lease)
     successor = LearnerLease(new_bus(redis_url, "learner-b"), holder="learner-b", ttl_s=30.0)
     token = successor.acquire(wait_s=0)
-    with pytest.raises(FencedError, match=r"no longer holds the learner lease \(now \d+:learner-b\)"):
+    with pytest.raises(
+        FencedError, match=r"no longer holds the learner lease \(now \d+:learner-b\)"
+    ):
         control.check_lease()
     with pytest.raises(FencedError):
         control.check_lease()  # and stays refused: the lease is not taken back from a holder

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.bus import StreamBus, connect
+from contracts.data import PromptRecord, distinct_problems
+from contracts.keys import Counter, Keys
+from contracts.schemas import EvalResult, Response, RolloutGroup, decode_job, encode_group
+from gatekeeper.service import Gatekeeper
 from learner.commands import Progress
 from learner.evaluation import EvalLane
-from services.contracts.bus import StreamBus, connect
-from services.contracts.data import PromptRecord, distinct_problems
-from services.contracts.keys import Counter, Keys
-from services.contracts.schemas import EvalResult, Response, RolloutGroup, decode_job, encode_group
-from services.gatekeeper import Gatekeeper
 
 PROBLEMS = [([1, 2, 3], "5", "synth"), ([4, 5], "9", "synth"), ([6], "1", "synth")]
 SAMPLES = 4
@@ -27,11 +27,19 @@ def bus(redis_url: str) -> StreamBus:
 
 
 def lane(bus: StreamBus, **kw: object) -> EvalLane:
-    args = {"run_name": "run", "samples": SAMPLES, "max_deliveries": 3, "catch_up": lambda: None, **kw}
+    args = {
+        "run_name": "run",
+        "samples": SAMPLES,
+        "max_deliveries": 3,
+        "catch_up": lambda: None,
+        **kw,
+    }
     return EvalLane(bus, PROBLEMS, **args)  # type: ignore[arg-type]
 
 
-def serve(bus: StreamBus, correct: dict[int, int], *, version: int = 0, only: set[int] | None = None) -> None:
+def serve(
+    bus: StreamBus, correct: dict[int, int], *, version: int = 0, only: set[int] | None = None
+) -> None:
     """Replica, reward worker and gatekeeper for the evaluation jobs waiting: problem i gets
     `correct[i]` of its samples right."""
     replica, keys = bus.as_consumer("replica"), bus.keys
@@ -43,22 +51,38 @@ def serve(bus: StreamBus, correct: dict[int, int], *, version: int = 0, only: se
             continue
         ok = correct[job.eval.problem]
         group = RolloutGroup(
-            job=job, policy_version=version, replica_id="r0",
-            responses=[Response(token_ids=[7] * (i + 1), logprobs=[-1.0] * (i + 1), finish_reason="stop") for i in range(SAMPLES)],
-            scores=[1.0 if i < ok else -1.0 for i in range(SAMPLES)], acc=[i < ok for i in range(SAMPLES)],
-            rewards=[1.0 if i < ok else -1.0 for i in range(SAMPLES)], preds=[""] * SAMPLES,
+            job=job,
+            policy_version=version,
+            replica_id="r0",
+            responses=[
+                Response(token_ids=[7] * (i + 1), logprobs=[-1.0] * (i + 1), finish_reason="stop")
+                for i in range(SAMPLES)
+            ],
+            scores=[1.0 if i < ok else -1.0 for i in range(SAMPLES)],
+            acc=[i < ok for i in range(SAMPLES)],
+            rewards=[1.0 if i < ok else -1.0 for i in range(SAMPLES)],
+            preds=[""] * SAMPLES,
         )
-        replica.hop(keys.prompts, entry_id, downstream=keys.scored.stream, fields=encode_group(group))
+        replica.hop(
+            keys.prompts, entry_id, downstream=keys.scored.stream, fields=encode_group(group)
+        )
     gate = Gatekeeper(bus.as_consumer("gatekeeper"))
     gate.handle(gate.bus.read(keys.scored, count=100, block_ms=None))
-    assert gate.kept == 0 and gate.filtered == 0  # evaluation groups are never gated (all-correct ones neither)
+    assert (
+        gate.kept == 0 and gate.filtered == 0
+    )  # evaluation groups are never gated (all-correct ones neither)
 
 
 def test_a_round_is_reported_once_every_problem_is_in_and_never_trained(bus: StreamBus) -> None:
     evals = lane(bus)
     evals.issue(Progress(step=10, policy_version=12), 12.5)
     snap = bus.ledger()
-    assert (snap.issued, snap.eval_issued, snap.eval_in_flight, snap.train_in_flight) == (0, 3, 3, 0)
+    assert (snap.issued, snap.eval_issued, snap.eval_in_flight, snap.train_in_flight) == (
+        0,
+        3,
+        3,
+        0,
+    )
     assert evals.in_flight
 
     serve(bus, {0: 4, 1: 1, 2: 0}, version=13, only={0, 1})
@@ -71,7 +95,13 @@ def test_a_round_is_reported_once_every_problem_is_in_and_never_trained(bus: Str
     assert metrics["eval/samples_per_problem"] == 4 and metrics["eval/policy_version_lag"] == 1
     assert metrics["eval/rl_seconds"] == 12.5  # when the evaluated weights existed
     snap = bus.ledger()
-    assert (snap.evaluated, snap.in_flight, snap.trained, snap.filtered, snap.balanced) == (3, 0, 0, 0, True)
+    assert (snap.evaluated, snap.in_flight, snap.trained, snap.filtered, snap.balanced) == (
+        3,
+        0,
+        0,
+        0,
+        True,
+    )
     assert bus.depths()["learner"] == 0 and bus.counters().get(Counter.GATEKEEPER_KEPT, 0) == 0
     assert not evals.in_flight and evals.poll() == []
 
@@ -95,13 +125,21 @@ def test_a_round_that_lost_a_job_is_reported_when_the_lane_is_quiet(bus: StreamB
     evals = lane(bus)
     evals.issue(Progress(step=5, policy_version=5), 0.0)
     replica = bus.as_consumer("replica")
-    entry_id, fields = next((e, f) for e, f in replica.read(bus.keys.prompts, count=1, block_ms=None))
+    entry_id, fields = next(
+        (e, f) for e, f in replica.read(bus.keys.prompts, count=1, block_ms=None)
+    )
     replica.dead_letter(bus.keys.prompts, entry_id, fields, "rollout: test")
     serve(bus, {0: 4, 1: 4, 2: 4})
     [(step, metrics)] = evals.poll()
     assert step == 5 and metrics["eval/problems"] == 2 and metrics["eval/acc"] == 1.0
     snap = bus.ledger()
-    assert (snap.eval_dead, snap.evaluated, snap.dead, snap.balanced, snap.in_flight) == (1, 2, 0, True, 0)
+    assert (snap.eval_dead, snap.evaluated, snap.dead, snap.balanced, snap.in_flight) == (
+        1,
+        2,
+        0,
+        True,
+        0,
+    )
 
 
 def test_a_round_is_issued_once_per_policy_version(bus: StreamBus) -> None:
@@ -112,25 +150,61 @@ def test_a_round_is_issued_once_per_policy_version(bus: StreamBus) -> None:
     serve(bus, {0: 1, 1: 1, 2: 1})
     assert [step for step, _ in evals.poll()] == [3]
     evals.issue(Progress(step=3, policy_version=3), 0.0)  # reported already
-    evals.issue(Progress(step=3, policy_version=7), 0.0)  # the same step retrained after a resume: new weights
+    evals.issue(
+        Progress(step=3, policy_version=7), 0.0
+    )  # the same step retrained after a resume: new weights
     assert bus.ledger().eval_issued == 6
 
 
 def test_the_result_message_counts_what_avg_at_k_needs() -> None:
     group = RolloutGroup(
-        job={"group_id": "e", "prompt_index": 0, "prompt_ids": [1], "ground_truth": "1", "policy_version": 2, "issued_at": 0.0,
-             "eval": {"round_step": 2, "policy_version": 2, "problem": 0, "problems": 1, "samples": 2}},
-        policy_version=3, replica_id="r", acc=[True, False], scores=[1.0, -1.0], rewards=[1.0, -1.0], preds=["", ""],
-        responses=[Response(token_ids=[1, 2], logprobs=[0.0, 0.0], finish_reason="stop"),
-                   Response(token_ids=[1, 2, 3], logprobs=[0.0] * 3, finish_reason="length")],
+        job={
+            "group_id": "e",
+            "prompt_index": 0,
+            "prompt_ids": [1],
+            "ground_truth": "1",
+            "policy_version": 2,
+            "issued_at": 0.0,
+            "eval": {
+                "round_step": 2,
+                "policy_version": 2,
+                "problem": 0,
+                "problems": 1,
+                "samples": 2,
+            },
+        },
+        policy_version=3,
+        replica_id="r",
+        acc=[True, False],
+        scores=[1.0, -1.0],
+        rewards=[1.0, -1.0],
+        preds=["", ""],
+        responses=[
+            Response(token_ids=[1, 2], logprobs=[0.0, 0.0], finish_reason="stop"),
+            Response(token_ids=[1, 2, 3], logprobs=[0.0] * 3, finish_reason="length"),
+        ],
     )
     result = EvalResult.of(group)
-    assert (result.correct, result.samples, result.response_tokens, result.truncated, result.policy_version) == (1, 2, 5, 1, 3)
+    assert (
+        result.correct,
+        result.samples,
+        result.response_tokens,
+        result.truncated,
+        result.policy_version,
+    ) == (1, 2, 5, 1, 3)
 
 
 def test_duplicate_problems_in_an_eval_file_are_merged() -> None:
     def rec(i: int, text: str, truth: str) -> PromptRecord:
-        return PromptRecord(index=i, messages=[{"role": "user", "content": text}], ground_truth=truth, data_source="aime", extra_info={})
+        return PromptRecord(
+            index=i,
+            messages=[{"role": "user", "content": text}],
+            ground_truth=truth,
+            data_source="aime",
+            extra_info={},
+        )
 
-    records = [rec(i, f"problem {i % 3}", str(i % 3)) for i in range(96)]  # AIME-style: 3 problems x 32 rows
+    records = [
+        rec(i, f"problem {i % 3}", str(i % 3)) for i in range(96)
+    ]  # AIME-style: 3 problems x 32 rows
     assert [r.index for r in distinct_problems(records)] == [0, 1, 2]

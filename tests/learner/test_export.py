@@ -15,9 +15,18 @@ from services.demo.tiny_base import tiny_qwen2_config, train_tokenizer
 
 
 def base_model(path: Path) -> Any:
-    tokenizer = train_tokenizer(["Tom has 23 apples and buys 45 more.\nAnswer: 68"] * 4, vocab_size=300)
+    tokenizer = train_tokenizer(
+        ["Tom has 23 apples and buys 45 more.\nAnswer: 68"] * 4, vocab_size=300
+    )
     tokenizer.save_pretrained(path)
-    config = tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    config = tiny_qwen2_config(
+        len(tokenizer),
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(path)
     return model
@@ -41,13 +50,20 @@ def test_export_loads_with_from_pretrained_and_holds_the_staged_weights(tmp_path
     HFExporter(str(tmp_path / "base")).export(iter(staged), out)
     HFExporter(str(tmp_path / "base")).export(iter(staged), out)  # replaces an existing folder
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "final_model"]  # no temporaries left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "base",
+        "final_model",
+    ]  # no temporaries left
     loaded = AutoModelForCausalLM.from_pretrained(out)
     params = dict(loaded.named_parameters())
     for name, tensor in staged:
         torch.testing.assert_close(params[name].detach(), tensor)
-    assert set(load_file(out / "model.safetensors")) == set(load_file(tmp_path / "base" / "model.safetensors"))
-    assert AutoTokenizer.from_pretrained(out).encode("Tom has 23") == AutoTokenizer.from_pretrained(tmp_path / "base").encode("Tom has 23")
+    assert set(load_file(out / "model.safetensors")) == set(
+        load_file(tmp_path / "base" / "model.safetensors")
+    )
+    assert AutoTokenizer.from_pretrained(out).encode("Tom has 23") == AutoTokenizer.from_pretrained(
+        tmp_path / "base"
+    ).encode("Tom has 23")
 
 
 def test_a_large_model_is_sharded_with_an_index(tmp_path: Path) -> None:

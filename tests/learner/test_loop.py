@@ -16,6 +16,11 @@ import redis
 import torch
 from torch import Tensor
 
+from contracts.bus import FencedError
+from contracts.checkpoint_store import CheckpointRefused
+from contracts.config import DapoConfig, load_config
+from contracts.keys import Counter, RunField
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.collect import NullSource
 from learner.commands import (
     Command,
@@ -35,23 +40,33 @@ from learner.export import NullExporter
 from learner.loop import LearnerLoop
 from learner.publish import NullPublisher
 from learner.report import NullReporter, group_metrics
-from services.contracts.bus import FencedError
-from services.contracts.checkpoint_store import CheckpointRefused
-from services.contracts.config import DapoConfig, load_config
-from services.contracts.keys import Counter, RunField
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # --- fakes ----------------------------------------------------------------------------------------
 def group(group_id: str, policy_version: int = 0) -> RolloutGroup:
-    job = PromptJob(group_id=group_id, prompt_index=0, prompt_ids=[5, 6], ground_truth="1", issued_at=0.0,
-                    policy_version=policy_version)
-    responses = [Response(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
-                 Response(token_ids=[3], logprobs=[-0.3], finish_reason="length")]
-    return RolloutGroup(job=job, policy_version=policy_version, replica_id="r0", responses=responses,
-                        scores=[1.0, -1.0], acc=[True, False], rewards=[1.0, -1.5])
+    job = PromptJob(
+        group_id=group_id,
+        prompt_index=0,
+        prompt_ids=[5, 6],
+        ground_truth="1",
+        issued_at=0.0,
+        policy_version=policy_version,
+    )
+    responses = [
+        Response(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
+        Response(token_ids=[3], logprobs=[-0.3], finish_reason="length"),
+    ]
+    return RolloutGroup(
+        job=job,
+        policy_version=policy_version,
+        replica_id="r0",
+        responses=responses,
+        scores=[1.0, -1.0],
+        acc=[True, False],
+        rewards=[1.0, -1.5],
+    )
 
 
 def batch(*gids: str, policy_version: int = 0) -> list[Picked]:
@@ -135,7 +150,9 @@ class FakePublisher:
         self.weights: dict[str, Tensor] = {}
         self.published = 0
 
-    def stage(self, policy_version: int, named_iter: Iterable[tuple[str, Tensor]], layout: Any) -> None:
+    def stage(
+        self, policy_version: int, named_iter: Iterable[tuple[str, Tensor]], layout: Any
+    ) -> None:
         self.staged_versions.append(policy_version)
         self.weights = dict(named_iter)
 
@@ -151,7 +168,8 @@ class FakePublisher:
 
 
 class FakeEvaluations:
-    """Issued rounds complete one poll later (replicas generate them meanwhile); acc 0.1 per round."""
+    """Issued rounds complete one poll later (replicas generate them meanwhile);
+    acc 0.1 per round."""
 
     def __init__(self) -> None:
         self.issued: list[Progress] = []
@@ -170,7 +188,10 @@ class FakeEvaluations:
 
     def poll(self) -> list[tuple[int, dict[str, float]]]:
         done, self.queued = self.queued, []
-        return [(p.step, {"eval/acc": 0.1 * (self.issued.index(p) + 1), "eval/response_length": 3.0}) for p in done]
+        return [
+            (p.step, {"eval/acc": 0.1 * (self.issued.index(p) + 1), "eval/response_length": 3.0})
+            for p in done
+        ]
 
     def wait(self, timeout_s: float) -> list[tuple[int, dict[str, float]]]:
         self.waited = True
@@ -189,10 +210,15 @@ class FakeExporter:
 class FakeControl:
     """`script`: what take_request hands out at successive decisions (None: no request).
     `lease_lost_at`: the lease check (counted from 1) from which another learner holds the lease,
-    so that check and every later one raise `FencedError` as `RunControl.check_lease` does (0: never)."""
+    so that check and every later one raise `FencedError` as `RunControl.check_lease` does
+    (0: never)."""
 
     def __init__(
-        self, script: Sequence[Command | Exception | None] = (), published: int = 0, lost_at: int = -1, lease_lost_at: int = 0,
+        self,
+        script: Sequence[Command | Exception | None] = (),
+        published: int = 0,
+        lost_at: int = -1,
+        lease_lost_at: int = 0,
     ) -> None:
         self.script = list(script)
         self.published = published
@@ -234,7 +260,9 @@ class FakeControl:
     def check_lease(self) -> None:
         self.lease_checks += 1
         if self.lease_lost_at and self.lease_checks >= self.lease_lost_at:
-            raise FencedError("this learner no longer holds the learner lease (now 9:learner-b); not writing")
+            raise FencedError(
+                "this learner no longer holds the learner lease (now 9:learner-b); not writing"
+            )
 
     def close(self) -> None:
         self.closed = True
@@ -277,7 +305,11 @@ class FakeStop:
 
     @property
     def stopping(self) -> bool:
-        return self.after is not None and self.source is not None and len(self.source.collected_at) >= self.after
+        return (
+            self.after is not None
+            and self.source is not None
+            and len(self.source.collected_at) >= self.after
+        )
 
     def wait(self, seconds: float) -> bool:
         return self.stopping
@@ -305,21 +337,33 @@ class Replay:
 
 
 def config(tmp_path: Path, *overrides: str) -> DapoConfig:
-    return load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}", "eval.every_steps=0",
-                                                         "checkpoint.every_steps=0", *overrides])
+    return load_config(
+        REPO / "configs" / "tiny.yaml",
+        [f"output_dir={tmp_path}", "eval.every_steps=0", "checkpoint.every_steps=0", *overrides],
+    )
 
 
 def rank0(cfg: DapoConfig, **parts: Any) -> tuple[LearnerLoop, dict[str, Any]]:
     parts = {
-        "trainer": FakeTrainer(), "checkpoints": FakeCheckpoints(), "source": FakeSource([]), "publisher": FakePublisher(),
-        "evaluations": FakeEvaluations(), "exporter": FakeExporter(), "control": FakeControl(), "reporter": FakeReporter(),
-        "share": Recorder(), "stop": FakeStop(), **parts,
+        "trainer": FakeTrainer(),
+        "checkpoints": FakeCheckpoints(),
+        "source": FakeSource([]),
+        "publisher": FakePublisher(),
+        "evaluations": FakeEvaluations(),
+        "exporter": FakeExporter(),
+        "control": FakeControl(),
+        "reporter": FakeReporter(),
+        "share": Recorder(),
+        "stop": FakeStop(),
+        **parts,
     }
     return LearnerLoop(cfg, **parts), parts
 
 
 # --- tests ----------------------------------------------------------------------------------------
-def test_a_train_command_trains_publishes_the_next_policy_version_accounts_and_reports(tmp_path: Path) -> None:
+def test_a_train_command_trains_publishes_the_next_policy_version_accounts_and_reports(
+    tmp_path: Path,
+) -> None:
     loop, p = rank0(config(tmp_path, "learner.total_steps=1"))
     loop.start()
     assert p["publisher"].staged_versions == [0]  # the starting weights
@@ -330,33 +374,61 @@ def test_a_train_command_trains_publishes_the_next_policy_version_accounts_and_r
     assert float(p["publisher"].weights["w"][0, 0]) == 1.0  # the trained weights went out
     assert p["control"].published == 1
     assert p["source"].accounted == ["e-a", "e-b"]
-    (progress, metrics), = p["reporter"].reports
+    ((progress, metrics),) = p["reporter"].reports
     assert progress == Progress(1, 1)
-    assert metrics["critic/rewards/mean"] == pytest.approx(-0.25) and metrics["critic/score/mean"] == 0.0
+    assert (
+        metrics["critic/rewards/mean"] == pytest.approx(-0.25)
+        and metrics["critic/score/mean"] == 0.0
+    )
     assert metrics["response_length/clip_ratio"] == 0.5 and metrics["response_length/max"] == 2.0
     assert metrics["actor/pg_loss"] == 0.5 and metrics["timing_s/sync_weights"] == 0.25
-    assert {"timing_s/update_actor", "timing_s/step", "perf/learner_idle_fraction", "rollout/version_lag_mean"} <= set(metrics)
+    assert {
+        "timing_s/update_actor",
+        "timing_s/step",
+        "perf/learner_idle_fraction",
+        "rollout/version_lag_mean",
+    } <= set(metrics)
 
 
 def test_a_completed_run_evaluates_drains_exports_and_records_the_summary(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "learner.total_steps=4", "eval.every_steps=2", "checkpoint.every_steps=3")
+    cfg = config(
+        tmp_path, "learner.total_steps=4", "eval.every_steps=2", "checkpoint.every_steps=3"
+    )
     source = FakeSource([batch("a"), batch("b"), batch("c"), batch("d")])
     loop, p = rank0(cfg, source=source, control=FakeControl([None, None, None, None]))
     assert loop.run() == 0
     assert [v for _, v in p["trainer"].steps] == [0, 1, 2, 3]
-    assert p["evaluations"].issued == [Progress(0, 0), Progress(2, 2), Progress(4, 4)]  # base, periodic, final
+    assert p["evaluations"].issued == [
+        Progress(0, 0),
+        Progress(2, 2),
+        Progress(4, 4),
+    ]  # base, periodic, final
     assert p["evaluations"].waited  # the end of the run waits for the final round
     rl = p["evaluations"].rl_seconds  # training time when each evaluated version existed
     assert rl[0] == 0.0 and rl[1] > 0.0 and rl == sorted(rl)
     assert p["checkpoints"].saved == [(3, False), (4, False)]  # periodic, then the end of the run
-    assert p["exporter"].outs == [Path("/ckpt/step_3/hf"), Path("/ckpt/step_4/hf"), tmp_path / "final_model"]
+    assert p["exporter"].outs == [
+        Path("/ckpt/step_3/hf"),
+        Path("/ckpt/step_4/hf"),
+        tmp_path / "final_model",
+    ]
     assert source.drained and source.accounted == ["e-a", "e-b", "e-c", "e-d"]
     info = p["control"].run_info
-    assert info[RunField.FINISHED] == 1 and info[RunField.STEPS] == 4 and info[RunField.POLICY_VERSION] == 4
-    assert info[RunField.BASE_EVAL_ACC] == pytest.approx(0.1) and info[RunField.FINAL_EVAL_ACC] == pytest.approx(0.3)
+    assert (
+        info[RunField.FINISHED] == 1
+        and info[RunField.STEPS] == 4
+        and info[RunField.POLICY_VERSION] == 4
+    )
+    assert info[RunField.BASE_EVAL_ACC] == pytest.approx(0.1) and info[
+        RunField.FINAL_EVAL_ACC
+    ] == pytest.approx(0.3)
     assert info[RunField.FINAL_MODEL] == str(tmp_path / "final_model")
     assert p["control"].states[-1][0] == "finished" and p["control"].closed
-    assert [s for s, _ in p["reporter"].evals] == [0, 2, 4]  # each round recorded under the step it evaluated
+    assert [s for s, _ in p["reporter"].evals] == [
+        0,
+        2,
+        4,
+    ]  # each round recorded under the step it evaluated
     assert "eval/acc" not in p["reporter"].reports[1][1]  # training never waited for an evaluation
 
 
@@ -374,25 +446,41 @@ class IssuingSource(FakeSource):
 
 def test_the_sample_budget_ends_a_completed_run_before_total_steps(tmp_path: Path) -> None:
     # tiny.yaml: 8 responses per job, so 2 jobs per collect request 16 responses: 48 after 3 steps.
-    cfg = config(tmp_path, "learner.total_steps=10", "learner.sample_budget=48", "eval.every_steps=1")
+    cfg = config(
+        tmp_path, "learner.total_steps=10", "learner.sample_budget=48", "eval.every_steps=1"
+    )
     source = IssuingSource([batch(g) for g in "abcdef"], per_collect=2)
     loop, p = rank0(cfg, source=source, control=FakeControl([None] * 10))
     assert loop.run() == 0
     assert loop.progress == Progress(3, 3)  # stopped at the budget, not at total_steps
     # The last step's evaluation is the final one, issued once (not also as a periodic round).
-    assert p["evaluations"].issued == [Progress(0, 0), Progress(1, 1), Progress(2, 2), Progress(3, 3)]
-    assert source.drained and p["control"].run_info[RunField.FINISHED] == 1  # a completed run, not a stop
+    assert p["evaluations"].issued == [
+        Progress(0, 0),
+        Progress(1, 1),
+        Progress(2, 2),
+        Progress(3, 3),
+    ]
+    assert (
+        source.drained and p["control"].run_info[RunField.FINISHED] == 1
+    )  # a completed run, not a stop
     assert p["exporter"].outs[-1] == tmp_path / "final_model"
 
 
 def test_stop_finishes_the_step_checkpoints_and_exits_without_draining(tmp_path: Path) -> None:
     source = FakeSource([batch("a"), batch("b")])
-    loop, p = rank0(config(tmp_path, "learner.total_steps=10"), source=source, stop=FakeStop(after_collects=1, source=source))
+    loop, p = rank0(
+        config(tmp_path, "learner.total_steps=10"),
+        source=source,
+        stop=FakeStop(after_collects=1, source=source),
+    )
     assert loop.run() == 0
     assert loop.progress == Progress(1, 1)
     assert p["checkpoints"].saved == [(1, False)]
     assert not source.drained and p["exporter"].outs == [Path("/ckpt/step_1/hf")]
-    assert p["control"].run_info[RunField.FINISHED] == 0 and RunField.FINAL_EVAL_ACC not in p["control"].run_info
+    assert (
+        p["control"].run_info[RunField.FINISHED] == 0
+        and RunField.FINAL_EVAL_ACC not in p["control"].run_info
+    )
     assert p["control"].states[-1][0] == "stopped"
 
 
@@ -405,7 +493,9 @@ def test_no_data_yet_means_wait(tmp_path: Path) -> None:
 
 def test_redis_outage_means_wait_and_data_loss_resets_what_was_in_hand(tmp_path: Path) -> None:
     control = FakeControl([redis.ConnectionError("gone")], lost_at=2)
-    loop, p = rank0(config(tmp_path, "learner.total_steps=1"), control=control, source=FakeSource([batch("a")]))
+    loop, p = rank0(
+        config(tmp_path, "learner.total_steps=1"), control=control, source=FakeSource([batch("a")])
+    )
     loop.start()
     assert isinstance(loop.decide(), Wait) and not p["source"].reset
     assert isinstance(loop.decide(), Train)
@@ -429,19 +519,26 @@ def test_operator_requests_checkpoint_pause_and_restore(tmp_path: Path) -> None:
 
 
 class TamperedCheckpoints(FakeCheckpoints):
-    """Step 1 fails verification (its files do not match its manifest), as the real store refuses it."""
+    """Step 1 fails verification (its files do not match its manifest),
+    as the real store refuses it."""
 
     def load(self, step: int) -> dict[str, Any] | None:
         if step == 1:
-            raise CheckpointRefused("refusing checkpoint /ckpt/step_1: state/__0_0.distcp differs from the manifest")
+            raise CheckpointRefused(
+                "refusing checkpoint /ckpt/step_1: state/__0_0.distcp differs from the manifest"
+            )
         return super().load(step)
 
 
 def test_a_restore_of_a_tampered_checkpoint_is_refused_and_training_goes_on(tmp_path: Path) -> None:
     source = FakeSource([batch("a"), batch("b"), batch("c")])
     cfg = config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1")
-    loop, p = rank0(cfg, source=source, control=FakeControl([None, None, Restore(step=1)]),
-                    checkpoints=TamperedCheckpoints())
+    loop, p = rank0(
+        cfg,
+        source=source,
+        control=FakeControl([None, None, Restore(step=1)]),
+        checkpoints=TamperedCheckpoints(),
+    )
     loop.run()
     control = p["control"]
     assert control.counters == {Counter.RESTORES_REFUSED: 1}  # refused, not restored, and not fatal
@@ -464,12 +561,17 @@ class LeaseWitness(FakeCheckpoints):
 
 
 def test_every_checkpoint_is_preceded_by_its_own_lease_check(tmp_path: Path) -> None:
-    # An operator's checkpoint at step 1, the periodic one at step 2, the end of the run's at step 3.
+    # An operator's checkpoint at step 1, the periodic one at step 2,
+    # the end of the run's at step 3.
     control = FakeControl([None, SaveCheckpoint(keep=True), None, None])
     ckpt = LeaseWitness(control)
     source = FakeSource([batch("a"), batch("b"), batch("c")])
-    loop, _ = rank0(config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=2"), control=control,
-                    checkpoints=ckpt, source=source)
+    loop, _ = rank0(
+        config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=2"),
+        control=control,
+        checkpoints=ckpt,
+        source=source,
+    )
     assert loop.run() == 0
     assert ckpt.saved == [(1, True), (2, False), (3, False)]
     assert ckpt.lease_checks_at_save == [1, 2, 3]  # the k-th save came after the k-th check
@@ -482,8 +584,12 @@ def test_a_learner_that_lost_its_lease_writes_no_checkpoint(tmp_path: Path) -> N
     control = FakeControl(lease_lost_at=2)
     ckpt = LeaseWitness(control)
     source = FakeSource([batch("a"), batch("b"), batch("c")])
-    loop, p = rank0(config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1"), control=control,
-                    checkpoints=ckpt, source=source)
+    loop, p = rank0(
+        config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1"),
+        control=control,
+        checkpoints=ckpt,
+        source=source,
+    )
     with pytest.raises(FencedError, match="no longer holds the learner lease"):
         loop.run()
     assert ckpt.saved == [(1, False)] and sorted(ckpt.stored) == [1]
@@ -494,7 +600,11 @@ def test_a_learner_that_lost_its_lease_writes_no_checkpoint(tmp_path: Path) -> N
 
 def test_resume_continues_numbering_above_what_was_published(tmp_path: Path) -> None:
     ckpt = FakeCheckpoints({3: {"step": 3, "policy_version": 3, "data_cursor": 48}})
-    loop, p = rank0(config(tmp_path, "learner.total_steps=4"), checkpoints=ckpt, control=FakeControl(published=5))
+    loop, p = rank0(
+        config(tmp_path, "learner.total_steps=4"),
+        checkpoints=ckpt,
+        control=FakeControl(published=5),
+    )
     loop.start()
     assert loop.progress == Progress(3, 6)
     assert p["source"].resumed == [48] and p["publisher"].staged_versions == [6]
@@ -506,34 +616,58 @@ def test_resume_continues_numbering_above_what_was_published(tmp_path: Path) -> 
 def test_policy_versions_only_move_forward(tmp_path: Path) -> None:
     source = FakeSource([batch("a"), batch("b"), batch("c"), batch("d"), batch("e")])
     script = [None, None, Restore(step=1), None, Restore(step=1), None]
-    loop, p = rank0(config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1"), source=source,
-                    control=FakeControl(script))
+    loop, p = rank0(
+        config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=1"),
+        source=source,
+        control=FakeControl(script),
+    )
     loop.run()
     versions = [progress.policy_version for _, progress in p["control"].states]
     assert versions == sorted(versions)
     assert p["publisher"].staged_versions == sorted(set(p["publisher"].staged_versions))
-    assert resumed_policy_version(4, 4) == 4 and resumed_policy_version(4, 2) == 4 and resumed_policy_version(4, 9) == 10
+    assert (
+        resumed_policy_version(4, 4) == 4
+        and resumed_policy_version(4, 2) == 4
+        and resumed_policy_version(4, 9) == 10
+    )
     assert Progress(1, 1).next_step().next_policy() == Progress(2, 2)
 
 
 def test_other_ranks_follow_rank_0_with_null_collaborators(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "learner.total_steps=3", "checkpoint.every_steps=2", "eval.every_steps=1")
+    cfg = config(
+        tmp_path, "learner.total_steps=3", "checkpoint.every_steps=2", "eval.every_steps=1"
+    )
     source = FakeSource([batch("a"), None, batch("b"), batch("c")])  # type: ignore[list-item]
     ckpt = {1: {"step": 1, "policy_version": 1, "data_cursor": 16}}
     script = [None, SaveCheckpoint(), None, Pause(), Restore(step=1), None]
     share = Recorder()
-    leader, p = rank0(cfg, source=source, control=FakeControl(script, published=1), share=share,
-                      checkpoints=FakeCheckpoints(ckpt))
+    leader, p = rank0(
+        cfg,
+        source=source,
+        control=FakeControl(script, published=1),
+        share=share,
+        checkpoints=FakeCheckpoints(ckpt),
+    )
     leader.run()
     follower_trainer, follower_ckpt = FakeTrainer(), FakeCheckpoints(ckpt)
     follower = LearnerLoop(
-        cfg, trainer=follower_trainer, checkpoints=follower_ckpt, source=NullSource(), publisher=NullPublisher(),
-        evaluations=NullEvaluations(), exporter=NullExporter(), control=NullControl(), reporter=NullReporter(),
-        share=Replay(share.shared), stop=FakeStop(),
+        cfg,
+        trainer=follower_trainer,
+        checkpoints=follower_ckpt,
+        source=NullSource(),
+        publisher=NullPublisher(),
+        evaluations=NullEvaluations(),
+        exporter=NullExporter(),
+        control=NullControl(),
+        reporter=NullReporter(),
+        share=Replay(share.shared),
+        stop=FakeStop(),
     )
     assert follower.run() == 0
     assert follower_trainer.steps == p["trainer"].steps  # same batches, same policy versions
-    assert follower_trainer.gathers == p["trainer"].gathers  # every weight gather matched (a collective)
+    assert (
+        follower_trainer.gathers == p["trainer"].gathers
+    )  # every weight gather matched (a collective)
     assert follower_ckpt.saved == p["checkpoints"].saved
     assert follower.progress == leader.progress
     assert any(isinstance(c, Restore) for c in share.shared) and isinstance(share.shared[-2], Stop)

@@ -17,8 +17,13 @@ MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-to
 
 def test_one_step_is_the_same_on_1_2_and_4_ranks(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "multirank_check.py"), "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "multirank_check.py"), "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("max_abs_param_diff=")
     report = json.loads(out.read_text())
@@ -27,6 +32,12 @@ def test_one_step_is_the_same_on_1_2_and_4_ranks(tmp_path: Path) -> None:
         assert set(modes) == set(MODES)
         for mode, r in modes.items():
             where = f"{world} ranks, {mode}"
-            assert r["metric_rel_diff"] < 1e-3, f"{where}: metrics differ from 1 rank by {r['metric_rel_diff']:.2e} (relative)"
-            assert r["grad_abs_diff"] <= 1e-3 * r["grad_abs_max"], f"{where}: clipped gradient differs by {r['grad_abs_diff']:.2e}"
-            assert r["param_abs_diff"] < 1e-4, f"{where}: parameters differ by {r['param_abs_diff']:.2e} after one step"
+            assert r["metric_rel_diff"] < 1e-3, (
+                f"{where}: metrics differ from 1 rank by {r['metric_rel_diff']:.2e} (relative)"
+            )
+            assert r["grad_abs_diff"] <= 1e-3 * r["grad_abs_max"], (
+                f"{where}: clipped gradient differs by {r['grad_abs_diff']:.2e}"
+            )
+            assert r["param_abs_diff"] < 1e-4, (
+                f"{where}: parameters differ by {r['param_abs_diff']:.2e} after one step"
+            )

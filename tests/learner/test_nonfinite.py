@@ -22,17 +22,12 @@ import torch
 import torch.distributed as dist
 
 from bench.multirank_check import build_model, launch_ranks
-from learner.batch import TrainBatch, build_batch
-from learner.collect import StreamSource
-from learner.commands import Picked, Progress, Train
-from learner.feeder import PromptFeeder
-from learner.trainer import NonFiniteTrainingError, Trainer
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import DapoConfig, load_config
-from services.contracts.data import PromptRecord
-from services.contracts.keys import Counter, Keys, Stage
-from services.contracts.runtime import StopFlag, free_port
-from services.contracts.schemas import (
+from contracts.bus import StreamBus, connect
+from contracts.config import DapoConfig, load_config
+from contracts.data import PromptRecord
+from contracts.keys import Counter, Keys, Stage
+from contracts.runtime import StopFlag, free_port
+from contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
@@ -40,16 +35,21 @@ from services.contracts.schemas import (
     encode_group,
     encode_job,
 )
-from services.gatekeeper import Gatekeeper
+from gatekeeper.service import Gatekeeper
+from learner.batch import TrainBatch, build_batch
+from learner.collect import StreamSource
+from learner.commands import Picked, Progress, Train
+from learner.feeder import PromptFeeder
+from learner.trainer import NonFiniteTrainingError, Trainer
+from tests.contracts.test_schemas import make_group
 from tests.learner.test_loop import FakeSource, rank0
-from tests.services.test_schemas import make_group
 
 REPO = Path(__file__).resolve().parents[2]
 NAN, INF = float("nan"), float("inf")
 VOCAB = 100  # make_group's token ids stay below 4 + 50
 
 
-# --- groups on the streams --------------------------------------------------------------------------
+# --- groups on the streams ------------------------------------------------------------------------
 def scored(group_id: str) -> RolloutGroup:
     g = make_group()
     g.job.group_id = group_id
@@ -63,24 +63,28 @@ def set_reward(i: int, value: float) -> Callable[[RolloutGroup], None]:
     def corrupt(g: RolloutGroup) -> None:
         assert g.rewards is not None
         g.rewards = [value if j == i else r for j, r in enumerate(g.rewards)]
+
     return corrupt
 
 
 def set_logprob(i: int, j: int, value: float) -> Callable[[RolloutGroup], None]:
     def corrupt(g: RolloutGroup) -> None:
         g.responses[i].logprobs[j] = value
+
     return corrupt
 
 
 def set_token(i: int, j: int, value: int) -> Callable[[RolloutGroup], None]:
     def corrupt(g: RolloutGroup) -> None:
         g.responses[i].token_ids[j] = value
+
     return corrupt
 
 
 def set_prompt_token(j: int, value: int) -> Callable[[RolloutGroup], None]:
     def corrupt(g: RolloutGroup) -> None:
         g.job.prompt_ids[j] = value
+
     return corrupt
 
 
@@ -89,15 +93,28 @@ NUMBERS = [  # what every consumer's decode rejects: (corruption, reason)
     pytest.param(set_reward(0, -INF), "response 0 reward is -inf", id="inf-reward"),
     pytest.param(set_logprob(2, 7, INF), "response 2 logprob 7 is inf", id="inf-logprob"),
     pytest.param(set_logprob(3, 5, NAN), "response 3 logprob 5 is nan", id="nan-logprob"),
-    pytest.param(set_logprob(1, 4, 0.5), "response 1 logprob 4 is 0.5, above 0 (a log-prob is never positive)",
-                 id="positive-logprob"),
-    pytest.param(set_token(0, 2, -7), "response 0 token 2 is id -7, token ids are never negative", id="negative-token"),
+    pytest.param(
+        set_logprob(1, 4, 0.5),
+        "response 1 logprob 4 is 0.5, above 0 (a log-prob is never positive)",
+        id="positive-logprob",
+    ),
+    pytest.param(
+        set_token(0, 2, -7),
+        "response 0 token 2 is id -7, token ids are never negative",
+        id="negative-token",
+    ),
 ]
 VOCABULARY = [  # what only the learner, which knows the model, rejects
-    pytest.param(set_token(2, 4, VOCAB), f"response 2 token 4 is id {VOCAB}, outside the model's vocabulary of {VOCAB} ids",
-                 id="oov-response-token"),
-    pytest.param(set_prompt_token(1, VOCAB + 5), f"prompt token 1 is id {VOCAB + 5}, outside the model's vocabulary "
-                 f"of {VOCAB} ids", id="oov-prompt-token"),
+    pytest.param(
+        set_token(2, 4, VOCAB),
+        f"response 2 token 4 is id {VOCAB}, outside the model's vocabulary of {VOCAB} ids",
+        id="oov-response-token",
+    ),
+    pytest.param(
+        set_prompt_token(1, VOCAB + 5),
+        f"prompt token 1 is id {VOCAB + 5}, outside the model's vocabulary of {VOCAB} ids",
+        id="oov-prompt-token",
+    ),
 ]
 
 
@@ -109,44 +126,77 @@ def bus(redis_url: str) -> StreamBus:
 
 
 def forward(bus: StreamBus, groups: list[RolloutGroup], downstream: Stage) -> None:
-    """Issue one job per group (counted in the ledger) and hop each, as its group, to `downstream`."""
+    """Issue one job per group (counted in the ledger) and hop each, as its group,
+    to `downstream`."""
     assert bus.issue([encode_job(g.job) for g in groups]) == len(groups)
     entries = bus.read(bus.keys.prompts, count=len(groups), block_ms=10)
     for (entry_id, _), g in zip(entries, groups, strict=True):
-        assert bus.hop(bus.keys.prompts, entry_id, downstream=downstream.stream, fields=encode_group(g))
+        assert bus.hop(
+            bus.keys.prompts, entry_id, downstream=downstream.stream, fields=encode_group(g)
+        )
 
 
 def dead_letters(bus: StreamBus) -> list[tuple[str, str]]:
-    return [(f[b"group_id"].decode(), f[b"reason"].decode()) for _, f in bus.redis.xrange(bus.keys.dead)]
+    return [
+        (f[b"group_id"].decode(), f[b"reason"].decode()) for _, f in bus.redis.xrange(bus.keys.dead)
+    ]
 
 
 def stream_source(bus: StreamBus, batch_groups: int) -> StreamSource:
     """The learner's collector with a feeder that issues nothing (`kept_ahead=0`)."""
-    record = PromptRecord(index=0, messages=[{"role": "user", "content": "1+1"}], ground_truth="2", data_source="t",
-                          extra_info={})
-    feeder = PromptFeeder(bus, [record], None, run_name="t", limit=0, kept_ahead=0, max_prompt_len=16, shuffle=False, seed=0)
-    return StreamSource(bus, feeder, batch_groups=batch_groups, max_staleness=100, max_deliveries=3, stop=StopFlag(),
-                        catch_up=lambda: None, vocab_size=VOCAB, budget_s=5.0)
+    record = PromptRecord(
+        index=0,
+        messages=[{"role": "user", "content": "1+1"}],
+        ground_truth="2",
+        data_source="t",
+        extra_info={},
+    )
+    feeder = PromptFeeder(
+        bus,
+        [record],
+        None,
+        run_name="t",
+        limit=0,
+        kept_ahead=0,
+        max_prompt_len=16,
+        shuffle=False,
+        seed=0,
+    )
+    return StreamSource(
+        bus,
+        feeder,
+        batch_groups=batch_groups,
+        max_staleness=100,
+        max_deliveries=3,
+        stop=StopFlag(),
+        catch_up=lambda: None,
+        vocab_size=VOCAB,
+        budget_s=5.0,
+    )
 
 
 @pytest.mark.parametrize(("corrupt", "reason"), NUMBERS)
-def test_the_gatekeeper_dead_letters_a_group_with_bad_numbers(bus: StreamBus, corrupt: Callable[[RolloutGroup], None],
-                                                              reason: str) -> None:
+def test_the_gatekeeper_dead_letters_a_group_with_bad_numbers(
+    bus: StreamBus, corrupt: Callable[[RolloutGroup], None], reason: str
+) -> None:
     good, bad = scored("good"), scored("bad")
     corrupt(bad)
     forward(bus, [good, bad], bus.keys.scored)
     gate = Gatekeeper(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert dead_letters(bus) == [("bad", f"gatekeeper: {reason}")]
-    assert [decode_group(f).job.group_id for _, f in bus.redis.xrange(bus.keys.train.stream)] == ["good"]
+    assert [decode_group(f).job.group_id for _, f in bus.redis.xrange(bus.keys.train.stream)] == [
+        "good"
+    ]
     snap = bus.ledger()
     assert (snap.dead, snap.in_flight, snap.balanced) == (1, 1, True)
     assert bus.counters()[Counter.DEAD_LETTERS] == 1
 
 
 @pytest.mark.parametrize(("corrupt", "reason"), NUMBERS + VOCABULARY)
-def test_the_learner_dead_letters_a_bad_group_and_trains_the_others(bus: StreamBus, corrupt: Callable[[RolloutGroup], None],
-                                                                    reason: str) -> None:
+def test_the_learner_dead_letters_a_bad_group_and_trains_the_others(
+    bus: StreamBus, corrupt: Callable[[RolloutGroup], None], reason: str
+) -> None:
     """Whatever reaches the train stream (a gatekeeper of an older version, an orphan taken over)
     is checked again, and the vocabulary only here."""
     groups = [scored(f"g{i}") for i in range(3)]
@@ -161,7 +211,9 @@ def test_the_learner_dead_letters_a_bad_group_and_trains_the_others(bus: StreamB
     assert (snap.trained, snap.dead, snap.in_flight, snap.balanced) == (2, 1, 0, True)
 
 
-def test_a_token_at_the_last_vocabulary_id_and_a_tiny_positive_logprob_are_accepted(bus: StreamBus) -> None:
+def test_a_token_at_the_last_vocabulary_id_and_a_tiny_positive_logprob_are_accepted(
+    bus: StreamBus,
+) -> None:
     """The bounds are the vocabulary's last id and float rounding of a near-certain token."""
     g = scored("g0")
     set_token(0, 0, VOCAB - 1)(g)
@@ -175,7 +227,9 @@ def test_a_token_at_the_last_vocabulary_id_and_a_tiny_positive_logprob_are_accep
 # --- the trainer ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def process_group() -> Iterator[None]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+    )
     dist.init_process_group("gloo")
     yield
     dist.destroy_process_group()
@@ -187,25 +241,54 @@ def groups(n_groups: int, seed: int = 0, reward: float | None = None) -> list[Ro
     rng = random.Random(seed)
     out = []
     for g in range(n_groups):
-        job = PromptJob(group_id=f"g{g}", prompt_index=g, prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
-                        ground_truth="1", policy_version=0, issued_at=0.0)
+        job = PromptJob(
+            group_id=f"g{g}",
+            prompt_index=g,
+            prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
+            ground_truth="1",
+            policy_version=0,
+            issued_at=0.0,
+        )
         responses = []
         for _ in range(4):
             n = rng.randint(1, 7)
-            responses.append(Response(token_ids=[rng.randrange(3, 200) for _ in range(n)], logprobs=[-1.0] * n, finish_reason="stop"))
+            responses.append(
+                Response(
+                    token_ids=[rng.randrange(3, 200) for _ in range(n)],
+                    logprobs=[-1.0] * n,
+                    finish_reason="stop",
+                )
+            )
         rewards = [1.0, -1.0, rng.choice([1.0, -1.0]), rng.choice([1.0, -1.0])]
         if reward is not None:
             rewards[0] = reward
-        out.append(RolloutGroup(job=job, policy_version=0, replica_id="r", responses=responses, scores=rewards,
-                                acc=[r > 0 for r in rewards], rewards=rewards, preds=[""] * 4))
+        out.append(
+            RolloutGroup(
+                job=job,
+                policy_version=0,
+                replica_id="r",
+                responses=responses,
+                scores=rewards,
+                acc=[r > 0 for r in rewards],
+                rewards=rewards,
+                preds=[""] * 4,
+            )
+        )
     return out
 
 
 def config(model_dir: Path, *overrides: str) -> DapoConfig:
-    return load_config(REPO / "configs" / "tiny.yaml", [
-        f"model.path={model_dir}", "learner.lr=1e-3", "learner.warmup_steps=0", "algorithm.train_batch_groups=4",
-        "algorithm.mini_batch_groups=2", *overrides,
-    ])
+    return load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            f"model.path={model_dir}",
+            "learner.lr=1e-3",
+            "learner.warmup_steps=0",
+            "algorithm.train_batch_groups=4",
+            "algorithm.mini_batch_groups=2",
+            *overrides,
+        ],
+    )
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -224,15 +307,21 @@ def assert_unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Ten
 
 
 @pytest.mark.usefixtures("process_group")
-def test_a_nan_loss_skips_every_update_and_leaves_the_weights_and_optimizer_untouched(tiny_model_dir: Path) -> None:
-    trainer = Trainer(config(tiny_model_dir, "learner.warmup_steps=4"), rank=0, world_size=1, backend="gloo")
+def test_a_nan_loss_skips_every_update_and_leaves_the_weights_and_optimizer_untouched(
+    tiny_model_dir: Path,
+) -> None:
+    trainer = Trainer(
+        config(tiny_model_dir, "learner.warmup_steps=4"), rank=0, world_size=1, backend="gloo"
+    )
     before = params(trainer)
     metrics = trainer.train_step(nan_batch(), policy_version=0)
     assert_unchanged(before, params(trainer))
     assert metrics["actor/nonfinite_steps"] == 1.0 and metrics["actor/skipped_updates"] == 2.0
     assert metrics["actor/updates"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values()), metrics  # the metrics stream is JSON
-    assert trainer.optimizer.state == {} and trainer.scheduler.last_epoch == 0  # no AdamW step, no warm-up step
+    assert (
+        trainer.optimizer.state == {} and trainer.scheduler.last_epoch == 0
+    )  # no AdamW step, no warm-up step
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
@@ -264,7 +353,9 @@ def test_an_infinite_gradient_with_a_finite_loss_is_skipped_too(tiny_model_dir: 
 
 
 @pytest.mark.usefixtures("process_group")
-def test_a_finite_step_after_a_skipped_one_trains_as_if_the_skip_never_happened(tiny_model_dir: Path) -> None:
+def test_a_finite_step_after_a_skipped_one_trains_as_if_the_skip_never_happened(
+    tiny_model_dir: Path,
+) -> None:
     """Same parameters and learning rate (the warm-up did not advance) as a trainer that never
     saw the NaN batch."""
     cfg = config(tiny_model_dir, "learner.warmup_steps=4")
@@ -286,14 +377,30 @@ def test_a_finite_step_after_a_skipped_one_trains_as_if_the_skip_never_happened(
 
 
 @pytest.mark.usefixtures("process_group")
-def test_max_nonfinite_steps_in_a_row_raise_and_a_finite_step_resets_the_count(tiny_model_dir: Path) -> None:
-    trainer = Trainer(config(tiny_model_dir, "learner.max_nonfinite_steps=2"), rank=0, world_size=1, backend="gloo")
+def test_max_nonfinite_steps_in_a_row_raise_and_a_finite_step_resets_the_count(
+    tiny_model_dir: Path,
+) -> None:
+    trainer = Trainer(
+        config(tiny_model_dir, "learner.max_nonfinite_steps=2"),
+        rank=0,
+        world_size=1,
+        backend="gloo",
+    )
     before = params(trainer)
     assert trainer.train_step(nan_batch(), policy_version=0)["actor/nonfinite_steps"] == 1.0
-    assert trainer.train_step(build_batch(groups(4, seed=1), pad_id=0), policy_version=0)["actor/nonfinite_steps"] == 0.0
+    assert (
+        trainer.train_step(build_batch(groups(4, seed=1), pad_id=0), policy_version=0)[
+            "actor/nonfinite_steps"
+        ]
+        == 0.0
+    )
     trained = params(trainer)
-    assert trainer.train_step(nan_batch(), policy_version=0)["actor/nonfinite_steps"] == 1.0  # 1 in a row again
-    with pytest.raises(NonFiniteTrainingError, match=r"2 training steps in a row .*learner\.max_nonfinite_steps=2"):
+    assert (
+        trainer.train_step(nan_batch(), policy_version=0)["actor/nonfinite_steps"] == 1.0
+    )  # 1 in a row again
+    with pytest.raises(
+        NonFiniteTrainingError, match=r"2 training steps in a row .*learner\.max_nonfinite_steps=2"
+    ):
         trainer.train_step(nan_batch(), policy_version=0)
     assert_unchanged(trained, params(trainer))  # neither skipped step moved the weights
     assert any(not torch.equal(before[n], trained[n]) for n in before)
@@ -305,10 +412,18 @@ def test_the_loop_publishes_a_skipped_step_as_the_next_version_counts_it_and_sto
 ) -> None:
     """The simplest correct choice: a skipped step still advances the policy version (versions
     keep matching steps), with the weights unchanged; the K-th in a row publishes nothing."""
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
-        f"output_dir={tmp_path}", "eval.every_steps=0", "checkpoint.every_steps=0", f"model.path={tiny_model_dir}",
-        "algorithm.train_batch_groups=4", "algorithm.mini_batch_groups=2", "learner.max_nonfinite_steps=2",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            f"output_dir={tmp_path}",
+            "eval.every_steps=0",
+            "checkpoint.every_steps=0",
+            f"model.path={tiny_model_dir}",
+            "algorithm.train_batch_groups=4",
+            "algorithm.mini_batch_groups=2",
+            "learner.max_nonfinite_steps=2",
+        ],
+    )
     trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
     nan_groups = tuple(Picked(f"e{i}", g) for i, g in enumerate(groups(4, reward=NAN)))
     loop, p = rank0(cfg, trainer=trainer, source=FakeSource([]))
@@ -319,7 +434,7 @@ def test_the_loop_publishes_a_skipped_step_as_the_next_version_counts_it_and_sto
     assert p["publisher"].staged_versions == [0, 1]
     assert_unchanged(published, p["publisher"].weights)
     assert p["control"].counters == {Counter.NONFINITE_STEPS: 1}
-    (_, metrics), = p["reporter"].reports
+    ((_, metrics),) = p["reporter"].reports
     assert metrics["actor/nonfinite_steps"] == 1.0
     with pytest.raises(NonFiniteTrainingError):
         loop.execute(Train(nan_groups))
@@ -336,10 +451,17 @@ def test_every_rank_skips_the_update_one_rank_saw_a_nan_loss_in() -> None:
         results = {}
         for world in (1, 2):
             out = Path(tmp) / f"w{world}.pt"
-            launch_ranks(str(REPO / "tests" / "learner" / "nonfinite_ranks.py"), world, str(model_dir), str(out))
+            launch_ranks(
+                str(REPO / "tests" / "learner" / "nonfinite_ranks.py"),
+                world,
+                str(model_dir),
+                str(out),
+            )
             results[world] = torch.load(out, weights_only=True)
     for world, r in results.items():
-        assert r["metrics"]["actor/skipped_updates"] == 1.0 and r["metrics"]["actor/updates"] == 1.0, world
+        assert (
+            r["metrics"]["actor/skipped_updates"] == 1.0 and r["metrics"]["actor/updates"] == 1.0
+        ), world
         assert all(torch.isfinite(t).all() for t in r["after"].values()), world
         assert any(not torch.equal(r["before"][n], r["after"][n]) for n in r["before"]), world
     for name, tensor in results[1]["after"].items():

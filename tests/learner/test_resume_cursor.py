@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from contracts.bus import StreamBus, connect
+from contracts.keys import LEDGER_ISSUED, Counter, Keys, RunField
 from learner.collect import StreamSource
-from services.contracts.bus import StreamBus, connect
-from services.contracts.keys import LEDGER_ISSUED, Counter, Keys, RunField
 
 
 def resumed_cursor(bus: StreamBus, checkpoint_cursor: int) -> int:

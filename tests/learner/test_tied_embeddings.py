@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from contracts.config import load_config
+from contracts.runtime import free_port
 from learner.batch import build_batch
 from learner.export import HFExporter
 from learner.trainer import ResponseHead, Trainer
-from services.contracts.config import load_config
-from services.contracts.runtime import free_port
 from services.demo.synthetic import synth_rows
 from services.demo.tiny_base import train_tokenizer
 from tests.learner.test_trainer import make_groups
@@ -31,9 +31,17 @@ def tied_llama(vocab_size: int) -> LlamaForCausalLM:
     """SmolLM2-135M's shape family, shrunk: Llama, grouped-query attention (3 heads sharing one
     key/value head), head_dim 32, tied embeddings."""
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -53,8 +61,9 @@ def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group() -> Any:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+    )
     dist.init_process_group("gloo")
     yield
     dist.destroy_process_group()
@@ -91,17 +100,25 @@ def test_the_chunked_head_gives_the_tied_matrix_the_plain_models_gradient() -> N
 def test_fsdp_keeps_the_tie_through_load_step_and_export(
     tied_model_dir: Path, tmp_path: Path
 ) -> None:
-    cfg = load_config(CONFIG, [f"model.path={tied_model_dir}", "learner.lr=1e-3",
-                               "learner.warmup_steps=0", "algorithm.train_batch_groups=4",
-                               "algorithm.mini_batch_groups=2"])
+    cfg = load_config(
+        CONFIG,
+        [
+            f"model.path={tied_model_dir}",
+            "learner.lr=1e-3",
+            "learner.warmup_steps=0",
+            "algorithm.train_batch_groups=4",
+            "algorithm.mini_batch_groups=2",
+        ],
+    )
     trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
     model = trainer.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     saved: Any = AutoModelForCausalLM.from_pretrained(tied_model_dir)
     before = {n: t.clone() for n, t in trainer.named_full_params()}  # views of the shards
     assert "lm_head.weight" not in before  # one parameter, one name
-    torch.testing.assert_close(before["model.embed_tokens.weight"],
-                               saved.model.embed_tokens.weight.detach())
+    torch.testing.assert_close(
+        before["model.embed_tokens.weight"], saved.model.embed_tokens.weight.detach()
+    )
 
     trainer.train_step(build_batch(make_groups(4, 4, seed=3), pad_id=0), policy_version=0)
 
@@ -117,5 +134,6 @@ def test_fsdp_keeps_the_tie_through_load_step_and_export(
     ids = torch.tensor([[5, 17, 42, 8]])
     with torch.no_grad():  # the trained model and its export compute the same logits
         trainer.head.labels = None
-        torch.testing.assert_close(model(input_ids=ids).logits, exported(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, exported(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )

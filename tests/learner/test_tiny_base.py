@@ -1,4 +1,5 @@
-"""Tests for services.demo.tiny_base: tokenizer, config, and the warm-started tiny base checkpoint."""
+"""Tests for services.demo.tiny_base: tokenizer, config,
+and the warm-started tiny base checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import services.demo.tiny_base as tiny_base
-from services.contracts.data import parse_row, render_prompt
+from contracts.data import parse_row, render_prompt
 from services.demo.synthetic import synth_rows
 from services.demo.tiny_base import (
     BUILD_INFO,

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from contracts.config import DapoConfig, load_config
 from learner.tracking import COMPLETIONS_TAG, MAX_CELL_CHARS, Completion, Trackers
-from services.contracts.config import DapoConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -143,4 +143,7 @@ def test_a_garbled_run_id_file_is_replaced_rather_than_sent_to_wandb(
     (cfg.checkpoint_dir / "wandb-run-id").write_text("../../etc\n")
     Trackers(cfg).close()
     [init] = fake_wandb.inits
-    assert init["id"].isalnum() and init["id"] == (cfg.checkpoint_dir / "wandb-run-id").read_text().strip()
+    assert (
+        init["id"].isalnum()
+        and init["id"] == (cfg.checkpoint_dir / "wandb-run-id").read_text().strip()
+    )

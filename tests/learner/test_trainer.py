@@ -14,43 +14,78 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contracts.config import ConfigError, DapoConfig, load_config
+from contracts.runtime import free_port
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from learner.batch import PACKED_ATTENTION, build_batch
 from learner.trainer import Trainer
-from services.contracts.config import ConfigError, DapoConfig, load_config
-from services.contracts.runtime import free_port
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group() -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+    )
     dist.init_process_group("gloo")
     yield
     dist.destroy_process_group()
 
 
-def make_groups(n_groups: int, group_size: int, seed: int = 0, version: int = 0) -> list[RolloutGroup]:
+def make_groups(
+    n_groups: int, group_size: int, seed: int = 0, version: int = 0
+) -> list[RolloutGroup]:
     rng = random.Random(seed)
     groups = []
     for g in range(n_groups):
-        job = PromptJob(group_id=f"g{g}", prompt_index=g, prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
-                        ground_truth="1", policy_version=version, issued_at=0.0)
+        job = PromptJob(
+            group_id=f"g{g}",
+            prompt_index=g,
+            prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
+            ground_truth="1",
+            policy_version=version,
+            issued_at=0.0,
+        )
         responses = []
         for _ in range(group_size):
             n = rng.randint(1, 7)
-            responses.append(Response(token_ids=[rng.randrange(3, 200) for _ in range(n)], logprobs=[-1.0] * n, finish_reason="stop"))
+            responses.append(
+                Response(
+                    token_ids=[rng.randrange(3, 200) for _ in range(n)],
+                    logprobs=[-1.0] * n,
+                    finish_reason="stop",
+                )
+            )
         rewards = [rng.choice([1.0, -1.0]) for _ in range(group_size)]
         rewards[0], rewards[1] = 1.0, -1.0
-        groups.append(RolloutGroup(job=job, policy_version=version, replica_id="r", responses=responses,
-                                   scores=rewards, acc=[r > 0 for r in rewards], rewards=rewards, preds=[""] * group_size))
+        groups.append(
+            RolloutGroup(
+                job=job,
+                policy_version=version,
+                replica_id="r",
+                responses=responses,
+                scores=rewards,
+                acc=[r > 0 for r in rewards],
+                rewards=rewards,
+                preds=[""] * group_size,
+            )
+        )
     return groups
 
 
 def config(model_dir: Path, *overrides: str) -> DapoConfig:
-    return load_config(CONFIG, [f"model.path={model_dir}", "learner.lr=1e-3", "learner.warmup_steps=0",
-                                "algorithm.train_batch_groups=4", "algorithm.mini_batch_groups=2", *overrides])
+    return load_config(
+        CONFIG,
+        [
+            f"model.path={model_dir}",
+            "learner.lr=1e-3",
+            "learner.warmup_steps=0",
+            "algorithm.train_batch_groups=4",
+            "algorithm.mini_batch_groups=2",
+            *overrides,
+        ],
+    )
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -70,7 +105,8 @@ def test_train_step_changes_parameters_and_raises_good_responses(tiny_model_dir:
     assert metrics["actor/updates"] == 2.0 and metrics["actor/grad_norm"] > 0
     with torch.no_grad():
         logp1, _ = trainer._forward(batch, entropy=False)
-    # Policy gradient: mean log-prob of positive-advantage responses rises relative to negative ones.
+    # Policy gradient: mean log-prob of positive-advantage responses rises
+    # relative to negative ones.
     delta = ((logp1 - logp0) * batch.response_mask).sum(-1) / batch.response_mask.sum(-1)
     assert float((delta * batch.advantages).sum()) > 0
 
@@ -80,7 +116,12 @@ def test_update_is_invariant_to_micro_batch_size(tiny_model_dir: Path) -> None:
     results = []
     for mbs in (3, 64):
         torch.manual_seed(0)
-        trainer = Trainer(config(tiny_model_dir, f"learner.micro_batch_size={mbs}"), rank=0, world_size=1, backend="gloo")
+        trainer = Trainer(
+            config(tiny_model_dir, f"learner.micro_batch_size={mbs}"),
+            rank=0,
+            world_size=1,
+            backend="gloo",
+        )
         trainer.rng = random.Random(0)
         trainer.train_step(batch, policy_version=0)
         results.append(params(trainer))
@@ -97,8 +138,14 @@ def test_sharing_prompts_takes_the_same_step(tiny_model_dir: Path) -> None:
     results = []
     for share, mbs in (("never", 3), ("always", 8), ("always", 64), ("auto", 64)):
         torch.manual_seed(0)
-        trainer = Trainer(config(tiny_model_dir, f"learner.share_prompts={share}", f"learner.micro_batch_size={mbs}"),
-                          rank=0, world_size=1, backend="gloo")
+        trainer = Trainer(
+            config(
+                tiny_model_dir, f"learner.share_prompts={share}", f"learner.micro_batch_size={mbs}"
+            ),
+            rank=0,
+            world_size=1,
+            backend="gloo",
+        )
         trainer.rng = random.Random(0)
         metrics = trainer.train_step(batch, policy_version=0)
         assert trainer.share_prompts == (share != "never")
@@ -110,7 +157,9 @@ def test_sharing_prompts_takes_the_same_step(tiny_model_dir: Path) -> None:
             # layouts into update differences of a few percent of lr (1.4e-5 seen): the bound is
             # 5% of one step, far below what a wrong layout gives (a whole step, 1e-3).
             torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=5e-5)
-        assert metrics["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-4, abs=1e-6)
+        assert metrics["actor/pg_loss"] == pytest.approx(
+            results[0][1]["actor/pg_loss"], rel=1e-4, abs=1e-6
+        )
 
 
 def test_build_batch_layout_and_advantages() -> None:
@@ -123,17 +172,26 @@ def test_build_batch_layout_and_advantages() -> None:
         assert batch.responses[b, :n].tolist() == r.token_ids
         assert batch.input_ids[b, P - len(g.job.prompt_ids) : P].tolist() == g.job.prompt_ids
         assert batch.response_mask[b].sum() == n
-        assert batch.token_rewards[b, n - 1] == g.rewards[g.responses.index(r)]  # reward on the last token
+        assert (
+            batch.token_rewards[b, n - 1] == g.rewards[g.responses.index(r)]
+        )  # reward on the last token
     for gi in range(2):
         rows = batch.group_index == gi
         assert abs(float(batch.advantages[rows].sum())) < 1e-5  # group-normalised
 
 
-def test_activation_checkpointing_recomputes_without_changing_the_update(tiny_model_dir: Path) -> None:
+def test_activation_checkpointing_recomputes_without_changing_the_update(
+    tiny_model_dir: Path,
+) -> None:
     batch = build_batch(make_groups(4, 4, seed=2), pad_id=0)
     results = []
     for checkpointing in (False, True):
-        trainer = Trainer(config(tiny_model_dir, f"learner.activation_checkpointing={checkpointing}"), rank=0, world_size=1, backend="gloo")
+        trainer = Trainer(
+            config(tiny_model_dir, f"learner.activation_checkpointing={checkpointing}"),
+            rank=0,
+            world_size=1,
+            backend="gloo",
+        )
         assert trainer.model.is_gradient_checkpointing == checkpointing
         metrics = trainer.train_step(batch, policy_version=0)
         results.append((metrics, params(trainer)))
@@ -181,12 +239,18 @@ def test_a_sliding_window_model_keeps_to_rows_under_auto_and_is_refused_under_al
 ) -> None:
     """The packed mask would lose the window: `auto` runs one row per response (logged), even for
     the prompt-heavy groups it would otherwise pack; `always` stops at start naming the setting."""
-    model = model_dir_with(tiny_model_dir, tmp_path / "model", use_sliding_window=True,
-                           sliding_window=4, max_window_layers=0,
-                           layer_types=["sliding_attention"] * 4)
+    model = model_dir_with(
+        tiny_model_dir,
+        tmp_path / "model",
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+        layer_types=["sliding_attention"] * 4,
+    )
     with caplog.at_level(logging.WARNING, logger="learner.trainer"):
-        trainer = Trainer(config(model, "learner.share_prompts=auto"), rank=0, world_size=1,
-                          backend="gloo")
+        trainer = Trainer(
+            config(model, "learner.share_prompts=auto"), rank=0, world_size=1, backend="gloo"
+        )
     assert trainer.packing_problem is not None and "sliding_attention" in trainer.packing_problem
     assert "one row per response" in caplog.text
     trainer.train_step(build_batch(make_groups(4, 4, seed=2), pad_id=0), policy_version=0)

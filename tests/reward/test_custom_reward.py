@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from contracts.config import ConfigError, DapoConfig, RewardConfig, load_config
 from reward import RewardFunctionError, SandboxPool, VerifyResult, make_scorer
 from reward.custom import load_reward_function, validate_output
 from reward.sandbox_worker import Outcome
 from reward.service import MetricMeans, check_reward_function, open_scorer, score_group
-from services.contracts.config import ConfigError, DapoConfig, RewardConfig, load_config
 from tests.reward.sample_rewards import RIGHT_SCORE, WRONG_SCORE, answer_digit
 from tests.reward.test_score_group import CharTokenizer, group_of
 
@@ -147,7 +147,7 @@ def test_dapo_run_fails_fast_naming_reward_function(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "services.shell.cli",
+            "services.cli",
             "run",
             "--config",
             "configs/tiny.yaml",

@@ -1,4 +1,5 @@
-"""The "dapo-reference" verifier reproduces the reference rule; "dapo-strict" departs only where documented.
+"""The "dapo-reference" verifier reproduces the reference rule;
+"dapo-strict" departs only where documented.
 
 ``dapo_reference_cases.jsonl`` holds 481 cases, one JSON object a line: ``response``,
 ``ground_truth``, and the reference implementation's own answer for them, ``acc`` and

@@ -1,4 +1,5 @@
-"""The "dapo-strict" verifier (alias "dapo"; docs/algorithm.md s1): extraction and Minerva normalisation.
+"""The "dapo-strict" verifier (alias "dapo"; docs/algorithm.md s1):
+extraction and Minerva normalisation.
 
 Its departures from the reference rule are checked case by case in test_dapo_reference.py.
 """

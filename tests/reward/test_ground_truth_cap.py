@@ -1,4 +1,5 @@
-"""A ground truth over ``GROUND_TRUTH_MAX_CHARS`` is an ``[ERROR]`` result with its reason, never a crash."""
+"""A ground truth over ``GROUND_TRUTH_MAX_CHARS`` is an ``[ERROR]`` result with its reason,
+never a crash."""
 
 from __future__ import annotations
 
@@ -79,7 +80,10 @@ def test_cli_reports_the_reason_and_a_huge_integer_literal_is_a_line_error() -> 
     assert records == [
         {"score": -1.0, "acc": False, "pred": "[ERROR]", "reason": OVER_LONG_REASON},
         {
-            "error": f"line 2: invalid JSON: an integer of more than {sys.get_int_max_str_digits()} digits"
+            "error": (
+                "line 2: invalid JSON: an integer of more than "
+                f"{sys.get_int_max_str_digits()} digits"
+            )
         },
         {"score": 1.0, "acc": True, "pred": "7"},
     ]

@@ -1,4 +1,5 @@
-"""The math-verify verifier in killable workers (docs/algorithm.md s1): equivalence, hostile input, timeouts."""
+"""The math-verify verifier in killable workers (docs/algorithm.md s1):
+equivalence, hostile input, timeouts."""
 
 from __future__ import annotations
 

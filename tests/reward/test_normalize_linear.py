@@ -1,10 +1,10 @@
 """The "dapo" normalisations are linear-time and unchanged (docs/algorithm.md s1).
 
-The Minerva reference patterns (``.*?\\$(.*?)\\$.*``, ``\\\\text\\{(.*?)\\}``, ``\\\\boxed\\{(.*)\\}``)
-rescan the rest of a line from every position where they could start, so their cost grows with
-the square of the line length. ``normalize_answer`` replaced them with linear equivalents; this
-module checks that the results are identical (against the reference patterns, kept here as the
-oracle) and that the time grows linearly.
+The Minerva reference patterns (``.*?\\$(.*?)\\$.*``, ``\\\\text\\{(.*?)\\}``,
+``\\\\boxed\\{(.*)\\}``) rescan the rest of a line from every position where they could start, so
+their cost grows with the square of the line length. ``normalize_answer`` replaced them with linear
+equivalents; this module checks that the results are identical (against the reference patterns, kept
+here as the oracle) and that the time grows linearly.
 
 The timing bounds are loose by orders of magnitude: the linear code normalises 64k characters
 of these inputs in a few milliseconds, while the quadratic patterns took 30-50 s. They guard
@@ -67,7 +67,8 @@ def reference_unwrap(answer: str) -> str:
 
 
 def seconds_per_call(function: Callable[[str], object], argument: str) -> float:
-    """Best of 3 timings, each of enough calls to last at least 20 ms (so tiny times are not noise)."""
+    """Best of 3 timings, each of enough calls to last at least 20 ms
+    (so tiny times are not noise)."""
     calls = 1
     while True:
         start = time.perf_counter()

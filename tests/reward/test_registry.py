@@ -9,6 +9,7 @@ from typing import get_args
 
 import pytest
 
+from contracts.config import RewardConfig, Verifier
 from reward import (
     VERIFIER_ALIASES,
     VERIFIERS,
@@ -19,7 +20,6 @@ from reward import (
 )
 from reward.text import clean_text, tail
 from reward.verifiers import VerifyFn
-from services.contracts.config import RewardConfig, Verifier
 
 REPO = Path(__file__).resolve().parents[2]
 

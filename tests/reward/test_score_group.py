@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from contracts.config import DapoConfig, load_config
+from contracts.schemas import PromptJob, Response, RolloutGroup
 from reward.service import score_group
 from reward.text import GROUND_TRUTH_MAX_CHARS
 from reward.verifiers import make_scorer
-from services.contracts.config import DapoConfig, load_config
-from services.contracts.schemas import PromptJob, Response, RolloutGroup
 
 REPO = Path(__file__).resolve().parents[2]
 

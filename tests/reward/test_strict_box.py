@@ -1,4 +1,5 @@
-"""Strict-box mode (docs/algorithm.md s1): last brace-matched \\boxed{} in the last 100 characters."""
+"""Strict-box mode (docs/algorithm.md s1):
+last brace-matched \\boxed{} in the last 100 characters."""
 
 from __future__ import annotations
 

@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.evaluation import _Round
-from rollout.hf_engine import HFEngine
-from rollout.service import RolloutWorker
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import (
+from contracts.bus import StreamBus, connect
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.runtime import StopFlag
+from contracts.schemas import (
     EvalResult,
     EvalTag,
     PromptJob,
@@ -28,13 +25,16 @@ from services.contracts.schemas import (
     decode_group,
     encode_job,
 )
+from learner.evaluation import _Round
+from rollout.hf_engine import HFEngine
+from rollout.service import RolloutWorker
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8]
 
 
 class UpdateMidGeneration:
-    """Stands in for the replica's `WeightSubscriber`: holds `version`, and when the engine asks
+    """Stands in for the replica's `WeightReceiver`: holds `version`, and when the engine asks
     between decode steps, swaps in `new` weights after the 2nd sampled token (version + 1)."""
 
     def __init__(self, engine: HFEngine, version: int) -> None:
@@ -55,13 +55,24 @@ class UpdateMidGeneration:
 
 
 def _job(group_id: str, tag: EvalTag | None) -> PromptJob:
-    return PromptJob(group_id=group_id, prompt_index=0, prompt_ids=PROMPT, ground_truth="1",
-                     policy_version=2, issued_at=time.time(), eval=tag)
+    return PromptJob(
+        group_id=group_id,
+        prompt_index=0,
+        prompt_ids=PROMPT,
+        ground_truth="1",
+        policy_version=2,
+        issued_at=time.time(),
+        eval=tag,
+    )
 
 
 @pytest.mark.parametrize(("evaluation", "background"), [(False, True), (True, True), (True, False)])
 def test_an_evaluation_job_takes_no_update_announced_mid_generation(
-    redis_url: str, tmp_path: Path, tiny_model_dir: Path, evaluation: bool, background: bool,
+    redis_url: str,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    evaluation: bool,
+    background: bool,
 ) -> None:
     """Held for an engine that receives in the background; an engine that receives only between
     decode steps (vLLM's) takes the update, or the learner's broadcast would wait for the batch,
@@ -104,24 +115,37 @@ def test_an_evaluation_job_takes_no_update_announced_mid_generation(
 
 def test_a_round_from_several_versions_reports_the_spread() -> None:
     tag = EvalTag(round_step=4, policy_version=4, problem=0, problems=3, samples=2)
-    group = RolloutGroup.model_validate({
-        "job": _job("e0", tag).model_dump(), "policy_version": 5, "replica_id": "r",
-        "acc": [True, False],
-        "responses": [
-            {"token_ids": [1], "logprobs": [-1.0], "finish_reason": "stop", "versions": (5, 5)},
-            {"token_ids": [1, 2], "logprobs": [-1.0, -1.0], "finish_reason": "stop",
-             "versions": (5, 7)},
-        ],
-    })
+    group = RolloutGroup.model_validate(
+        {
+            "job": _job("e0", tag).model_dump(),
+            "policy_version": 5,
+            "replica_id": "r",
+            "acc": [True, False],
+            "responses": [
+                {"token_ids": [1], "logprobs": [-1.0], "finish_reason": "stop", "versions": (5, 5)},
+                {
+                    "token_ids": [1, 2],
+                    "logprobs": [-1.0, -1.0],
+                    "finish_reason": "stop",
+                    "versions": (5, 7),
+                },
+            ],
+        }
+    )
     mixed = EvalResult.of(group)  # a result from an engine that took an update mid-generation
     assert (mixed.policy_version_min, mixed.policy_version_max, mixed.policy_version) == (5, 7, 7)
 
     rnd = _Round(tag)
     for problem, (low, high) in enumerate([(4, 4), (6, 6), (5, 7)]):
         rnd.results[problem] = EvalResult(
-            group_id=f"e{problem}", tag=tag.model_copy(update={"problem": problem}),
-            policy_version_min=low, policy_version_max=high, correct=1, samples=2,
-            response_tokens=3, truncated=0,
+            group_id=f"e{problem}",
+            tag=tag.model_copy(update={"problem": problem}),
+            policy_version_min=low,
+            policy_version_max=high,
+            correct=1,
+            samples=2,
+            response_tokens=3,
+            truncated=0,
         )
     metrics = rnd.metrics(issued_at=None)
     assert (metrics["eval/policy_version_min"], metrics["eval/policy_version_max"]) == (4, 7)

@@ -19,7 +19,9 @@ def test_nucleus_mask_keeps_smallest_set_reaching_p() -> None:
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.7)])
-def test_behaviour_logprobs_match_a_forward_pass(tiny_model_dir: Path, temperature: float, top_p: float) -> None:
+def test_behaviour_logprobs_match_a_forward_pass(
+    tiny_model_dir: Path, temperature: float, top_p: float
+) -> None:
     engine = HFEngine(str(tiny_model_dir), seed=0)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     out = engine.generate(prompts, n=3, max_tokens=6, temperature=temperature, top_p=top_p)
@@ -34,7 +36,11 @@ def test_behaviour_logprobs_match_a_forward_pass(tiny_model_dir: Path, temperatu
                 logits = engine.model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
             if top_p < 1:
                 logits = nucleus_mask(logits, top_p)
-            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
+            expected = (
+                torch.log_softmax(logits, -1)
+                .gather(-1, torch.tensor(s.token_ids)[:, None])
+                .squeeze(-1)
+            )
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -66,7 +72,9 @@ def test_weights_swapped_between_decode_steps_sample_the_rest(tiny_model_dir: Pa
         return 0 if len(calls) < 3 else 1
 
     prompt = [5, 6, 7, 8]
-    [group] = engine.generate([prompt], n=4, max_tokens=6, temperature=1.0, top_p=1.0, between_steps=between_steps)
+    [group] = engine.generate(
+        [prompt], n=4, max_tokens=6, temperature=1.0, top_p=1.0, between_steps=between_steps
+    )
     before, after = HFEngine(str(tiny_model_dir)), HFEngine(str(tiny_model_dir))
     after.update_weights(new.items())
     checked = 0
@@ -77,10 +85,16 @@ def test_weights_swapped_between_decode_steps_sample_the_rest(tiny_model_dir: Pa
                 if t < 2:
                     logits = before.model(torch.tensor([prompt + s.token_ids[:t]])).logits[0, -1]
                 else:
-                    cache = before.model(torch.tensor([prompt + s.token_ids[:1]]), use_cache=True).past_key_values
-                    logits = after.model(torch.tensor([s.token_ids[1:t]]), past_key_values=cache).logits[0, -1]
+                    cache = before.model(
+                        torch.tensor([prompt + s.token_ids[:1]]), use_cache=True
+                    ).past_key_values
+                    logits = after.model(
+                        torch.tensor([s.token_ids[1:t]]), past_key_values=cache
+                    ).logits[0, -1]
                     checked += 1
-            assert logp == pytest.approx(float(torch.log_softmax(logits.float(), -1)[tok]), abs=1e-4)
+            assert logp == pytest.approx(
+                float(torch.log_softmax(logits.float(), -1)[tok]), abs=1e-4
+            )
     assert checked > 0
 
 

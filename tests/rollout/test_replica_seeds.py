@@ -9,17 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from contracts.config import DapoConfig, build_config
 from rollout.engine import make_engine, replica_seed
-from services.contracts.config import DapoConfig, build_config
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(model_dir: Path, seed: int = 0) -> DapoConfig:
-    return build_config({
-        "model": {"path": str(model_dir)}, "data": {"train_path": "unused.jsonl"},
-        "rollout": {"engine": "transformers", "seed": seed},
-    })
+    return build_config(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"train_path": "unused.jsonl"},
+            "rollout": {"engine": "transformers", "seed": seed},
+        }
+    )
 
 
 def test_replica_seeds_differ_by_id_and_config_seed_and_are_stable_across_processes() -> None:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from contracts.config import ConfigError, build_config
 from rollout.generation_config import ignored_settings
 from rollout.hf_engine import HFEngine
-from services.contracts.config import ConfigError, build_config
 
 
 @pytest.fixture()
@@ -30,7 +30,9 @@ def opinionated_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 def test_the_models_generation_config_does_not_shape_sampling(
-    opinionated_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    opinionated_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     temperature = 0.8
     with caplog.at_level(logging.INFO, logger="rollout.generation_config"):

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from contracts.bus import StreamBus, connect
+from contracts.config import load_config
+from contracts.keys import Keys
+from contracts.runtime import StopFlag
+from contracts.schemas import PromptJob, decode_group, encode_job
 from rollout import service
 from rollout.sample import Sample
 from rollout.service import RolloutWorker
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import load_config
-from services.contracts.keys import Keys
-from services.contracts.runtime import StopFlag
-from services.contracts.schemas import PromptJob, decode_group, encode_job
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,13 +35,26 @@ class SlowEngine:
         self.generating = threading.Event()
 
     def generate(
-        self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
-        seed: int | None = None, between_steps: object = None,
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+        between_steps: object = None,
     ) -> list[list[Sample]]:
         self.prompts += prompts
         self.generating.set()
         time.sleep(self.seconds)
-        return [[Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop") for _ in range(n)] for _ in prompts]
+        return [
+            [
+                Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop")
+                for _ in range(n)
+            ]
+            for _ in prompts
+        ]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise AssertionError("no weights are published in this test")
@@ -54,15 +67,26 @@ class SlowEngine:
 
 
 def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
-    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The other replica looks for abandoned jobs every 50 ms instead of every 5 s.
     monkeypatch.setattr(service, "RECLAIM_EVERY_S", 0.05)
     monkeypatch.setattr(service, "IDLE_WAIT_S", 0.05)
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}", "queue.claim_idle_s=0.5"])
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}", "queue.claim_idle_s=0.5"]
+    )
     bus = StreamBus(connect(redis_url), Keys("rollout-claims"), consumer="test")
     bus.ensure_groups()
-    job = PromptJob(group_id="g0", prompt_index=0, prompt_ids=[5, 6], ground_truth="1", issued_at=time.time(), policy_version=0)
+    job = PromptJob(
+        group_id="g0",
+        prompt_index=0,
+        prompt_ids=[5, 6],
+        ground_truth="1",
+        issued_at=time.time(),
+        policy_version=0,
+    )
     bus.issue([encode_job(job)])
 
     replicas: dict[str, tuple[RolloutWorker, SlowEngine, threading.Thread]] = {}
@@ -80,7 +104,12 @@ def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
     assert slow.generating.wait(30)
     reclaimer = start("reclaimer")  # starts while the slow replica generates, reclaiming at once
     try:
-        wait_for("the slow replica's group", lambda: bus.redis.xlen(bus.keys.rollouts.stream), timeout_s=30, every_s=0.05)
+        wait_for(
+            "the slow replica's group",
+            lambda: bus.redis.xlen(bus.keys.rollouts.stream),
+            timeout_s=30,
+            every_s=0.05,
+        )
         time.sleep(0.3)  # the reclaimer keeps looking after the hop: nothing is left to take
     finally:
         stop.event.set()
@@ -89,7 +118,9 @@ def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
             if worker.weights._watcher is not None:
                 worker.weights._watcher.join(timeout=10)
 
-    assert slow.prompts == [[5, 6]] and reclaimer.prompts == []  # generated once, by the replica that took it
+    assert (
+        slow.prompts == [[5, 6]] and reclaimer.prompts == []
+    )  # generated once, by the replica that took it
     [(_, fields)] = bus.redis.xrange(bus.keys.rollouts.stream)
     assert decode_group(fields).replica_id == "slow"
     assert [replicas[name][0].groups_done for name in ("slow", "reclaimer")] == [1, 0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import build_config
+from contracts.config import build_config
 from services.demo.tiny_base import EOS_TOKEN_ID
 from tests.rollout.test_end_tokens import MAX_TOKENS, save_two_end_token_model
 

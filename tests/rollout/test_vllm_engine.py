@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 
-from rollout.engine import Sample
-from rollout.vllm_engine import VLLMEngine, WeightSyncError  # vllm loads with the first engine
-from services.contracts.config import DapoConfig, build_config
-from services.contracts.weight_sync import (
+from contracts.config import DapoConfig, build_config
+from contracts.weight_sync import (
     Announcement,
     WeightStream,
     broadcast_bucket,
     make_group_on_store,
     plan_buckets,
 )
+from rollout.engine import Sample
+from rollout.vllm_engine import VLLMEngine, WeightSyncError  # vllm loads with the first engine
 from services.demo.tiny_base import EOS_TOKEN_ID, tiny_qwen2_config, train_tokenizer
 
 # Skipped before the module's fixtures build a model when vLLM is absent (the default install).

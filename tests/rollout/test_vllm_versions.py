@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from contracts.config import build_config
 from rollout.engine import make_engine, replica_seed
-from services.contracts.config import build_config
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed"
@@ -54,7 +54,8 @@ class _Core:
     def step(self) -> list[_Output]:
         done = [
             _Output(str(i), [_Completion(0, [7] * (last + 1), [{7: _Logprob(-1.0)}] * (last + 1))])
-            for i, last in enumerate(self.finish_at) if last == self.step_no
+            for i, last in enumerate(self.finish_at)
+            if last == self.step_no
         ]
         self.step_no += 1
         return done
@@ -80,10 +81,13 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> Any:
 
     monkeypatch.setattr(vllm, "LLM", _FakeLLM)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the engine sets it; restored afterwards
-    cfg = build_config({
-        "model": {"path": str(tiny_model_dir)}, "data": {"train_path": "unused.jsonl"},
-        "rollout": {"engine": "vllm", "seed": 3},
-    })
+    cfg = build_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_path": "unused.jsonl"},
+            "rollout": {"engine": "vllm", "seed": 3},
+        }
+    )
     return make_engine(cfg, replica_id="rollout-host-7")
 
 
@@ -100,7 +104,13 @@ def test_versions_are_the_lowest_and_highest_seen_until_a_request_finished(fake_
     # between steps: 6, 4, 8. The version goes down (a failed broadcast, an older checkpoint).
     fake_vllm.llm.llm_engine = _Core(finish_at=[1, 3])
     returned = iter([5, 6, 4, 8])
-    groups = fake_vllm.generate([[1, 2], [3]], n=1, max_tokens=4, temperature=1.0, top_p=1.0,
-                                between_steps=lambda: next(returned))
+    groups = fake_vllm.generate(
+        [[1, 2], [3]],
+        n=1,
+        max_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        between_steps=lambda: next(returned),
+    )
     assert [g[0].versions for g in groups] == [(5, 6), (4, 8)]
     assert [len(g[0].token_ids) for g in groups] == [2, 4]

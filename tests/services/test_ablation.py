@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import load_config
-from services.shell.ablation import (
+from contracts.config import load_config
+from services.ablation import (
     LADDER,
     NAIVE_GRPO,
     read_run,
@@ -19,7 +19,7 @@ from services.shell.ablation import (
     table,
     write_report,
 )
-from services.shell.cli import main
+from services.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ablation.yaml"
@@ -34,32 +34,68 @@ def test_the_ladder_starts_at_naive_grpo_and_ends_at_the_dapo_config() -> None:
     for i in range(1, len(LADDER)):
         before, now = rung_overrides(i - 1), rung_overrides(i)
         assert {k for k in now if now[k] != before[k]} == set(LADDER[i].adds)
-    # The last rung is DAPO as the preset configures it, plus the overlong filter the ladder kept on.
+    # The last rung is DAPO as the preset configures it,
+    # plus the overlong filter the ladder kept on.
     dapo = load_config(CONFIG, [f"{k}={v}" for k, v in rung_overrides(len(LADDER) - 1).items()])
     preset = load_config(CONFIG)
     assert dapo.algorithm == preset.algorithm
     assert dapo.reward.overlong.enabled and dapo.reward.overlong.filter
-    assert set(NAIVE_GRPO) == {k for rung in LADDER for k in rung.adds}  # every switch is turned back on
+    assert set(NAIVE_GRPO) == {
+        k for rung in LADDER for k in rung.adds
+    }  # every switch is turned back on
 
 
-def fake_run(path: Path, *, base: float, evals: list[tuple[int, float]], issued_per_step: int, steps: int,
-             filtered: int = 0, entropy: float = 1.0, clip_ratio: float = 0.1, counters: dict[str, int] | None = None) -> None:
+def fake_run(
+    path: Path,
+    *,
+    base: float,
+    evals: list[tuple[int, float]],
+    issued_per_step: int,
+    steps: int,
+    filtered: int = 0,
+    entropy: float = 1.0,
+    clip_ratio: float = 0.1,
+    counters: dict[str, int] | None = None,
+) -> None:
     """What `dapo run` leaves behind, in the shape `read_run` reads."""
     path.mkdir(parents=True, exist_ok=True)
     summary = {
-        "base_eval_acc": base, "final_eval_acc": evals[-1][1], "steps": steps, "wall_seconds": 100.0,
-        "eval_history": [[s, a, 1.0] for s, a in evals], "interrupted": False, "learner_exit_code": 0,
-        "ledger": {"trained": steps * 16, "filtered": filtered, "stale": 0}, "counters": counters or {},
+        "base_eval_acc": base,
+        "final_eval_acc": evals[-1][1],
+        "steps": steps,
+        "wall_seconds": 100.0,
+        "eval_history": [[s, a, 1.0] for s, a in evals],
+        "interrupted": False,
+        "learner_exit_code": 0,
+        "ledger": {"trained": steps * 16, "filtered": filtered, "stale": 0},
+        "counters": counters or {},
     }
     (path / "summary.json").write_text(json.dumps(summary))
-    records = [{"step": s, "ledger/issued": s * issued_per_step, "actor/entropy": entropy - 0.01 * s,
-                "response_length/clip_ratio": clip_ratio} for s in range(1, steps + 1)]
+    records = [
+        {
+            "step": s,
+            "ledger/issued": s * issued_per_step,
+            "actor/entropy": entropy - 0.01 * s,
+            "response_length/clip_ratio": clip_ratio,
+        }
+        for s in range(1, steps + 1)
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_entropy(tmp_path: Path) -> None:
-    fake_run(tmp_path, base=0.2, evals=[(0, 0.2), (10, 0.3), (20, 0.46), (30, 0.5)], issued_per_step=32, steps=30,
-             filtered=160, entropy=1.0, clip_ratio=0.25)
+def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_entropy(
+    tmp_path: Path,
+) -> None:
+    fake_run(
+        tmp_path,
+        base=0.2,
+        evals=[(0, 0.2), (10, 0.3), (20, 0.46), (30, 0.5)],
+        issued_per_step=32,
+        steps=30,
+        filtered=160,
+        entropy=1.0,
+        clip_ratio=0.25,
+    )
     run = read_run(tmp_path, "dapo", 0, group_size=8, gain=0.25)
     assert run.samples_to_target == 20 * 32 * 8  # the first evaluation at >= 0.45: step 20
     assert run.samples_to_early_target == 10 * 32 * 8  # >= 0.30: step 10
@@ -67,13 +103,24 @@ def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_
     assert run.samples == 30 * 32 * 8
     assert run.filtered_share == pytest.approx(160 / (480 + 160))
     assert run.truncation_rate == pytest.approx(0.25)
-    assert run.final_entropy == pytest.approx(1.0 - 0.01 * 29)  # the mean of the last tenth (steps 28-30)
+    assert run.final_entropy == pytest.approx(
+        1.0 - 0.01 * 29
+    )  # the mean of the last tenth (steps 28-30)
     # The gatekeeper's counts cover filtered groups too (dynamic sampling drops all-wrong groups,
     # which hold most truncated responses): they take precedence over the trained responses' ratio.
     counted = tmp_path / "counted"
-    fake_run(counted, base=0.2, evals=[(0, 0.2), (30, 0.5)], issued_per_step=32, steps=30, clip_ratio=0.25,
-             counters={"responses_judged": 4000, "responses_truncated": 600})
-    assert read_run(counted, "dapo", 0, group_size=8, gain=0.25).truncation_rate == pytest.approx(0.15)
+    fake_run(
+        counted,
+        base=0.2,
+        evals=[(0, 0.2), (30, 0.5)],
+        issued_per_step=32,
+        steps=30,
+        clip_ratio=0.25,
+        counters={"responses_judged": 4000, "responses_truncated": 600},
+    )
+    assert read_run(counted, "dapo", 0, group_size=8, gain=0.25).truncation_rate == pytest.approx(
+        0.15
+    )
     slow = tmp_path / "slow"
     fake_run(slow, base=0.2, evals=[(0, 0.2), (30, 0.44)], issued_per_step=32, steps=30)
     assert read_run(slow, "grpo", 0, group_size=8, gain=0.25).samples_to_target is None
@@ -83,14 +130,24 @@ def test_the_table_counts_runs_that_never_reached_the_target_honestly(tmp_path: 
     fake_run(tmp_path / "a", base=0.2, evals=[(0, 0.2), (10, 0.5)], issued_per_step=16, steps=10)
     fake_run(tmp_path / "b", base=0.2, evals=[(0, 0.2), (10, 0.3)], issued_per_step=16, steps=10)
     fake_run(tmp_path / "c", base=0.2, evals=[(0, 0.2), (10, 0.3)], issued_per_step=16, steps=10)
-    runs = [read_run(tmp_path / "a", "dapo", 0, group_size=8, gain=0.25), read_run(tmp_path / "b", "dapo", 1, group_size=8, gain=0.25),
-            read_run(tmp_path / "c", "grpo", 0, group_size=8, gain=0.25)]
+    runs = [
+        read_run(tmp_path / "a", "dapo", 0, group_size=8, gain=0.25),
+        read_run(tmp_path / "b", "dapo", 1, group_size=8, gain=0.25),
+        read_run(tmp_path / "c", "grpo", 0, group_size=8, gain=0.25),
+    ]
     text = table(runs, gain=0.25)
     dapo_row = next(line for line in text.splitlines() if line.startswith("| + dynamic sampling"))
     grpo_row = next(line for line in text.splitlines() if line.startswith("| naive GRPO"))
-    assert "(1/2 reached)" in dapo_row and "0.400 ± 0.141" in dapo_row  # final accuracy mean ± std over 2 seeds
+    assert (
+        "(1/2 reached)" in dapo_row and "0.400 ± 0.141" in dapo_row
+    )  # final accuracy mean ± std over 2 seeds
     assert "not reached (0/1)" in grpo_row
-    assert next(line for line in text.splitlines() if line.startswith("| + clip-higher")).split("|")[2].strip() == "0"
+    assert (
+        next(line for line in text.splitlines() if line.startswith("| + clip-higher"))
+        .split("|")[2]
+        .strip()
+        == "0"
+    )
 
 
 def test_an_interrupted_ladder_resumes_without_redoing_finished_runs(tmp_path: Path) -> None:
@@ -106,10 +163,24 @@ def test_an_interrupted_ladder_resumes_without_redoing_finished_runs(tmp_path: P
         return 0
 
     rungs = LADDER[:2]
-    run_ladder(CONFIG, tmp_path, seeds=2, extra={"learner.sample_budget": "640"}, rungs=rungs, runner=runner)
+    run_ladder(
+        CONFIG,
+        tmp_path,
+        seeds=2,
+        extra={"learner.sample_budget": "640"},
+        rungs=rungs,
+        runner=runner,
+    )
     assert len(calls) == 4
     calls.clear()
-    run_ladder(CONFIG, tmp_path, seeds=2, extra={"learner.sample_budget": "640"}, rungs=rungs, runner=runner)
+    run_ladder(
+        CONFIG,
+        tmp_path,
+        seeds=2,
+        extra={"learner.sample_budget": "640"},
+        rungs=rungs,
+        runner=runner,
+    )
     assert calls == [run_dir(tmp_path, LADDER[1], 0)]  # only the run that had died, started afresh
 
 
@@ -120,27 +191,55 @@ def test_every_run_gets_its_rung_its_seed_and_the_budget(tmp_path: Path) -> None
         commands[f"{path.parent.name}/{path.name}"] = cmd
         return 1
 
-    run_ladder(CONFIG, tmp_path, seeds=2, extra={"learner.sample_budget": "640"}, rungs=(LADDER[0], LADDER[5]), runner=runner)
+    run_ladder(
+        CONFIG,
+        tmp_path,
+        seeds=2,
+        extra={"learner.sample_budget": "640"},
+        rungs=(LADDER[0], LADDER[5]),
+        runner=runner,
+    )
     assert sorted(commands) == ["dapo/seed0", "dapo/seed1", "grpo/seed0", "grpo/seed1"]
     grpo, dapo = commands["grpo/seed1"], commands["dapo/seed1"]
     assert "algorithm.gatekeeper=false" in grpo and "algorithm.gatekeeper=true" in dapo
-    assert {"learner.seed=1", "data.seed=1", "rollout.seed=1", "learner.sample_budget=640"} <= set(grpo)
+    assert {"learner.seed=1", "data.seed=1", "rollout.seed=1", "learner.sample_budget=640"} <= set(
+        grpo
+    )
     assert grpo[grpo.index("--output-dir") + 1] == str(tmp_path / "grpo" / "seed1")
 
 
 def test_the_report_writes_the_table_the_data_and_the_plot(tmp_path: Path) -> None:
-    fake_run(tmp_path / "r", base=0.2, evals=[(0, 0.2), (10, 0.5), (20, 0.6)], issued_per_step=16, steps=20)
+    fake_run(
+        tmp_path / "r",
+        base=0.2,
+        evals=[(0, 0.2), (10, 0.5), (20, 0.6)],
+        issued_per_step=16,
+        steps=20,
+    )
     runs = [read_run(tmp_path / "r", "grpo", 0, group_size=8, gain=0.25)]
-    report = write_report(runs, tmp_path, gain=0.25, command="dapo ablate --config x", wall_s=60.0, rungs=LADDER[:1])
+    report = write_report(
+        runs, tmp_path, gain=0.25, command="dapo ablate --config x", wall_s=60.0, rungs=LADDER[:1]
+    )
     assert "| naive GRPO | 1 | 0.600 ± 0.000" in report.markdown.read_text()
     assert json.loads(report.data.read_text())["runs"][0]["samples_to_target"] == 10 * 16 * 8
     assert report.figure.read_text().lstrip().startswith("<?xml")
 
 
-def test_the_command_refuses_a_ladder_without_a_budget_and_unknown_rungs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["ablate", "--config", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path)]) == 2
+def test_the_command_refuses_a_ladder_without_a_budget_and_unknown_rungs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["ablate", "--config", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path)])
+        == 2
+    )
     assert "no sample budget" in capsys.readouterr().err
-    assert main(["ablate", "--config", str(CONFIG), "--rungs", "grpo,bogus", "--out", str(tmp_path)]) == 2
+    assert (
+        main(["ablate", "--config", str(CONFIG), "--rungs", "grpo,bogus", "--out", str(tmp_path)])
+        == 2
+    )
     assert "unknown rung(s) ['bogus']" in capsys.readouterr().err
-    assert main(["ablate", "--config", str(CONFIG), "--budget-samples", "0", "--out", str(tmp_path)]) == 2
+    assert (
+        main(["ablate", "--config", str(CONFIG), "--budget-samples", "0", "--out", str(tmp_path)])
+        == 2
+    )
     assert "sample_budget" in capsys.readouterr().err

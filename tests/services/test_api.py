@@ -12,22 +12,30 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.checkpoint_store import MARKER
-from services.contracts.config import build_config
-from services.contracts.keys import Counter, Keys, restarts_counter
-from services.contracts.runtime import Heartbeat
-from services.shell.api import create_app
-from tests.services.test_streams import issue
+from contracts.bus import StreamBus, connect
+from contracts.checkpoint_store import MARKER
+from contracts.config import build_config
+from contracts.keys import Counter, Keys, restarts_counter
+from contracts.runtime import Heartbeat
+from services.api import create_app
+from tests.contracts.test_streams import issue
 
 TOKEN = "s3cret"
 
 
 @pytest.fixture()
-def setup(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, StreamBus, Path]:
+def setup(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[TestClient, StreamBus, Path]:
     monkeypatch.setenv("DAPO_API_TOKEN", TOKEN)
-    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "queue": {"redis_url": redis_url, "namespace": "t"},
-                        "output_dir": str(tmp_path)})
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "queue": {"redis_url": redis_url, "namespace": "t"},
+            "output_dir": str(tmp_path),
+        }
+    )
     bus = StreamBus(connect(redis_url), Keys("t"), "test")
     bus.ensure_groups()
     return TestClient(create_app(cfg)), bus, cfg.checkpoint_dir
@@ -36,7 +44,9 @@ def setup(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tu
 def commit_checkpoint(store: Path, step: int, *, committed: bool = True) -> None:
     d = store / f"step_{step}"
     (d / "hf").mkdir(parents=True)
-    (d / "trainer.json").write_text(json.dumps({"step": step, "policy_version": step, "data_cursor": 10 * step}))
+    (d / "trainer.json").write_text(
+        json.dumps({"step": step, "policy_version": step, "data_cursor": 10 * step})
+    )
     if committed:
         (d / MARKER).write_text("x")
 
@@ -46,7 +56,13 @@ def test_health_and_readiness(setup: tuple[TestClient, StreamBus, Path]) -> None
     assert client.get("/healthz").json() == {"ok": True}
     r = client.get("/readyz")
     assert r.status_code == 503 and "learner heartbeat" in r.json()["detail"]
-    hb = Heartbeat(bus, "learner", "learner-1", ttl_s=5, status=lambda: {"policy_version": 3, "state": "training"})
+    hb = Heartbeat(
+        bus,
+        "learner",
+        "learner-1",
+        ttl_s=5,
+        status=lambda: {"policy_version": 3, "state": "training"},
+    )
     hb.beat()
     bus.redis.hset(bus.keys.learner_state, mapping={"state": "training", "step": 3})
     assert client.get("/readyz").json()["ready"] is True
@@ -56,13 +72,50 @@ def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamB
     client, bus, _ = setup
     issue(bus, 3)
     bus.redis.set(bus.keys.policy_version, 7)
-    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 1, "time": time.time() - 2, "critic/rewards/mean": -0.5, "rollout/tokens": 100, "rollout/groups": 4})})
-    bus.redis.xadd(bus.keys.metrics, {"m": json.dumps({"step": 2, "time": time.time(), "critic/rewards/mean": 0.25, "rollout/tokens": 300, "rollout/groups": 4})})
+    bus.redis.xadd(
+        bus.keys.metrics,
+        {
+            "m": json.dumps(
+                {
+                    "step": 1,
+                    "time": time.time() - 2,
+                    "critic/rewards/mean": -0.5,
+                    "rollout/tokens": 100,
+                    "rollout/groups": 4,
+                }
+            )
+        },
+    )
+    bus.redis.xadd(
+        bus.keys.metrics,
+        {
+            "m": json.dumps(
+                {
+                    "step": 2,
+                    "time": time.time(),
+                    "critic/rewards/mean": 0.25,
+                    "rollout/tokens": 300,
+                    "rollout/groups": 4,
+                }
+            )
+        },
+    )
     Heartbeat(bus, "rollout", "r-1", ttl_s=5, status=lambda: {"policy_version": 7}).beat()
     status = client.get("/status").json()
     assert status["policy_version"] == 7
-    assert status["ledger"] == {"issued": 3, "trained": 0, "filtered": 0, "stale": 0, "dead": 0, "eval_issued": 0,
-                                "evaluated": 0, "eval_dead": 0, "in_flight": 3, "balanced": True, "damaged": False}
+    assert status["ledger"] == {
+        "issued": 3,
+        "trained": 0,
+        "filtered": 0,
+        "stale": 0,
+        "dead": 0,
+        "eval_issued": 0,
+        "evaluated": 0,
+        "eval_dead": 0,
+        "in_flight": 3,
+        "balanced": True,
+        "damaged": False,
+    }
     assert status["stream_depths"]["rollout"] == 3
     assert status["last_metrics"]["critic/rewards/mean"] == 0.25
     assert status["throughput"]["tokens_per_s"] == pytest.approx(150, rel=0.05)
@@ -87,7 +140,9 @@ def test_checkpoint_listing_hides_uncommitted(setup: tuple[TestClient, StreamBus
     assert client.get("/checkpoints/abc").status_code == 422
 
 
-def test_mutating_routes_need_the_token(setup: tuple[TestClient, StreamBus, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mutating_routes_need_the_token(
+    setup: tuple[TestClient, StreamBus, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     client, bus, store = setup
     commit_checkpoint(store, 5)
     assert client.post("/pause").status_code == 401
@@ -110,7 +165,9 @@ def test_mutating_routes_need_the_token(setup: tuple[TestClient, StreamBus, Path
     assert r.status_code == 403 and "disabled" in r.json()["detail"]
 
 
-def test_dashboard_is_self_contained_and_builds_no_html_from_data(setup: tuple[TestClient, StreamBus, Path]) -> None:
+def test_dashboard_is_self_contained_and_builds_no_html_from_data(
+    setup: tuple[TestClient, StreamBus, Path],
+) -> None:
     client, _, _ = setup
     page, script, style = client.get("/"), client.get("/dashboard.js"), client.get("/dashboard.css")
     for r in (page, script, style):
@@ -118,23 +175,41 @@ def test_dashboard_is_self_contained_and_builds_no_html_from_data(setup: tuple[T
         assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
         assert r.headers["x-content-type-options"] == "nosniff"
     csp = dict(d.strip().split(" ", 1) for d in page.headers["content-security-policy"].split(";"))
-    assert csp["script-src"] == "'self'" and csp["style-src"] == "'self'" and csp["default-src"] == "'none'"
+    assert (
+        csp["script-src"] == "'self'"
+        and csp["style-src"] == "'self'"
+        and csp["default-src"] == "'none'"
+    )
     assert script.headers["content-type"].startswith("text/javascript")
     assert style.headers["content-type"].startswith("text/css")
-    # The CSP runs no inline script or style, so the page holds none: only the two same-origin files.
+    # The CSP runs no inline script or style, so the page holds none:
+    # only the two same-origin files.
     html = page.text
     assert re.findall(r"<script[^>]*>", html) == ['<script src="dashboard.js" defer>']
-    assert re.search(r"<script[^>]*>\s*[^<\s]", html) is None and "<style" not in html and " style=" not in html
+    assert (
+        re.search(r"<script[^>]*>\s*[^<\s]", html) is None
+        and "<style" not in html
+        and " style=" not in html
+    )
     assert re.search(r"\son[a-z]+=", html) is None  # no inline event handlers
     # The script builds the DOM with createElement/textContent only.
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "Function("):
+    for sink in (
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+        "Function(",
+    ):
         assert sink not in script.text, sink
     assert "textContent" in script.text and "createElementNS" in script.text
     external = (html + script.text + style.text).replace("http://www.w3.org/2000/svg", "")
     assert "http://" not in external and "https://" not in external  # no CDN
 
 
-def test_metrics_page_parses_with_restarts_and_hostile_ids(setup: tuple[TestClient, StreamBus, Path]) -> None:
+def test_metrics_page_parses_with_restarts_and_hostile_ids(
+    setup: tuple[TestClient, StreamBus, Path],
+) -> None:
     client, bus, _ = setup
     hostile = 'r"0\\x\n} evil{a="1'
     issue(bus, 2)
@@ -145,22 +220,39 @@ def test_metrics_page_parses_with_restarts_and_hostile_ids(setup: tuple[TestClie
     bus.incr(restarts_counter(hostile))
     bus.incr(Counter.DEAD_LETTERS)  # a counter sharing its name with a status figure
     # Learner metrics that map onto names the status itself emits must not give a second series.
-    bus.append_metrics({"step": 3, "time": time.time(), "ledger/in_flight": 9, "ledger/issued": 9, "critic/rewards/mean": 0.5})
+    bus.append_metrics(
+        {
+            "step": 3,
+            "time": time.time(),
+            "ledger/in_flight": 9,
+            "ledger/issued": 9,
+            "critic/rewards/mean": 0.5,
+        }
+    )
     r = client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert r.status_code == 200 and r.headers["content-type"].startswith(
+        "text/plain; version=0.0.4"
+    )
     families = list(text_string_to_metric_families(r.text))
     names = [f.name for f in families]
     assert len(names) == len(set(names)), names
     series = [(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples]
     assert len(series) == len(set(series)), series
     assert all(re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) for name, _ in series)
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples
+    }
     assert values[("dapo_restarts_total", (("service", "rollout-0"),))] == 2
     assert values[("dapo_restarts_total", (("service", hostile),))] == 1
     assert values[("dapo_instance_policy_version", (("id", hostile), ("kind", "rollout")))] == 4
     assert values[("dapo_instance_policy_version", (("id", "rollout-1"), ("kind", "rollout")))] == 5
-    assert values[("dapo_ledger_in_flight", ())] == 2  # the live ledger, not the learner's last record
+    assert (
+        values[("dapo_ledger_in_flight", ())] == 2
+    )  # the live ledger, not the learner's last record
     assert values[("dapo_ledger_issued_total", ())] == 2
-    assert values[("dapo_dead_letters_total", ())] == 1 and values[("dapo_dead_letter_stream_entries", ())] == 0
+    assert (
+        values[("dapo_dead_letters_total", ())] == 1
+        and values[("dapo_dead_letter_stream_entries", ())] == 0
+    )
     assert values[("dapo_critic_rewards_mean", ())] == 0.5
     assert ("dapo_ledger_issued", ()) not in values

@@ -16,27 +16,41 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contracts.bus import StreamBus, connect
-from services.contracts.config import build_config
-from services.contracts.keys import Counter, Keys, RunField
-from services.contracts.runtime import Heartbeat
-from services.shell.api import MAX_BODY_BYTES, create_app
-from services.shell.status import format_status, run_status
-from tests.services.test_streams import issue
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import Counter, Keys, RunField
+from contracts.runtime import Heartbeat
+from services.api import MAX_BODY_BYTES, create_app
+from services.status import format_status, run_status
+from tests.contracts.test_streams import issue
 
 TOKEN = "s3cret"
 MiB = 1 << 20
 
 
 @pytest.fixture()
-def api(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[FastAPI, StreamBus]:
+def api(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[FastAPI, StreamBus]:
     monkeypatch.setenv("DAPO_API_TOKEN", TOKEN)
-    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}, "queue": {"redis_url": redis_url, "namespace": "t"},
-                        "output_dir": str(tmp_path)})
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "queue": {"redis_url": redis_url, "namespace": "t"},
+            "output_dir": str(tmp_path),
+        }
+    )
     bus = StreamBus(connect(redis_url), Keys("t"), "test")
     bus.ensure_groups()
     issue(bus, 2)
-    Heartbeat(bus, "learner", "learner-0", ttl_s=60, status=lambda: {"policy_version": 3, "state": "training"}).beat()
+    Heartbeat(
+        bus,
+        "learner",
+        "learner-0",
+        ttl_s=60,
+        status=lambda: {"policy_version": 3, "state": "training"},
+    ).beat()
     Heartbeat(bus, "rollout", "rollout-0", ttl_s=60, status=lambda: {"policy_version": 3}).beat()
     bus.redis.hset(bus.keys.learner_state, mapping={"state": "training", "step": 3})
     return create_app(cfg), bus
@@ -56,28 +70,84 @@ BUS_SKIPS = "bad_redis_values"
 GARBAGE: dict[str, tuple[Callable[[StreamBus], object], str | None]] = {
     "heartbeat not JSON": (lambda b: heartbeat(b, "x", b"{not json \xff"), None),
     "heartbeat a JSON list": (lambda b: heartbeat(b, "x", "[1, 2]"), None),
-    "heartbeat at not a number": (lambda b: heartbeat(b, "x", hb_json("rollout", "x", at="soon")), None),
-    "heartbeat at NaN": (lambda b: heartbeat(b, "x", '{"kind": "rollout", "id": "x", "at": NaN}'), "heartbeats"),
-    "heartbeat at infinite": (lambda b: heartbeat(b, "x", '{"kind": "rollout", "id": "x", "at": 1e999}'), "heartbeats"),
-    "heartbeat id not a string": (lambda b: heartbeat(b, "x", json.dumps({"kind": "rollout", "id": {"a": [1]}, "at": 2e9})), "heartbeats"),
-    "heartbeat policy_version not an integer": (lambda b: heartbeat(b, "x", hb_json("rollout", "x", policy_version="abc")), "heartbeat_fields"),
-    "heartbeat groups a list, idle_fraction text": (lambda b: heartbeat(b, "x", hb_json("rollout", "x", groups=[1], idle_fraction="half")),
-                                                    "heartbeat_fields"),
-    "two heartbeats claiming one id": (lambda b: heartbeat(b, "x", hb_json("rollout", "rollout-0")), "heartbeats"),
+    "heartbeat at not a number": (
+        lambda b: heartbeat(b, "x", hb_json("rollout", "x", at="soon")),
+        None,
+    ),
+    "heartbeat at NaN": (
+        lambda b: heartbeat(b, "x", '{"kind": "rollout", "id": "x", "at": NaN}'),
+        "heartbeats",
+    ),
+    "heartbeat at infinite": (
+        lambda b: heartbeat(b, "x", '{"kind": "rollout", "id": "x", "at": 1e999}'),
+        "heartbeats",
+    ),
+    "heartbeat id not a string": (
+        lambda b: heartbeat(b, "x", json.dumps({"kind": "rollout", "id": {"a": [1]}, "at": 2e9})),
+        "heartbeats",
+    ),
+    "heartbeat policy_version not an integer": (
+        lambda b: heartbeat(b, "x", hb_json("rollout", "x", policy_version="abc")),
+        "heartbeat_fields",
+    ),
+    "heartbeat groups a list, idle_fraction text": (
+        lambda b: heartbeat(b, "x", hb_json("rollout", "x", groups=[1], idle_fraction="half")),
+        "heartbeat_fields",
+    ),
+    "two heartbeats claiming one id": (
+        lambda b: heartbeat(b, "x", hb_json("rollout", "rollout-0")),
+        "heartbeats",
+    ),
     "policy version not an integer": (lambda b: b.redis.set(b.keys.policy_version, "seven"), None),
-    "policy version key of another type": (lambda b: b.redis.hset(b.keys.policy_version, "a", "b"), "policy_version"),
-    "control request not JSON": (lambda b: b.redis.hset(b.keys.control, "pause", b"\xffgarbage"), None),
+    "policy version key of another type": (
+        lambda b: b.redis.hset(b.keys.policy_version, "a", "b"),
+        "policy_version",
+    ),
+    "control request not JSON": (
+        lambda b: b.redis.hset(b.keys.control, "pause", b"\xffgarbage"),
+        None,
+    ),
     "control key of another type": (lambda b: b.redis.set(b.keys.control, "garbage"), "control"),
-    "learner state garbage": (lambda b: b.redis.hset(b.keys.learner_state, mapping={"step": "many", "at": "x", "policy_version": "v"}), None),
-    "learner state key of another type": (lambda b: b.redis.set(b.keys.learner_state, "garbage"), "learner_state"),
-    "ledger count not an integer": (lambda b: b.redis.hset(b.keys.ledger, "issued", "lots"), "ledger"),
-    "counter not an integer": (lambda b: b.redis.hset(b.keys.counters, Counter.GATEKEEPER_KEPT, "x"), "counters"),
-    "metric records without a time": (lambda b: [b.redis.xadd(b.keys.metrics, {"m": '{"step": 1}'}) for _ in range(2)], None),
-    "metric records with a text time": (lambda b: [b.redis.xadd(b.keys.metrics, {"m": '{"step": 1, "time": "x", "rollout/tokens": "y"}'})
-                                                   for _ in range(2)], None),
-    "run info garbage": (lambda b: b.redis.hset(b.keys.run_info, mapping={RunField.BASE_EVAL_ACC: "nan", RunField.EVAL_HISTORY: "[[1, NaN]]"}),
-                         "eval_history"),
-    "dead-letter stream key of another type": (lambda b: b.redis.set(b.keys.dead, "garbage"), "dead_letters"),
+    "learner state garbage": (
+        lambda b: b.redis.hset(
+            b.keys.learner_state, mapping={"step": "many", "at": "x", "policy_version": "v"}
+        ),
+        None,
+    ),
+    "learner state key of another type": (
+        lambda b: b.redis.set(b.keys.learner_state, "garbage"),
+        "learner_state",
+    ),
+    "ledger count not an integer": (
+        lambda b: b.redis.hset(b.keys.ledger, "issued", "lots"),
+        "ledger",
+    ),
+    "counter not an integer": (
+        lambda b: b.redis.hset(b.keys.counters, Counter.GATEKEEPER_KEPT, "x"),
+        "counters",
+    ),
+    "metric records without a time": (
+        lambda b: [b.redis.xadd(b.keys.metrics, {"m": '{"step": 1}'}) for _ in range(2)],
+        None,
+    ),
+    "metric records with a text time": (
+        lambda b: [
+            b.redis.xadd(b.keys.metrics, {"m": '{"step": 1, "time": "x", "rollout/tokens": "y"}'})
+            for _ in range(2)
+        ],
+        None,
+    ),
+    "run info garbage": (
+        lambda b: b.redis.hset(
+            b.keys.run_info,
+            mapping={RunField.BASE_EVAL_ACC: "nan", RunField.EVAL_HISTORY: "[[1, NaN]]"},
+        ),
+        "eval_history",
+    ),
+    "dead-letter stream key of another type": (
+        lambda b: b.redis.set(b.keys.dead, "garbage"),
+        "dead_letters",
+    ),
 }
 
 
@@ -93,7 +163,11 @@ def test_garbage_in_redis_is_skipped_not_a_500(api: tuple[FastAPI, StreamBus], c
     assert body["learner_state"] != "down"  # the good learner heartbeat still counts
     assert ("rollout", "rollout-0") in {(i["kind"], i["id"]) for i in body["instances"]}
     for row in body["instances"]:  # what does reach the status is well-formed
-        assert isinstance(row["kind"], str) and isinstance(row["id"], str) and math.isfinite(row["heartbeat_age_s"])
+        assert (
+            isinstance(row["kind"], str)
+            and isinstance(row["id"], str)
+            and math.isfinite(row["heartbeat_age_s"])
+        )
         assert row["policy_version"] is None or type(row["policy_version"]) is int
     if source is not None:
         counted = body["skipped_values"].get(source, 0) + body["counters"].get(BUS_SKIPS, 0)
@@ -104,7 +178,9 @@ def test_garbage_in_redis_is_skipped_not_a_500(api: tuple[FastAPI, StreamBus], c
     assert metrics.status_code == 200, metrics.text
     families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
     if source is not None and body["skipped_values"]:
-        assert {s.labels["source"] for s in families["dapo_status_skipped_values"].samples} == set(body["skipped_values"])
+        assert {s.labels["source"] for s in families["dapo_status_skipped_values"].samples} == set(
+            body["skipped_values"]
+        )
     assert client.get("/metrics/history").status_code == 200
     assert "rollout-0" in format_status(run_status(bus, heartbeat_ttl_s=60))
 
@@ -117,8 +193,16 @@ def test_garbage_values_read_as_none_not_as_made_up_figures(api: tuple[FastAPI, 
     status = client.get("/status").json()
     assert status["ledger"] is None  # not a zeroed, "balanced" ledger
     [row] = [i for i in status["instances"] if i["id"] == "x"]
-    assert row["host"] is None and "state" not in row and "groups" not in row and row["idle_fraction"] == 0.25
-    assert status["skipped_values"] == {"ledger": 1, "heartbeat_fields": 3} and status["gatekeeper_pass_rate"] is None
+    assert (
+        row["host"] is None
+        and "state" not in row
+        and "groups" not in row
+        and row["idle_fraction"] == 0.25
+    )
+    assert (
+        status["skipped_values"] == {"ledger": 1, "heartbeat_fields": 3}
+        and status["gatekeeper_pass_rate"] is None
+    )
     names = {f.name for f in text_string_to_metric_families(client.get("/metrics").text)}
     assert not {"dapo_ledger_issued", "dapo_ledger_in_flight", "dapo_ledger_balanced"} & names
 
@@ -140,7 +224,9 @@ def test_status_table_escapes_control_characters(api: tuple[FastAPI, StreamBus])
 
 
 # --- request bodies, at the ASGI level ------------------------------------------------------
-def call(app: FastAPI, path: str, chunks: Iterator[bytes], headers: dict[str, str]) -> tuple[int, int, dict[str, str], bytes]:
+def call(
+    app: FastAPI, path: str, chunks: Iterator[bytes], headers: dict[str, str]
+) -> tuple[int, int, dict[str, str], bytes]:
     """POST `path` with the body sent as `chunks`; returns (status, body bytes the app pulled,
     response headers, response body)."""
     pulled = 0
@@ -158,9 +244,20 @@ def call(app: FastAPI, path: str, chunks: Iterator[bytes], headers: dict[str, st
     async def send(message: dict[str, object]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-             "raw_path": path.encode(), "root_path": "", "query_string": b"", "server": ("test", 80), "client": ("test", 1),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
     asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
     start = next(m for m in sent if m["type"] == "http.response.start")
     response_headers = {k.decode(): v.decode() for k, v in start["headers"]}  # type: ignore[attr-defined]
@@ -174,13 +271,23 @@ def body_of(total: int, chunk: int = MiB) -> Iterator[bytes]:
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
-def test_a_huge_body_without_a_token_is_refused_before_it_is_read(api: tuple[FastAPI, StreamBus], declared: bool) -> None:
+def test_a_huge_body_without_a_token_is_refused_before_it_is_read(
+    api: tuple[FastAPI, StreamBus], declared: bool
+) -> None:
     app, bus = api
-    headers = {"content-type": "application/json", **({"content-length": str(50 * MiB)} if declared else {})}
+    headers = {
+        "content-type": "application/json",
+        **({"content-length": str(50 * MiB)} if declared else {}),
+    }
     status, pulled, response_headers, body = call(app, "/checkpoints", body_of(50 * MiB), headers)
     assert (status, pulled) == (401, 0) and b"missing bearer token" in body
-    assert response_headers["connection"] == "close" and "frame-ancestors 'none'" in response_headers["content-security-policy"]
-    status, pulled, _, _ = call(app, "/checkpoints", body_of(50 * MiB), {**headers, "authorization": "Bearer wrong"})
+    assert (
+        response_headers["connection"] == "close"
+        and "frame-ancestors 'none'" in response_headers["content-security-policy"]
+    )
+    status, pulled, _, _ = call(
+        app, "/checkpoints", body_of(50 * MiB), {**headers, "authorization": "Bearer wrong"}
+    )
     assert (status, pulled) == (403, 0)
     assert bus.redis.hlen(bus.keys.control) == 0
 
@@ -188,10 +295,14 @@ def test_a_huge_body_without_a_token_is_refused_before_it_is_read(api: tuple[Fas
 def test_a_body_over_the_limit_with_a_token_gets_413(api: tuple[FastAPI, StreamBus]) -> None:
     app, bus = api
     auth = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
-    status, pulled, _, body = call(app, "/checkpoints", body_of(MiB), {**auth, "content-length": str(MiB)})
+    status, pulled, _, body = call(
+        app, "/checkpoints", body_of(MiB), {**auth, "content-length": str(MiB)}
+    )
     assert (status, pulled) == (413, 0) and str(MAX_BODY_BYTES).encode() in body
     chunk = 16 * 1024
-    status, pulled, _, _ = call(app, "/checkpoints", body_of(MiB, chunk), auth)  # chunked: counted while read
+    status, pulled, _, _ = call(
+        app, "/checkpoints", body_of(MiB, chunk), auth
+    )  # chunked: counted while read
     assert status == 413 and MAX_BODY_BYTES < pulled <= MAX_BODY_BYTES + chunk
     assert bus.redis.hlen(bus.keys.control) == 0
     ok = b'{"keep": true}'
@@ -199,5 +310,10 @@ def test_a_body_over_the_limit_with_a_token_gets_413(api: tuple[FastAPI, StreamB
     assert (status, pulled) == (202, len(ok)), body
     assert json.loads(bus.redis.hget(bus.keys.control, "checkpoint"))["keep"] is True
     client = TestClient(app)
-    assert client.post("/checkpoints", headers=auth, content=b"{" + b" " * MAX_BODY_BYTES + b"}").status_code == 413
+    assert (
+        client.post(
+            "/checkpoints", headers=auth, content=b"{" + b" " * MAX_BODY_BYTES + b"}"
+        ).status_code
+        == 413
+    )
     assert client.post("/checkpoints", headers=auth, json={"keep": False}).status_code == 202

@@ -1,4 +1,4 @@
-"""Tests for services.contracts.data: synthetic rows, loading, writing and prompt rendering."""
+"""Tests for contracts.data: synthetic rows, loading, writing and prompt rendering."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.contracts.data import (
+from contracts.data import (
     DataError,
     PromptRecord,
     load_prompts,
@@ -70,7 +70,11 @@ def test_synth_rows_schema_and_answers(difficulty: int) -> None:
 
 def test_level_6_rows_carry_a_worked_solution_whose_lines_add_up() -> None:
     rows = synth_rows(300, difficulty=6, seed=5)
-    assert {len(r["extra_info"]["numbers"]) for r in rows} == {2, 3, 4}  # easy and hard problems mixed
+    assert {len(r["extra_info"]["numbers"]) for r in rows} == {
+        2,
+        3,
+        4,
+    }  # easy and hard problems mixed
     for row in rows:
         numbers, solution = row["extra_info"]["numbers"], row["extra_info"]["solution"]
         *steps, answer = solution.split("\n")
@@ -102,7 +106,10 @@ def test_synth_rows_deterministic_and_seeded() -> None:
 
 def test_synth_rows_deterministic_across_processes() -> None:
     """No dependence on hash randomisation (PYTHONHASHSEED) or other process state."""
-    code = "import json; from services.demo.synthetic import synth_rows; print(json.dumps(synth_rows(5, seed=2, difficulty=4)))"
+    code = (
+        "import json; from services.demo.synthetic import synth_rows; "
+        "print(json.dumps(synth_rows(5, seed=2, difficulty=4)))"
+    )
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
@@ -339,7 +346,7 @@ def test_render_prompt_with_real_tokenizer_template() -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, services.contracts.data; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
+    code = "import sys, contracts.data; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

@@ -1,4 +1,4 @@
-"""`dapo data fetch` (services/shell/data_fetch.py): conversion of published files, duplicates
+"""`dapo data fetch` (services/data_fetch.py): conversion of published files, duplicates
 merged, the presets' file names, and the error when the Hub cannot be reached.
 
 No test downloads: the download step is injected and returns a local fixture written in the
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.contracts.data import DAPO_PROMPT_TEMPLATE, DataError, load_prompts, write_rows
-from services.shell.data_fetch import KNOWN_DATASETS, fetch
+from contracts.data import DAPO_PROMPT_TEMPLATE, DataError, load_prompts, write_rows
+from services.data_fetch import KNOWN_DATASETS, fetch
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTRUCTION = DAPO_PROMPT_TEMPLATE.replace("{problem}", "{}")
@@ -166,7 +166,7 @@ def test_offline_fetch_fails_with_a_clear_error(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "services.shell.cli",
+            "services.cli",
             "data",
             "fetch",
             "aime-2024",
@@ -181,7 +181,8 @@ def test_offline_fetch_fails_with_a_clear_error(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert out.stderr.startswith(
-        "dapo data fetch: cannot download data/aime-2024.parquet of the Hub dataset BytedTsinghua-SIA/AIME-2024"
+        "dapo data fetch: cannot download data/aime-2024.parquet of the Hub dataset "
+        "BytedTsinghua-SIA/AIME-2024"
     )
     assert "This machine may be offline or unable to reach the Hugging Face Hub" in out.stderr
     assert not (tmp_path / "data").exists()

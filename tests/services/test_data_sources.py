@@ -1,5 +1,5 @@
 """Your own data: every source format, the verl and flat schemas, column mapping, `hf://` ids and
-the errors a wrong column or a missing `datasets` library gives (services.contracts.data)."""
+the errors a wrong column or a missing `datasets` library gives (contracts.data)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from services.contracts.config import ConfigError, build_config
-from services.contracts.data import (
+from contracts.config import ConfigError, build_config
+from contracts.data import (
     DAPO_PROMPT_TEMPLATE,
     ColumnMap,
     DataError,
@@ -347,7 +347,7 @@ def test_offline_hub_id_fails_with_a_clear_error(tmp_path: Path) -> None:
     """A real Hub id with the Hub unreachable (offline mode: no network is tried)."""
     pytest.importorskip("datasets")
     code = (
-        "from services.contracts.data import load_prompts, DataError\n"
+        "from contracts.data import load_prompts, DataError\n"
         "try:\n    load_prompts('hf://BytedTsinghua-SIA/AIME-2024')\n"
         "except DataError as exc:\n    print(exc)\n"
     )
@@ -374,7 +374,7 @@ def test_offline_hub_id_fails_with_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_data_module_imports_no_datasets() -> None:
-    code = "import sys, services.contracts.config; print('datasets' in sys.modules)"
+    code = "import sys, contracts.config; print('datasets' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )

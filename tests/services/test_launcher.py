@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
-import services.shell.launcher as launcher
-from services.contracts.bus import LedgerSnapshot
-from services.contracts.config import ConfigError
-from services.contracts.model_source import MODEL_FILES
-from services.shell.launcher import Progress, prepare
+import services.launcher as launcher
+from contracts.bus import LedgerSnapshot
+from contracts.config import ConfigError
+from contracts.model_source import MODEL_FILES
+from services.launcher import Progress, prepare
 from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -222,7 +222,9 @@ def test_dapo_run_hands_the_services_the_snapshot_and_offline_mode(
     monkeypatch.setattr(launcher.Service, "start", start)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(StartRefused):
-        launcher.run_local(model_config(tmp_path, "hf://org/model", redis_url=redis_url), quiet=True)
+        launcher.run_local(
+            model_config(tmp_path, "hf://org/model", redis_url=redis_url), quiet=True
+        )
     assert len(download.calls) == 1 and download.calls[0]["repo_id"] == "org/model"
     [(name, env)] = started
     assert name == "learner" and env["HF_HUB_OFFLINE"] == "1"
@@ -235,8 +237,8 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \S+\[\d+\] [A-Z]+ [\w.]+: ")
 
 STOP_AFTER_PREPARE = """
 import sys
-import services.shell.launcher as launcher
-from services.shell.cli import main
+import services.launcher as launcher
+from services.cli import main
 
 def stop(*args, **kwargs):
     raise SystemExit(3)  # prepare is done; connecting to Redis comes next

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import load_config
-from services.shell.cli import main
-from services.shell.placement import PlacementError, plan
+from contracts.config import load_config
+from services.cli import main
+from services.placement import PlacementError, plan
 
 REPO = Path(__file__).resolve().parents[2]
 SEVEN_B = REPO / "configs" / "dapo-qwen2.5-7b-1node.yaml"
@@ -25,7 +25,9 @@ def test_eight_gpus_split_between_learner_and_replicas() -> None:
 
 
 def test_tensor_parallel_replicas_get_consecutive_gpus() -> None:
-    cfg = load_config(SEVEN_B, ["learner.nproc=2", "rollout.replicas=3", "rollout.tensor_parallel_size=2"])
+    cfg = load_config(
+        SEVEN_B, ["learner.nproc=2", "rollout.replicas=3", "rollout.tensor_parallel_size=2"]
+    )
     p = plan(cfg, 8)
     assert p.learner == (0, 1) and p.replicas == ((2, 3), (4, 5), (6, 7))
 
@@ -34,7 +36,12 @@ def test_a_config_that_does_not_fit_is_refused_naming_the_numbers() -> None:
     with pytest.raises(PlacementError) as err:
         plan(load_config(SEVEN_B), 2)
     message = str(err.value)
-    assert "learner.nproc=4" in message and "rollout.replicas=4" in message and "= 8 GPUs" in message and "has 2" in message
+    assert (
+        "learner.nproc=4" in message
+        and "rollout.replicas=4" in message
+        and "= 8 GPUs" in message
+        and "has 2" in message
+    )
 
 
 def test_two_gpus_one_learner_one_replica() -> None:
@@ -46,7 +53,12 @@ def test_one_gpu_is_shared_only_with_gloo_weights_and_room_for_the_learner() -> 
     base = ["learner.nproc=1", "rollout.replicas=1"]
     with pytest.raises(PlacementError, match="weights_backend"):
         plan(load_config(SEVEN_B, base), 1)
-    p = plan(load_config(SEVEN_B, [*base, "learner.weights_backend=gloo", "rollout.gpu_memory_utilization=0.4"]), 1)
+    p = plan(
+        load_config(
+            SEVEN_B, [*base, "learner.weights_backend=gloo", "rollout.gpu_memory_utilization=0.4"]
+        ),
+        1,
+    )
     assert p.shared and p.learner == (0,) and p.replicas == ((0,),)
 
 
@@ -57,8 +69,24 @@ def test_no_gpu_runs_everything_on_the_cpu() -> None:
         plan(load_config(TINY, ["rollout.tensor_parallel_size=2"]), 0)
 
 
-def test_dry_run_prints_the_plan_and_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert main(["run", "--config", str(SEVEN_B), "--output-dir", str(tmp_path / "out"), "--dry-run", "--gpus", "8"]) == 0
+def test_dry_run_prints_the_plan_and_starts_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert (
+        main(
+            [
+                "run",
+                "--config",
+                str(SEVEN_B),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--dry-run",
+                "--gpus",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "learner (4 ranks): GPUs 0,1,2,3" in out and "rollout-3: GPUs 7" in out
     assert not (tmp_path / "out").exists()

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import simpy
 
-from services.shell.cli import main
-from services.shell.planning.calibration import calibrate_run, predict_published, published_cases
-from services.shell.planning.costs import ResponseLengths
-from services.shell.planning.hardware import gpu_table
-from services.shell.planning.simulation import (
+from services.cli import main
+from services.planning.calibration import calibrate_run, predict_published, published_cases
+from services.planning.costs import ResponseLengths
+from services.planning.hardware import gpu_table
+from services.planning.simulation import (
     MeasuredGeneration,
     PipelineSpec,
     SharedCores,
@@ -28,9 +28,20 @@ PUBLISHED_TOLERANCE = 0.20
 
 
 def _spec(gen_s: float, learner_s: float, **changes: object) -> PipelineSpec:
-    spec = PipelineSpec(replicas=2, prompts_per_batch=8, group_size=8, train_batch_groups=16, oversampling=2.0, max_staleness=1,
-                        pass_rate=1.0, generation=MeasuredGeneration(gen_s), learner_step_s=learner_s, sync_s=0.0,
-                        lengths=ResponseLengths(8, 16, 0.0), prompt_len=32)
+    spec = PipelineSpec(
+        replicas=2,
+        prompts_per_batch=8,
+        group_size=8,
+        train_batch_groups=16,
+        oversampling=2.0,
+        max_staleness=1,
+        pass_rate=1.0,
+        generation=MeasuredGeneration(gen_s),
+        learner_step_s=learner_s,
+        sync_s=0.0,
+        lengths=ResponseLengths(8, 16, 0.0),
+        prompt_len=32,
+    )
     return PipelineSpec(**{**spec.__dict__, **changes})  # type: ignore[arg-type]
 
 
@@ -94,11 +105,18 @@ def test_on_shared_cores_replicas_generate_faster_while_the_learner_waits() -> N
 def test_calibration_on_a_measured_run_predicts_step_time_and_idle_fractions() -> None:
     result = calibrate_run(FIXTURE)
     m, p, e = result.measured, result.predicted, result.errors()
-    print(f"\nstep time: measured {m.step_s:.3f} s, predicted {p.step_s:.3f} s ({e['step_time']:+.1%})")
-    print(f"learner idle: measured {m.learner_idle:.3f}, predicted {p.learner_idle:.3f} "
-          f"({e['learner_idle']:+.1%}, {e['learner_idle_points']:+.3f} of wall time)")
-    print(f"rollout idle: measured {m.rollout_idle:.3f}, predicted {p.rollout_idle:.3f} "
-          f"({e['rollout_idle']:+.1%}, {e['rollout_idle_points']:+.3f} of wall time)")
+    print(
+        f"\nstep time: measured {m.step_s:.3f} s, predicted {p.step_s:.3f} s "
+        f"({e['step_time']:+.1%})"
+    )
+    print(
+        f"learner idle: measured {m.learner_idle:.3f}, predicted {p.learner_idle:.3f} "
+        f"({e['learner_idle']:+.1%}, {e['learner_idle_points']:+.3f} of wall time)"
+    )
+    print(
+        f"rollout idle: measured {m.rollout_idle:.3f}, predicted {p.rollout_idle:.3f} "
+        f"({e['rollout_idle']:+.1%}, {e['rollout_idle_points']:+.3f} of wall time)"
+    )
     # The run shared 2 CPU cores among the learner and two replicas: the simulated run records the
     # measured wall-clock rates once the work of each alone is solved for.
     assert m.cpu_cores == 2
@@ -117,10 +135,15 @@ def test_published_speedups_are_reproduced_where_the_pipeline_explains_them() ->
     results = [predict_published(case) for case in published_cases()]
     for r in results:
         note = " (outside the model)" if r.case.outside_the_model else ""
-        print(f"\n{r.case.name}: published {r.case.speedup:.2f}x, predicted {r.speedup:.2f}x ({r.error:+.0%}){note}")
+        print(
+            f"\n{r.case.name}: published {r.case.speedup:.2f}x, predicted {r.speedup:.2f}x "
+            f"({r.error:+.0%}){note}"
+        )
     explained = [r for r in results if r.case.outside_the_model is None]
     assert len(explained) >= 5
-    assert all(abs(r.error) <= PUBLISHED_TOLERANCE for r in explained), [(r.case.name, round(r.error, 2)) for r in explained]
+    assert all(abs(r.error) <= PUBLISHED_TOLERANCE for r in explained), [
+        (r.case.name, round(r.error, 2)) for r in explained
+    ]
 
 
 def test_gpu_table_cites_a_source_for_every_type() -> None:
@@ -130,18 +153,56 @@ def test_gpu_table_cites_a_source_for_every_type() -> None:
         assert gpu.source and gpu.memory_gib > 0 and gpu.bf16_tflops > 0 and gpu.hbm_tbs > 0
 
 
-@pytest.mark.parametrize(("preset", "gpus", "gpu"), [
-    ("tiny", 3, "l40s"), ("dapo-qwen2.5-7b-1node", 8, "h100"), ("dapo-qwen2.5-32b", 72, "h200"),
-])
-def test_plan_prints_placement_memory_prediction_and_recommendation(preset: str, gpus: int, gpu: str,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--config", str(REPO / "configs" / f"{preset}.yaml"), "--gpus", str(gpus), "--gpu", gpu]) == 0
+@pytest.mark.parametrize(
+    ("preset", "gpus", "gpu"),
+    [
+        ("tiny", 3, "l40s"),
+        ("dapo-qwen2.5-7b-1node", 8, "h100"),
+        ("dapo-qwen2.5-32b", 72, "h200"),
+    ],
+)
+def test_plan_prints_placement_memory_prediction_and_recommendation(
+    preset: str, gpus: int, gpu: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(REPO / "configs" / f"{preset}.yaml"),
+                "--gpus",
+                str(gpus),
+                "--gpu",
+                gpu,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for part in ("placement (as `dapo run --dry-run`)", "learner, per GPU:", "as configured", "asynchronous speed-up",
-                 "recommended: learner.nproc=", "Redis"):
+    for part in (
+        "placement (as `dapo run --dry-run`)",
+        "learner, per GPU:",
+        "as configured",
+        "asynchronous speed-up",
+        "recommended: learner.nproc=",
+        "Redis",
+    ):
         assert part in out, part
 
 
 def test_plan_refuses_an_unknown_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--config", str(REPO / "configs" / "tiny.yaml"), "--gpus", "8", "--gpu", "tpu-v9"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(REPO / "configs" / "tiny.yaml"),
+                "--gpus",
+                "8",
+                "--gpu",
+                "tpu-v9",
+            ]
+        )
+        == 2
+    )
     assert "unknown GPU type" in capsys.readouterr().err

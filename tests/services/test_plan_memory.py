@@ -14,11 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from services.shell.capacity import ModelShape
+from services.capacity import ModelShape
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "intermediate_size": 1536, "vocab_size": 8192, "tie_word_embeddings": True, "max_position_embeddings": 1024}
+MODEL = {
+    "hidden_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1536,
+    "vocab_size": 8192,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+}
 MICRO_BATCH, SEQ_LEN = 4, 512
 TOLERANCE = 0.15
 """The model counts tensors; the process also holds buffers (RoPE tables, autograd's
@@ -32,8 +40,12 @@ def predicted_mib() -> dict[str, float]:
     shape = ModelShape.from_config(MODEL)
     n, tokens = shape.params, MICRO_BATCH * SEQ_LEN
     final_norm = 2 * 4 * shape.hidden  # fp32 input and output of the last RMSNorm
-    return {"parameters": 4 * n / 2**20, "gradients": 4 * n / 2**20, "optimizer": 8 * n / 2**20,
-            "activations": tokens * (shape.layers * shape.activation_bytes(4) + final_norm) / 2**20}
+    return {
+        "parameters": 4 * n / 2**20,
+        "gradients": 4 * n / 2**20,
+        "optimizer": 8 * n / 2**20,
+        "activations": tokens * (shape.layers * shape.activation_bytes(4) + final_norm) / 2**20,
+    }
 
 
 def measure() -> dict[str, float]:
@@ -52,7 +64,9 @@ def measure() -> dict[str, float]:
     # machinery) that would otherwise land in whichever part is measured first, by a margin that
     # differs between machines (12 to 16 MiB on the same kind of machine).
     warm = Qwen2Model(Qwen2Config(**{**MODEL, "num_hidden_layers": 1}, attn_implementation="sdpa"))
-    warm(input_ids=torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, 16))).last_hidden_state.pow(2).mean().backward()
+    warm(input_ids=torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, 16))).last_hidden_state.pow(
+        2
+    ).mean().backward()
     torch.optim.AdamW(warm.parameters(), lr=1e-4).step()
     del warm
 
@@ -69,15 +83,26 @@ def measure() -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     optimizer.step()  # its state exists from the first step (and is freed with the optimizer)
     stepped = rss()
-    return {"parameters": built - start, "activations": forward - built, "gradients": backward - built,
-            "optimizer": stepped - backward}
+    return {
+        "parameters": built - start,
+        "activations": forward - built,
+        "gradients": backward - built,
+        "optimizer": stepped - backward,
+    }
 
 
 @pytest.mark.timeout(300)
 def test_learner_memory_model_matches_memory_measured_on_cpu() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "tests.services.test_plan_memory"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=280, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.services.test_plan_memory"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+    )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     predicted = predicted_mib()
     print()

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.contracts.config import load_config, redact_url
-from services.shell.redis_server import RedisServer
+from contracts.config import load_config, redact_url
+from services.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_embedded_server_requires_its_password(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_embedded_server_requires_its_password(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     with RedisServer(tmp_path, appendonly=False, password="pa/ss:word@1") as server:
         assert redis.Redis.from_url(server.url).ping()
@@ -24,7 +26,9 @@ def test_the_embedded_server_requires_its_password(tmp_path: Path, caplog: pytes
             redis.Redis(port=server.port).ping()
         conf = tmp_path / "redis.conf"
         assert stat.S_IMODE(conf.stat().st_mode) == 0o600 and "pa/ss:word@1" in conf.read_text()
-        assert server.proc is not None and "pa/ss:word@1" not in " ".join(map(str, server.proc.args))  # type: ignore[arg-type]
+        assert server.proc is not None and "pa/ss:word@1" not in " ".join(
+            map(str, server.proc.args)
+        )  # type: ignore[arg-type]
     assert "pa/ss" not in caplog.text and "***" in caplog.text
 
 
@@ -32,7 +36,11 @@ def test_urls_are_masked_in_dumps() -> None:
     assert redact_url("redis://:hunter2@redis:6379/0") == "redis://:***@redis:6379/0"
     assert redact_url("redis://dapo:hunter2@redis:6379/0") == "redis://dapo:***@redis:6379/0"
     assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
-    cfg = load_config(REPO / "configs" / "tiny.yaml", ["queue.redis_url=redis://dapo:hunter2@redis:6379/0"])
-    assert cfg.redis_url == "redis://dapo:hunter2@redis:6379/0"  # the services still connect with it
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml", ["queue.redis_url=redis://dapo:hunter2@redis:6379/0"]
+    )
+    assert (
+        cfg.redis_url == "redis://dapo:hunter2@redis:6379/0"
+    )  # the services still connect with it
     dumped = cfg.model_dump(mode="json")  # what config.yaml, trainer.json and the trackers get
     assert dumped["queue"]["redis_url"] == "redis://dapo:***@redis:6379/0"

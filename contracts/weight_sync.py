@@ -1,0 +1,410 @@
+"""The side process group that carries weights from learner rank 0 to rollout replicas.
+
+Why a side group: the replicas are not part of the learner's training group (they come and go,
+and a hung one must not stall training), so weights travel over a group of their own. A
+TCPStore served by learner rank 0, a prefix per *generation* (one membership), and a
+ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) over it. A membership change bumps the
+generation and everyone builds a fresh group under the new prefix; a broken group is never
+reused. Every operation has a timeout.
+
+Parameters travel in buckets: consecutive tensors of one dtype flattened into one buffer of
+about `learner.weight_bucket_mb`, so a sync is a few large broadcasts instead of one per tensor.
+
+`WeightChannel` is the Redis half of the conversation (announcements, the join set, the go/abort
+decision); the learner's publisher (`learner.weight_publisher`) and the replica's receiver
+(`rollout.weight_receiver`) each hold one and own their side of the protocol.
+
+`WeightStream` is what an engine receives: a small picklable description of one sync (the
+announcement and this replica's rank). Iterating it joins (or reuses) the receive group of the
+process that iterates it and yields `(name, tensor)` bucket by bucket, so the same object works
+in the rollout process (transformers engine) and inside vLLM's worker process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from contracts.bus import StreamBus
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """torch dtype from its short name ("bfloat16"), as ParamSpec stores it."""
+    return DTYPES.get(name) or getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+Bucket = tuple[ParamSpec, ...]
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One weight sync: who takes part, where to rendezvous, and what the buckets hold."""
+
+    version: int
+    """The policy version being sent."""
+    generation: int
+    replicas: tuple[str, ...]
+    """Replica ids; replica i has rank i + 1 (the learner is rank 0)."""
+    store_host: str
+    store_port: int
+    backend: str
+    timeout_s: float
+    buckets: tuple[Bucket, ...]
+    publisher: str = ""
+    """A token unique to the publishing learner process (see `group_key`)."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.replicas) + 1
+
+    @property
+    def group_key(self) -> str:
+        """Identity of the process group: a restarted learner serves a new store (possibly on the
+        same port) and counts generations from 1 again, so neither the address nor the generation
+        number is unique; the publisher token is."""
+        return f"{self.store_host}:{self.store_port}/{self.publisher}/gen{self.generation}"
+
+    def rank_of(self, replica_id: str) -> int:
+        return self.replicas.index(replica_id) + 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Announcement:
+        """Parse an announcement; ValueError/TypeError/KeyError when it is not one (a replica
+        skips such an entry instead of joining a rendezvous it describes)."""
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("replicas"), (list, tuple))
+            or not all(isinstance(r, str) for r in data["replicas"])
+        ):
+            raise ValueError("an announcement is a JSON object whose replicas are a list of ids")
+        if data["backend"] not in ("gloo", "nccl") or not isinstance(data["store_host"], str):
+            raise ValueError(
+                f"announcement backend {data['backend']!r} / store host {data['store_host']!r}"
+            )
+        buckets = tuple(
+            tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in bucket)
+            for bucket in data["buckets"]
+        )
+        return cls(
+            version=int(data["version"]),
+            generation=int(data["generation"]),
+            replicas=tuple(data["replicas"]),
+            store_host=data["store_host"],
+            store_port=int(data["store_port"]),
+            backend=data["backend"],
+            timeout_s=float(data["timeout_s"]),
+            buckets=buckets,
+            publisher=str(data.get("publisher", "")),
+        )
+
+
+def plan_buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_mb: int, *, dtype: str | None = None
+) -> tuple[Bucket, ...]:
+    """Group parameters (in order) into buckets of one dtype and at most ~bucket_mb each
+    (a tensor larger than the limit gets a bucket of its own). `dtype` sends every parameter in
+    that dtype instead of its own (the serving dtype of the replicas)."""
+    limit = bucket_mb * 2**20
+    buckets: list[list[ParamSpec]] = []
+    size = 0
+    for name, t in named:
+        dtype_name = dtype or str(t.dtype).removeprefix("torch.")
+        nbytes = t.numel() * DTYPES[dtype_name].itemsize
+        if (
+            not buckets
+            or buckets[-1][0].dtype != dtype_name
+            or (size + nbytes > limit and buckets[-1])
+        ):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(ParamSpec(name, tuple(t.shape), dtype_name))
+        size += nbytes
+    return tuple(tuple(b) for b in buckets)
+
+
+def bucket_numel(bucket: Bucket) -> int:
+    return sum(p.numel for p in bucket)
+
+
+def empty_bucket(bucket: Bucket, device: str | torch.device = "cpu") -> torch.Tensor:
+    return torch.empty(bucket_numel(bucket), dtype=dtype_of(bucket[0].dtype), device=device)
+
+
+def unflatten(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """Views of `flat`, one per parameter of `bucket` (no copy)."""
+    out, offset = [], 0
+    for p in bucket:
+        out.append((p.name, flat[offset : offset + p.numel].view(p.shape)))
+        offset += p.numel
+    return out
+
+
+def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+    """A TCPStore server that listens on `host` only (torch's own listens on every interface):
+    the socket is bound here and handed to the store. Keep the socket object alive as long as
+    the store (it owns the descriptor)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(512)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        use_libuv=True,
+    )
+    return store, sock
+
+
+def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:
+    """Rendezvous with the other members of `ann.generation` (blocks up to ann.timeout_s)."""
+    timeout = timedelta(seconds=ann.timeout_s)
+    store = dist.TCPStore(
+        ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False
+    )
+    return make_group_on_store(store, ann, rank)
+
+
+def make_group_on_store(store: dist.Store, ann: Announcement, rank: int) -> dist.ProcessGroup:
+    timeout = timedelta(seconds=ann.timeout_s)
+    prefixed = dist.PrefixStore(f"dapo-weights-{ann.group_key}", store)
+    if ann.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, ann.world_size, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, ann.world_size, timeout)
+
+
+def broadcast_bucket(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast `flat` from rank 0 (send on rank 0, receive in place elsewhere).
+
+    Raises TimeoutError after `timeout_s`; the group must then be dropped (a timed-out
+    collective leaves it in an unknown state)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    work = group.broadcast([flat], opts)
+    if not work.wait(timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"weight broadcast did not complete in {timeout_s}s")
+
+
+def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) -> float:
+    """Median seconds of one bare gloo broadcast of `nbytes` from rank 0 (this process) to
+    `replicas` receiving processes on this machine: the floor a weight sync of that size can
+    reach here (what a sync is measured against). Each round starts after a barrier."""
+    import multiprocessing
+    import statistics
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ann = Announcement(
+        version=0,
+        generation=0,
+        replicas=tuple(f"probe{i}" for i in range(replicas)),
+        store_host="127.0.0.1",
+        store_port=store.port,
+        backend="gloo",
+        timeout_s=120.0,
+        buckets=(),
+    )
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_flat_receiver, args=(ann.to_json(), rank, nbytes, repeats + 1))
+        for rank in range(1, ann.world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        group = make_group_on_store(store, ann, 0)
+        flat, times = torch.zeros(nbytes, dtype=torch.uint8), []
+        for _ in range(repeats + 1):
+            group.barrier().wait()
+            start = time.perf_counter()
+            broadcast_bucket(group, flat, ann.timeout_s)
+            times.append(time.perf_counter() - start)
+        group.barrier().wait()  # every receiver has its copy
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    return statistics.median(times[1:])  # the first round warms the connections up
+
+
+def _flat_receiver(ann_json: dict[str, Any], rank: int, nbytes: int, rounds: int) -> None:
+    ann = Announcement.from_json(ann_json)
+    store = dist.TCPStore(
+        ann.store_host, ann.store_port, is_master=False, timeout=timedelta(seconds=ann.timeout_s)
+    )
+    group = make_group_on_store(store, ann, rank)
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(rounds):
+        group.barrier().wait()
+        broadcast_bucket(group, flat, ann.timeout_s)
+    group.barrier().wait()
+
+
+class _Receiver:
+    """This process's receive group; rebuilt when the announced generation changes, dropped on
+    any error so the next sync builds a fresh one."""
+
+    def __init__(self) -> None:
+        self.group_key = ""
+        self.group: dist.ProcessGroup | None = None
+        self.buffers: dict[int, torch.Tensor] = {}
+        """Host receive buffers by bucket index, reused from sync to sync: a fresh buffer would be
+        paged in by the receive itself, on the critical path. Consumers copy the tensors out (an
+        engine's `update_weights` keeps no reference past the sync). GPU buffers are not kept:
+        the caching allocator makes them cheap, and keeping them would hold a model's worth of
+        GPU memory between syncs."""
+
+    def _buffer(self, index: int, bucket: Bucket, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return empty_bucket(bucket, device)
+        key, numel = index, bucket_numel(bucket)
+        flat = self.buffers.get(key)
+        if flat is None or flat.numel() != numel or flat.dtype != dtype_of(bucket[0].dtype):
+            flat = self.buffers[key] = empty_bucket(bucket, device)
+        return flat
+
+    def receive(
+        self, ann: Announcement, rank: int, device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        start = time.monotonic()
+        try:
+            if self.group is None or self.group_key != ann.group_key:
+                self.group, self.group_key = None, ""
+                self.group = make_group(ann, rank)
+                self.group_key = ann.group_key
+            for index, bucket in enumerate(ann.buckets):
+                flat = self._buffer(index, bucket, device)
+                broadcast_bucket(self.group, flat, ann.timeout_s)
+                yield from unflatten(flat, bucket)
+        except BaseException:
+            self.group, self.group_key = None, ""
+            raise
+        log.info("received policy version %d in %.3fs", ann.version, time.monotonic() - start)
+
+
+_RECEIVER = _Receiver()
+"""One per process: a process is at most one rank of one weight-sync group at a time."""
+
+
+@dataclass(frozen=True)
+class WeightStream:
+    """One sync as an iterable of `(name, tensor)`; what `Engine.update_weights` receives.
+
+    Picklable and JSON-able (`to_json`), so it can be handed to another process (vLLM's worker)
+    and iterated there. Iterate it once, completely: a partial iteration leaves the learner's
+    broadcast waiting for this rank until its timeout. Tensors are views of a received bucket
+    on `device`; they stay valid after the iteration moves on (each bucket is a fresh buffer).
+    Does NOT guarantee all-or-nothing: an error part-way raises after some tensors were yielded;
+    an engine that applies tensors as they come must treat its weights as inconsistent then.
+    """
+
+    ann: Announcement
+    rank: int
+    device: str = "cpu"
+
+    @property
+    def version(self) -> int:
+        return self.ann.version
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return self.ann.buckets
+
+    def on(self, device: str | torch.device) -> WeightStream:
+        """The same stream received into `device` (e.g. the vLLM worker's GPU)."""
+        return WeightStream(self.ann, self.rank, str(device))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return _RECEIVER.receive(self.ann, self.rank, torch.device(self.device))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ann": self.ann.to_json(), "rank": self.rank, "device": self.device}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WeightStream:
+        return cls(
+            Announcement.from_json(data["ann"]), int(data["rank"]), str(data.get("device", "cpu"))
+        )
+
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+class WeightChannel:
+    """The Redis keys of a weight sync, written and read for both halves: the announcements
+    stream (`Keys.weights`), each sync's join set and its go/abort decision. Writes go through
+    the bus's fence, so a learner that lost its lease cannot announce."""
+
+    def __init__(self, bus: StreamBus) -> None:
+        self.bus = bus
+        self.stream = bus.keys.weights
+
+    # --- the learner's side ----------------------------------------------------------------------
+    def announce(self, ann: Announcement) -> None:
+        self.bus.write(
+            "XADD", self.stream, "MAXLEN", "~", 1000, "*", "ann", json.dumps(ann.to_json())
+        )
+
+    def joined(self, ann: Announcement) -> set[str]:
+        raw: Any = self.bus.redis.smembers(self.bus.keys.weight_join(ann.group_key))
+        return {m.decode() for m in raw}
+
+    def decide(self, ann: Announcement, decision: str, ttl_s: int) -> None:
+        self.bus.write("SET", self.bus.keys.weight_decision(ann.group_key), decision, "EX", ttl_s)
+
+    # --- a replica's side ------------------------------------------------------------------------
+    def newest_id(self) -> str:
+        """The id of the newest announcement, "0" when there is none: where a new replica starts."""
+        last: Any = self.bus.redis.xrevrange(self.stream, count=1)
+        return last[0][0].decode() if last else "0"
+
+    def read(self, cursors: dict[str, str], block_ms: int | None) -> list[tuple[str, list[Entry]]]:
+        """Entries after each cursor of `cursors` (the weights stream and any other stream the
+        caller watches), blocking up to `block_ms` for the first; [] when none came."""
+        streams: dict[Any, Any] = dict(cursors)
+        reply: Any = self.bus.redis.xread(streams, count=64, block=block_ms)
+        return [(s.decode() if isinstance(s, bytes) else s, entries) for s, entries in reply or []]
+
+    def join(self, ann: Announcement, replica_id: str) -> None:
+        key = self.bus.keys.weight_join(ann.group_key)
+        self.bus.redis.sadd(key, replica_id)
+        self.bus.redis.expire(key, int(ann.timeout_s * 4) + 60)
+
+    def decision(self, ann: Announcement) -> bytes | None:
+        value: Any = self.bus.redis.get(self.bus.keys.weight_decision(ann.group_key))
+        return value if value is None else bytes(value)

@@ -1,0 +1,1 @@
+"""The gatekeeper stage: dynamic sampling and eval reduction between reward and learner."""

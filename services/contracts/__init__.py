@@ -1,3 +1,0 @@
-"""Contracts every process shares: the config tree, Redis keys, message schemas, the stream bus
-(the only code that talks to Redis), the checkpoint-store layout, the weight-sync protocol and the
-service runtime. Imports no stage and no shell code (enforced by import-linter)."""

@@ -1,0 +1,228 @@
+"""The whole DAPO algorithm on one page: one process, one synchronous loop, no Redis.
+
+Read this first. `dapo run --in-process` runs it; `bench/inprocess_floor.py` measures the service
+system against it. It calls the very functions the services call, in the order a prompt meets
+them; `dapo run` runs the same calls in separate processes joined by Redis streams:
+
+    this loop calls                         `dapo run` runs it in
+    contracts.data.encode_prompt            learner/feeder.py (learner rank 0): a prompt job
+    engine.generate (rollout.hf_engine)     rollout/service.py: a replica, G responses with
+                                            their behaviour log-probs
+    reward.service.score_group              reward/service.py: a reward worker (±1 verifier,
+                                            overlong shaping)
+    gatekeeper.service.keep_group           gatekeeper/service.py: dynamic sampling
+    learner.batch.build_batch               learner/loop.py (rank 0): padded tensors and
+                                            group-relative advantages
+    trainer.train_step (learner.trainer)    learner/trainer.py on every rank: the DAPO loss
+                                            (learner/algos/), FSDP2, AdamW
+    engine.update_weights                   learner/weight_publisher.py -> rollout/
+                                            weight_receiver.py: a broadcast to the replicas
+    services.evaluation.evaluate            learner/evaluation.py issues eval jobs; replicas,
+                                            reward workers and the gatekeeper answer them
+
+What the service system adds, and this loop does not have: asynchrony (replicas generate while
+the learner trains, bounded by `algorithm.max_staleness`; here every row is on-policy), several
+replicas and learner ranks, the ledger, checkpoints and resume, the control plane, fault
+handling. Generation uses the transformers engine whatever `rollout.engine` says.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from contracts.config import DapoConfig
+from contracts.data import encode_prompt, load_prompts
+from contracts.schemas import PromptJob, Response, RolloutGroup
+from gatekeeper.service import group_metric, keep_group
+from learner.batch import build_batch
+from learner.export import HFExporter
+from learner.service import init_distributed
+from learner.trainer import Trainer
+from reward.service import open_scorer, score_group
+from rollout.hf_engine import HFEngine
+from services.evaluation import eval_prompts, evaluate
+from services.launcher import prepare
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InProcessResult:
+    steps: int
+    eval_history: list[list[float]] = field(default_factory=list)
+    """[step, avg@k accuracy, RL seconds so far], one per evaluation."""
+    rl_seconds: float = 0.0
+    """Generation, scoring and training time; evaluations stop the clock."""
+    groups_generated: int = 0
+    groups_trained: int = 0
+    train_seconds: float = 0.0
+    train_tokens: float = 0.0
+
+    @property
+    def train_tokens_per_s(self) -> float:
+        return self.train_tokens / self.train_seconds if self.train_seconds else 0.0
+
+    def seconds_to_gain(self, gain: float) -> float:
+        return seconds_to_gain(self.eval_history, gain)
+
+
+def seconds_to_gain(history: list[list[float]], gain: float) -> float:
+    """RL seconds of the first evaluation at least `gain` above the first one, from a history of
+    [step, accuracy, RL seconds] (nan if none; also reads a service run's eval history)."""
+    if not history:
+        return math.nan
+    base = history[0][1]
+    return next((rl for _, acc, rl in history if acc >= base + gain - 1e-9), math.nan)
+
+
+def run_in_process(
+    cfg: DapoConfig,
+    *,
+    on_eval: Callable[[int, float, float], None] | None = None,
+    export_to: Path | None = None,
+) -> InProcessResult:
+    """Train `cfg.learner.total_steps` DAPO steps in this process; evaluate avg@k before the
+    first step, every `eval.every_steps` steps and after the last (`on_eval(step, acc, rl_s)`
+    after each); export the final weights as a Hugging Face model to `export_to` if given."""
+    prepare(cfg)  # the data files and the base model, as `dapo run` prepares them
+    init_distributed(cfg)  # a one-rank process group: the trainer's FSDP2 code path
+    trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
+    engine = HFEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    scorer = open_scorer(cfg.reward)
+    records = load_prompts(cfg.data.train_path, columns=cfg.data.columns)
+    order = list(range(len(records)))
+    random.Random(cfg.data.seed).shuffle(order)
+    eval_records, eval_ids = eval_prompts(cfg, tokenizer)
+    ro, alg = cfg.rollout, cfg.algorithm
+    result, cursor = InProcessResult(steps=cfg.learner.total_steps), 0
+
+    def evaluate_now(step: int) -> None:
+        if not eval_records:
+            return
+        acc = evaluate(engine, tokenizer, eval_records, eval_ids, cfg)["eval/acc"]
+        result.eval_history.append([step, acc, round(result.rl_seconds, 2)])
+        if on_eval is not None:
+            on_eval(step, acc, result.rl_seconds)
+
+    def generate_and_score() -> list[RolloutGroup]:
+        """One generation batch of `rollout.prompts_per_batch` prompts (a replica's batch)."""
+        nonlocal cursor
+        batch = [records[order[(cursor + i) % len(records)]] for i in range(ro.prompts_per_batch)]
+        cursor += ro.prompts_per_batch
+        prompts = [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in batch]
+        outs = engine.generate(
+            prompts,
+            n=ro.group_size,
+            max_tokens=ro.max_response_len,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+        )
+        groups = []
+        for record, ids, samples in zip(batch, prompts, outs, strict=True):
+            job = PromptJob(
+                group_id=f"inproc-{result.groups_generated}",
+                prompt_index=record.index,
+                prompt_ids=ids,
+                ground_truth=record.ground_truth,
+                data_source=record.data_source,
+                policy_version=0,
+                issued_at=0.0,
+                extra_info=record.extra_info,
+            )
+            result.groups_generated += 1
+            responses = [
+                Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
+                for s in samples
+            ]
+            group = RolloutGroup(
+                job=job, policy_version=0, replica_id="in-process", responses=responses
+            )
+            score_group(group, tokenizer, scorer, cfg)
+            groups.append(group)
+        return groups
+
+    try:
+        evaluate_now(0)
+        for step in range(1, result.steps + 1):
+            start = time.monotonic()
+            kept: list[RolloutGroup] = []
+            while (
+                len(kept) < alg.train_batch_groups
+            ):  # dynamic sampling: generate until B groups pass
+                kept += [
+                    g
+                    for g in generate_and_score()
+                    if not alg.gatekeeper or keep_group(group_metric(g, alg.gatekeeper_metric))
+                ]
+            result.groups_trained += alg.train_batch_groups
+            batch = build_batch(
+                kept[: alg.train_batch_groups],
+                pad_id=0,
+                norm_by_std=alg.norm_by_std,
+                overlong_filter=cfg.reward.overlong.filter,
+            )
+            trained_at = time.monotonic()
+            trainer.train_step(
+                batch, policy_version=0
+            )  # every row on-policy: no behaviour correction
+            result.train_seconds += time.monotonic() - trained_at
+            result.train_tokens += float(batch.response_mask.sum())
+            engine.update_weights(trainer.named_full_params())  # a memory copy, not a broadcast
+            result.rl_seconds += time.monotonic() - start
+            if step % cfg.eval.every_steps == 0 or step == result.steps:
+                evaluate_now(step)
+        if export_to is not None:
+            HFExporter(cfg.model.path).export(trainer.named_full_params(), export_to)
+    finally:
+        scorer.close()
+    return result
+
+
+def main(cfg: DapoConfig) -> int:
+    """`dapo run --in-process`: train, print each evaluation, write `<output_dir>/summary.json`
+    and the final weights to `<output_dir>/hf`."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def report(step: int, acc: float, rl_s: float) -> None:
+        log.info(
+            "step %d: eval avg@%d %.3f at %.1f RL seconds",
+            step,
+            cfg.eval.samples_per_problem,
+            acc,
+            rl_s,
+        )
+
+    result = run_in_process(cfg, on_eval=report, export_to=out / "hf")
+    summary = {
+        **asdict(result),
+        "train_tokens_per_s": result.train_tokens_per_s,
+        "mode": "in-process",
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    first, last = (
+        (result.eval_history[0][1], result.eval_history[-1][1]) if result.eval_history else (0, 0)
+    )
+    log.info(
+        "%d steps in %.0f RL seconds; eval %.3f -> %.3f; %d groups generated for %d trained; "
+        "summary in %s, weights in %s",
+        result.steps,
+        result.rl_seconds,
+        first,
+        last,
+        result.groups_generated,
+        result.groups_trained,
+        out / "summary.json",
+        out / "hf",
+    )
+    return 0

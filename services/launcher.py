@@ -1,0 +1,622 @@
+"""`dapo run`: the whole system on one machine, every service its own OS process.
+
+Prepares what the config asks for (synthetic data, the tiny base model, or the download of an
+`hf://` model into the Hugging Face cache, once, so that no service downloads), starts an embedded
+redis-server when no URL is configured, then the learner (under torchrun when
+`learner.nproc > 1`), the gatekeeper, a reward worker and `rollout.replicas` rollout replicas,
+exactly as docker-compose or Kubernetes would start them. It supervises them (a service that
+dies is restarted with back-off, a bounded number of times), shows a live progress line, stops
+everything cleanly at the end or on Ctrl-C, and writes `<output_dir>/summary.json`.
+
+The services' output goes to their log files under `<output_dir>/logs`, never to this console;
+the console shows this process's own log lines, each once, and the progress line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+from tqdm import tqdm
+
+from contracts.bus import StreamBus, open_bus
+from contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
+from contracts.keys import RunField, restarts_counter
+from contracts.model_source import Download, with_local_model
+from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
+from reward.service import check_reward_function
+from services.capacity import ModelShape, budget
+from services.placement import count_gpus, gpu_memory_of_this_machine, plan
+from services.plots import write_curves_svg
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+RATE_WINDOW_S = 120.0
+"""The progress line's steps/s is measured over the steps of about the last two minutes."""
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_file: TextIO | None = field(default=None, repr=False)
+    devices: str | None = None
+    """CUDA_VISIBLE_DEVICES for this service (None: inherit; "" hides every GPU)."""
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_file = self.log_path.open("a")
+        if self.devices is not None:
+            env = {**env, "CUDA_VISIBLE_DEVICES": self.devices}
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)  # torchrun's workers live in the same session
+
+    def wait(self, timeout_s: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the services start from once `prepare` ran."""
+
+    cfg: DapoConfig
+    """The run's config with `model.path` a local directory
+    (a Hub model's snapshot in the cache)."""
+    env: dict[str, str]
+    """Environment the services get on top of this process's."""
+
+
+def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
+    """Create the synthetic data and the tiny base model if the config asks for them, check that
+    a local model exists, or download an `hf://` model (`contracts.model_source`;
+    `download`: `huggingface_hub.snapshot_download` unless injected).
+
+    Build progress is logged (once: the console shows this process's log lines)."""
+    _prepare_data(cfg)
+    if cfg.model.hub_id is None and cfg.model.catalog_name is None:
+        _local_model(cfg)
+        return Prepared(cfg, {})
+    # Every service now reads the same files from the cache; offline, none of them can start a
+    # second download (or ask the Hub whether the id moved) if a library looks the id up again.
+    return Prepared(with_local_model(cfg, download), {"HF_HUB_OFFLINE": "1"})
+
+
+def _local_model(cfg: DapoConfig) -> None:
+    """Build the tiny base model if the config asks for it and it is not there yet; otherwise
+    the model directory must exist (a ConfigError now, not one in every service later)."""
+    spec, path = cfg.model.build_tiny, Path(cfg.model.path).expanduser()
+    if spec is not None and not (path / "config.json").exists():
+        _build_tiny(cfg, spec)
+    elif not path.is_dir():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: no such model directory (a Hugging Face Hub model is "
+            "written hf://OWNER/NAME)"
+        )
+
+
+def _prepare_data(cfg: DapoConfig) -> None:
+    from contracts.data import write_rows
+    from services.demo.synthetic import synth_rows
+
+    d = cfg.data
+    if d.synth is None:
+        return
+    if not Path(d.train_path).exists():
+        write_rows(
+            d.train_path,
+            synth_rows(
+                d.synth.num_train,
+                difficulty=d.synth.difficulty,
+                seed=d.seed,
+                template=d.synth.template,
+            ),
+        )
+    if d.eval_path and not Path(d.eval_path).exists():
+        write_rows(
+            d.eval_path,
+            synth_rows(
+                d.synth.num_eval,
+                difficulty=d.synth.difficulty,
+                seed=d.seed + 1_000_003,
+                template=d.synth.template,
+                start_index=10_000_000,
+            ),
+        )
+
+
+def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
+    from contracts.data import load_prompts
+    from services.demo.tiny_base import ensure_tiny_base
+
+    d = cfg.data
+    log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
+    train = [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:20000]]
+    evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path, columns=d.columns)[:128]]
+    info = ensure_tiny_base(
+        Path(cfg.model.path),
+        train_rows=train,
+        eval_rows=evals,
+        seed=cfg.learner.seed,
+        max_sft_steps=spec.sft_max_steps,
+        batch_size=spec.sft_batch_size,
+        lr=spec.sft_lr,
+        target_acc=spec.target_acc,
+        eval_every=spec.sft_eval_every,
+        samples_per_problem=spec.sft_eval_samples_per_problem,
+        vocab_size=spec.vocab_size,
+        max_new_tokens=cfg.rollout.max_response_len,
+        model_kwargs={
+            "hidden_size": spec.hidden_size,
+            "num_layers": spec.num_layers,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_heads,
+            "intermediate_size": spec.intermediate_size,
+        },
+    )
+    log.info("tiny base model ready: %s", info)
+
+
+def _as_row(rec: Any) -> dict[str, Any]:
+    return {
+        "data_source": rec.data_source,
+        "prompt": rec.messages,
+        "reward_model": {"ground_truth": rec.ground_truth, "style": "rule"},
+        "extra_info": rec.extra_info,
+    }
+
+
+class Progress:
+    """One live line: step, pace (steps/s and the time left, as tqdm formats them), reward, eval
+    accuracy, pass rate, version lag, ledger. On a terminal it is redrawn in place every poll,
+    otherwise written as a new line every 10 s; `quiet` writes nothing.
+
+    The pace counts training steps only: the time left leaves out the final evaluation and the
+    drain at the end of the run. It is measured between steps, so a pause (or a stalled learner)
+    shows only when the next step comes, as a slower rate."""
+
+    def __init__(
+        self,
+        bus: StreamBus,
+        total_steps: int,
+        quiet: bool,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.bus, self.total, self.quiet, self.clock = bus, total_steps, quiet, clock
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.last_print = -float("inf")
+        self.last_step: int | None = None
+        self.seen: deque[tuple[float, int]] = deque()
+        """(when first seen, step) of the steps reached while watching, within about
+        RATE_WINDOW_S, oldest first. The step shown at start is not among them: the time before
+        the next one holds start-up and the base evaluation, not a training step."""
+
+    def line(self) -> str:
+        state = self.bus.learner_state()
+        m = self.bus.last_metrics()
+        evals = self.bus.eval_history()
+        acc = f"{evals[-1][1]:.3f}" if evals else "-"
+        led = self.bus.ledger()
+        raw = state.get("step", "0")
+        step = int(raw) if raw.isdigit() else 0  # Redis values are parsed defensively
+        return (
+            f"step {step}/{self.total} [{state.get('state', 'starting')}] {self.pace(step)} "
+            f"reward {m.get('critic/rewards/mean', float('nan')):.3f} "
+            f"acc {m.get('rollout/acc_mean', float('nan')):.3f} "
+            f"eval {acc} pass {m.get('gate/pass_rate', float('nan')):.2f} "
+            f"lag {m.get('rollout/version_lag_mean', float('nan')):.2f} "
+            f"| issued {led.issued} trained {led.trained} filtered {led.filtered} "
+            f"stale {led.stale} evaluated {led.evaluated}/{led.eval_issued} "
+            f"in-flight {led.in_flight}"
+        )
+
+    def pace(self, step: int) -> str:
+        """`1.52step/s eta 03:07` (`12.40s/step` when slower than a step a second), measured
+        between the steps reached in about the last RATE_WINDOW_S; `?step/s eta ?` until two
+        steps were reached while watching."""
+        now = self.clock()
+        last, self.last_step = self.last_step, step
+        if last is not None and step < last:  # an operator restore went back: measure afresh
+            self.seen.clear()
+        elif last is not None and step > last:
+            self.seen.append((now, step))
+        while len(self.seen) > 2 and now - self.seen[1][0] > RATE_WINDOW_S:
+            self.seen.popleft()
+        if len(self.seen) < 2:
+            return "?step/s eta ?"
+        (t0, s0), (t1, s1) = self.seen[0], self.seen[-1]
+        if t1 <= t0:
+            return "?step/s eta ?"
+        pace = tqdm.format_meter(
+            s1,
+            self.total,
+            t1 - t0,
+            unit="step",
+            rate=(s1 - s0) / (t1 - t0),
+            bar_format="{rate_fmt} eta {remaining}",
+        )
+        return str(pace).strip()
+
+    def show(self) -> None:
+        if self.quiet:
+            return
+        now = self.clock()
+        try:
+            text = self.line()
+        except redis.RedisError:
+            return
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+            self.stream.flush()
+        elif now - self.last_print > 10:
+            self.stream.write(text + "\n")
+            self.last_print = now
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+
+
+def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> list[Service]:
+    py = sys.executable
+    cli = [py, "-m", "services.cli"]
+    conf = ["--config", str(config_path)]
+    if cfg.learner.nproc > 1:
+        learner = [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cfg.learner.nproc}",
+            "-m",
+            "services.cli",
+            "learner",
+            *conf,
+        ]
+    else:
+        learner = [*cli, "learner", *conf]
+    out = [
+        Service("learner", learner, logs / "learner.log"),
+        Service("gatekeeper", [*cli, "gatekeeper", *conf], logs / "gatekeeper.log"),
+    ]
+    out.append(Service("reward-0", [*cli, "reward", *conf], logs / "reward-0.log"))
+    out.append(Service("api", [*cli, "api", *conf, "--port", str(api_port)], logs / "api.log"))
+    out += [
+        Service(f"rollout-{i}", [*cli, "rollout", *conf], logs / f"rollout-{i}.log")
+        for i in range(cfg.rollout.replicas)
+    ]
+    return out
+
+
+def _stat(stats: dict[str, Any], name: str, default: float) -> float:
+    """A number from an instance's final stats; anything else
+    (a planted value) reads as `default`."""
+    value = stats.get(name, default)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else default
+
+
+def summarize(
+    cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]
+) -> dict[str, Any]:
+    info = bus.run_info()
+    finals = bus.final_stats("rollout")
+    rollout_idle = [_stat(s, "idle_fraction", 0.0) for s in finals.values()]
+    replica_versions = {rid: int(_stat(s, "policy_version", -1)) for rid, s in finals.items()}
+    counters = bus.counters()
+    metrics = bus.recent_metrics()
+    ledger = bus.ledger()
+
+    def num(name: RunField, default: float = float("nan")) -> float:
+        try:
+            return float(info[name]) if name in info else default
+        except ValueError:
+            return default
+
+    return {
+        "run_name": cfg.run_name,
+        "base_eval_acc": num(RunField.BASE_EVAL_ACC),
+        "final_eval_acc": num(RunField.FINAL_EVAL_ACC),
+        "steps": int(num(RunField.STEPS, 0)),
+        "policy_version": int(num(RunField.POLICY_VERSION, 0)),
+        "wall_seconds": round(wall_s, 1),
+        "ledger": ledger.as_dict(),
+        "mean_version_lag": num(RunField.MEAN_VERSION_LAG),
+        "learner_idle_fraction": num(RunField.LEARNER_IDLE_FRACTION),
+        "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle)
+        if rollout_idle
+        else float("nan"),
+        "replica_final_versions": replica_versions,
+        "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
+        "gatekeeper_evaluations": sum(
+            int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()
+        ),
+        "eval_history": bus.eval_history(),
+        "counters": counters,
+        "restarts": {s.name: s.restarts for s in services if s.restarts},
+        "final_model": info.get(RunField.FINAL_MODEL),
+        "train_tokens_per_s": sum(m.get("rollout/tokens", 0.0) for m in metrics)
+        / max(wall_s, 1e-9),
+        "timing": step_timing(metrics),
+        "mean_sync_seconds": sum(m.get("timing_s/sync_weights", 0.0) for m in metrics)
+        / max(len(metrics), 1),
+        "reward_curve": [
+            [m["step"], m.get("critic/rewards/mean"), m.get("rollout/acc_mean")] for m in metrics
+        ],
+    }
+
+
+def write_metrics_jsonl(bus: StreamBus, path: Path) -> None:
+    """Every per-step record of the run (the metrics stream), one JSON object per line: what the
+    TensorBoard curves show, readable without TensorBoard (`dapo ablate` and `dapo plan
+    --calibrate` read it). Written atomically, so a reader never sees half a file."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w") as f:
+        for record in bus.recent_metrics():
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+
+
+def step_timing(metrics: list[dict[str, Any]], warmup: int = 5) -> dict[str, float]:
+    """Steady-state pace of the learner from its per-step records (the first `warmup` steps left
+    out): steps per hour by the wall clock, and the mean seconds of a step's parts."""
+    steady = [m for m in metrics if m.get("step", 0) > warmup]
+    if len(steady) < 2:
+        return {}
+    span = float(steady[-1]["time"]) - float(steady[0]["time"])
+
+    def mean(key: str) -> float:
+        return sum(float(m.get(key, 0.0)) for m in steady) / len(steady)
+
+    return {
+        "steps_per_hour": 3600.0 * (len(steady) - 1) / span if span > 0 else 0.0,
+        "step_s": mean("timing_s/step"),
+        "update_actor_s": mean("timing_s/update_actor"),
+        "sync_weights_s": mean("timing_s/sync_weights"),
+        "learner_idle_fraction": mean("perf/learner_idle_fraction"),
+    }
+
+
+def run_local(
+    cfg: DapoConfig,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    gpus: int | None = None,
+    dry_run: bool = False,
+    model_config: str | None = None,
+    gpu_memory_gib: float | None = None,
+) -> int:
+    """Run everything on this machine. `gpus` overrides the GPU count (plans for other machines);
+    `dry_run` prints the placement and the per-GPU memory budget and starts nothing."""
+    from services.redis_server import RedisServer
+
+    placement = plan(
+        cfg, count_gpus() if gpus is None else gpus
+    )  # refuses a config that does not fit
+    if dry_run:
+        sys.stdout.write(
+            placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n"
+        )
+        return 0
+    check_reward_function(
+        cfg
+    )  # a reward.function that cannot be loaded fails before anything starts
+    started = time.monotonic()
+    out = Path(cfg.output_dir)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    prepared = prepare(cfg)
+    cfg = prepared.cfg  # model.path: a local directory from here on
+    config_path = out / "config.yaml"
+    # The services read the Redis URL (and its credentials) from their environment, never from
+    # a file: the config they are given has none.
+    config_path.write_text(
+        dump_config(
+            cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"redis_url": None})})
+        )
+    )
+
+    server = None
+    url = cfg.redis_url
+    if url is None:
+        server = RedisServer(
+            out / "redis", appendonly=True, password=secrets.token_urlsafe(24)
+        ).start()
+        url = server.url
+    env = {**os.environ, **prepared.env, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+    # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
+    bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
+    bus.check_memory_policy()
+    if not resume:
+        bus.clear_namespace()
+        _set_aside_checkpoints(cfg.checkpoint_dir)
+    bus.clear_run_field(
+        RunField.FINISHED
+    )  # a resumed run is not finished until its learner says so
+    bus.ensure_groups()
+
+    from contracts.runtime import free_port
+
+    api_port = cfg.api.port or free_port()
+    services = _services(cfg, config_path, logs, api_port)
+    if placement.gpus:
+        for svc in services:
+            svc.devices = placement.visible_devices(svc.name)
+    interrupted = False
+    stop_requested = {"flag": False}
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        stop_requested["flag"] = True
+
+    old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = Progress(bus, cfg.learner.total_steps, quiet)
+    learner = services[0]
+    refused = (
+        Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE
+    )  # left by a learner that refused its checkpoint
+    refused.unlink(missing_ok=True)
+    try:
+        for svc in services:
+            svc.start(env)
+        sys.stderr.write(f"dashboard and REST API: http://{cfg.api.host}:{api_port}/\n")
+        while True:
+            if stop_requested["flag"]:
+                interrupted = True
+                log.warning("interrupted: stopping every service")
+                break
+            if not learner.alive():
+                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS or refused.exists():
+                    break
+                # Crashed, or stopped from outside (SIGTERM: it exits 0 after checkpointing): it
+                # resumes from the newest committed checkpoint.
+                _restart(learner, env, bus)
+            for svc in services[1:]:
+                if not svc.alive():
+                    _restart(svc, env, bus)
+            progress.show()
+            time.sleep(1.0)
+    finally:
+        progress.close()
+        learner_rc = learner.proc.poll() if learner.proc else None
+        finished = _run_finished(bus)
+        _stop_all(services, learner_first=interrupted)
+        wall = time.monotonic() - started
+        summary = summarize(cfg, bus, wall, services)
+        write_metrics_jsonl(bus, out / "metrics.jsonl")
+        summary["interrupted"] = interrupted
+        summary["learner_exit_code"] = learner_rc
+        summary["learner_refused_checkpoint"] = (
+            refused.read_text().strip() if refused.exists() else None
+        )
+        # Where the services ran: on CPU they share these cores
+        # (`dapo plan --calibrate` models that)
+        summary["machine"] = {
+            "cpu_cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "gpus": placement.gpus,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_curves_svg(summary, out / "curves.svg")
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        bus.close()
+        if server is not None:
+            server.stop()
+    sys.stderr.write(
+        f"done in {summary['wall_seconds']:.0f}s: eval accuracy {summary['base_eval_acc']:.3f} -> "
+        f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; "
+        f"ledger {summary['ledger']}\n"
+        f"summary: {out / 'summary.json'}, per-step metrics: {out / 'metrics.jsonl'}, "
+        f"curves: {out / 'curves.svg'}\n"
+    )
+    return 0 if learner_rc == 0 and finished and not interrupted else 1
+
+
+def _budget_text(cfg: DapoConfig, model_config: str | None, gpu_memory_gib: float | None) -> str:
+    shape_file = Path(model_config) if model_config else Path(cfg.model.path) / "config.json"
+    if not shape_file.exists():
+        return f"no model config at {shape_file}: pass --model-config FILE for the memory budget"
+    gib = gpu_memory_gib or gpu_memory_of_this_machine() or 80.0
+    return budget(cfg, ModelShape.from_file(shape_file), gib).describe(gib)
+
+
+def _run_finished(bus: StreamBus, attempts: int = 3) -> bool:
+    """The learner records `finished` when it completed total_steps (not when merely stopped)."""
+    for attempt in range(attempts):
+        try:
+            return bus.run_field(RunField.FINISHED) == "1"
+        except redis.RedisError as exc:
+            log.warning("could not read whether the run finished (%s)", exc)
+            time.sleep(1.0 + attempt)
+    return False
+
+
+def _set_aside_checkpoints(store: Path) -> None:
+    """A fresh run must not resume an earlier run's checkpoints: move them aside, never delete."""
+    if store.is_dir() and any(store.iterdir()):
+        aside = store.with_name(f"{store.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        store.rename(aside)
+        log.warning(
+            "moved the earlier run's checkpoints to %s (use --resume to continue a run)", aside
+        )
+
+
+def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
+    """Bounded restarts with exponential back-off, like a container orchestrator's."""
+    rc = svc.proc.returncode if svc.proc else None
+    if svc.restarts >= MAX_RESTARTS:
+        return
+    svc.restarts += 1
+    with contextlib.suppress(redis.RedisError):
+        bus.incr(restarts_counter(svc.name))  # visible in /status and /metrics
+        if svc.proc is not None:
+            # A killed process leaves its heartbeat until the TTL runs out, and until then the
+            # learner would still count it as a replica (and wait for it to join a weight sync).
+            # The supervisor knows it is gone, so it says so at once.
+            kind = svc.name.split("-")[0]
+            bus.drop_heartbeat(kind, instance_id(kind, pid=svc.proc.pid))
+    if svc.log_file:
+        svc.log_file.close()
+    delay = min(2.0**svc.restarts, 30.0)
+    log.warning(
+        "%s exited with %s; restart %d/%d in %.0fs", svc.name, rc, svc.restarts, MAX_RESTARTS, delay
+    )
+    time.sleep(delay)
+    svc.start(env)
+
+
+def _stop_all(services: list[Service], *, learner_first: bool, grace_s: float = 30.0) -> None:
+    order = services if learner_first else services[1:]
+    for svc in order:
+        svc.signal(signal.SIGTERM)
+    for svc in order:
+        if not svc.wait(grace_s):
+            log.warning("%s did not stop within %.0fs; killing it", svc.name, grace_s)
+            svc.signal(signal.SIGKILL)
+            svc.wait(5)
+    for svc in services:
+        if svc.log_file:
+            svc.log_file.close()

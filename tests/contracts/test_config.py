@@ -1,0 +1,98 @@
+"""The config tree: presets load, overrides apply, and every invalid input names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from contracts.config import ConfigError, build_config, dump_config, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny.yaml", "dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-1node.yaml"]
+)
+def test_presets_load(name: str) -> None:
+    cfg = load_config(CONFIGS / name)
+    assert load_config(CONFIGS / name) == cfg
+    assert build_config(__import__("yaml").safe_load(dump_config(cfg))) == cfg
+
+
+def test_paper_preset_has_paper_values() -> None:
+    cfg = load_config(CONFIGS / "dapo-qwen2.5-32b.yaml")
+    a, ro, le = cfg.algorithm, cfg.rollout, cfg.learner
+    assert (a.clip_low, a.clip_high, a.clip_c, a.loss_agg) == (0.2, 0.28, 10.0, "token-mean")
+    assert (a.train_batch_groups, ro.group_size, a.mini_batch_groups) == (512, 16, 32)
+    assert a.train_batch_groups * ro.group_size // (a.mini_batch_groups * ro.group_size) == 16
+    assert (le.lr, le.weight_decay, le.grad_clip, le.warmup_steps) == (1e-6, 0.1, 1.0, 20)
+    assert (cfg.data.max_prompt_len, ro.max_response_len, cfg.reward.overlong.buffer_len) == (
+        2048,
+        20480,
+        4096,
+    )
+    assert (ro.temperature, ro.top_p) == (1.0, 1.0)
+    assert (cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.eval.top_p) == (32, 1.0, 0.7)
+    assert a.gatekeeper and a.gatekeeper_metric == "acc" and a.oversampling == 3.0
+    assert a.entropy_coef == 0.0
+    assert not hasattr(a, "kl_coef")  # DAPO has no KL term; the key is an unknown-key error
+
+
+def test_dotted_overrides_parse_yaml_values() -> None:
+    cfg = build_config(
+        MINIMAL, ["algorithm.clip_high=0.3", "algorithm.clip_c=null", "rollout.engine=transformers"]
+    )
+    assert cfg.algorithm.clip_high == 0.3
+    assert cfg.algorithm.clip_c is None
+    assert cfg.rollout.engine == "transformers"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["algorithm.clip_high=0.1"], "algorithm.clip_high=0.1 < algorithm.clip_low=0.2"),
+        (["rollout.group_size=1"], "rollout.group_size=1"),
+        (
+            ["rollout.max_response_len=100", "reward.overlong.buffer_len=200"],
+            "reward.overlong.buffer_len=200 must be < rollout.max_response_len=100",
+        ),
+        (["algorithm.loss_agg=mean"], "algorithm.loss_agg='mean'"),
+        (["algorithm.clip_lwo=0.1"], "algorithm.clip_lwo=0.1: unknown key"),
+        (["learner.lr=-1"], "learner.lr=-1"),
+        (["learner.lr=abc"], "learner.lr='abc'"),
+        (["algorithm.clip_c=0.5"], "algorithm.clip_c=0.5"),
+        (["algorithm.mini_batch_groups=3", "algorithm.train_batch_groups=8"], "must be a multiple"),
+        (["nosuch=1"], "nosuch=1: unknown key"),
+        (["algorithm=3"], "algorithm=3"),
+        (["novalue"], "expected dotted.key=value"),
+    ],
+)
+def test_invalid_values_name_key_value_and_reason(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config(MINIMAL, overrides)
+    assert expected in str(err.value)
+
+
+def test_missing_required_section_is_named() -> None:
+    with pytest.raises(ConfigError, match="data"):
+        build_config({"model": {"path": "m"}})
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_redis_url_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAPO_REDIS_URL", "redis://example:1/0")
+    assert build_config(MINIMAL).redis_url == "redis://example:1/0"
+    assert build_config(MINIMAL, ["queue.redis_url=redis://x:2/0"]).redis_url == "redis://x:2/0"

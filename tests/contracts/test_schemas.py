@@ -1,0 +1,149 @@
+"""Wire encoding of jobs and groups: round trips, compactness, and precise decode errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from contracts.schemas import (
+    PromptJob,
+    Response,
+    RolloutGroup,
+    SchemaError,
+    check_vocabulary,
+    decode_group,
+    decode_job,
+    encode_group,
+    encode_job,
+)
+
+
+def make_group(n: int = 4, length: int = 50) -> RolloutGroup:
+    job = PromptJob(
+        group_id="run-7",
+        prompt_index=7,
+        prompt_ids=[1, 2, 3],
+        ground_truth="42",
+        policy_version=3,
+        issued_at=1.0,
+    )
+    responses = [
+        Response(
+            token_ids=list(range(i, i + length)),
+            logprobs=[-0.5 * (j % 3) for j in range(length)],
+            finish_reason="stop",
+            text=f"Answer: {i}",
+        )
+        for i in range(n)
+    ]
+    return RolloutGroup(job=job, policy_version=3, replica_id="r0", responses=responses)
+
+
+def as_wire(fields: dict[str, bytes]) -> dict[bytes, bytes]:
+    return {k.encode(): v for k, v in fields.items()}
+
+
+def test_job_round_trip() -> None:
+    job = make_group().job
+    assert decode_job(as_wire(encode_job(job))) == job
+
+
+def test_group_round_trip_scored() -> None:
+    g = make_group()
+    g.scores, g.acc, g.rewards, g.preds = (
+        [1.0, -1.0, 1.0, -1.0],
+        [True, False, True, False],
+        [1.0, -1.5, 1.0, -1.0],
+        ["0", "x", "2", "y"],
+    )
+    back = decode_group(as_wire(encode_group(g)))
+    assert back == g
+
+
+def test_arrays_are_packed_not_json() -> None:
+    fields = encode_group(make_group(n=16, length=500))
+    assert len(fields["tokens"]) == 16 * 500 * 4 and len(fields["logprobs"]) == 16 * 500 * 4
+    assert b"logprobs" not in fields["meta"]  # no JSON list of floats
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda f: f.update({b"v": b"99"}), "schema version"),
+        (lambda f: f.update({b"meta": b"\xff\xfe"}), "not valid JSON"),
+        (lambda f: f.pop(b"tokens"), "missing field 'tokens'"),
+        (lambda f: f.update({b"tokens": b"\x00\x01\x02"}), "not a whole number"),
+        (lambda f: f.update({b"logprobs": f[b"logprobs"][:-4]}), "log-probs"),
+        (lambda f: f.update({b"kind": b"job"}), "message kind"),
+    ],
+)
+def test_decode_errors_say_what_is_wrong(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    fields = as_wire(encode_group(make_group()))
+    mutate(fields)
+    with pytest.raises(SchemaError, match=message):
+        decode_group(fields)
+
+
+def test_group_with_missing_response_is_rejected() -> None:
+    fields = as_wire(encode_group(make_group()))
+    meta = json.loads(fields[b"meta"])
+    meta["responses"].pop()
+    fields[b"meta"] = json.dumps(meta).encode()
+    with pytest.raises(SchemaError, match="belong to no response"):
+        decode_group(fields)
+
+
+def test_scores_must_match_responses() -> None:
+    g = make_group()
+    fields = as_wire(encode_group(g))
+    meta = json.loads(fields[b"meta"])
+    meta["rewards"] = [1.0]
+    fields[b"meta"] = json.dumps(meta).encode()
+    with pytest.raises(SchemaError, match="rewards has 1 entries for 4 responses"):
+        decode_group(fields)
+
+
+def _with(mutate: Callable[[RolloutGroup], object]) -> dict[bytes, bytes]:
+    g = make_group()
+    g.scores, g.rewards = [1.0, -1.0, 1.0, -1.0], [1.0, -1.0, 1.0, -1.0]
+    mutate(g)
+    return as_wire(encode_group(g))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda g: g.rewards.__setitem__(2, float("nan")), "response 2 reward is nan"),
+        (lambda g: g.scores.__setitem__(0, float("inf")), "response 0 score is inf"),
+        (
+            lambda g: g.responses[1].logprobs.__setitem__(9, float("-inf")),
+            "response 1 logprob 9 is -inf",
+        ),
+        (
+            lambda g: g.responses[3].logprobs.__setitem__(0, 2.0),
+            "response 3 logprob 0 is 2, above 0",
+        ),
+        (
+            lambda g: g.job.prompt_ids.__setitem__(1, -1),
+            "prompt token 1 is id -1, token ids are never negative",
+        ),
+    ],
+)
+def test_numbers_no_model_can_train_on_do_not_decode(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    """Every consumer of a group (reward worker, gatekeeper, learner)
+    gets these checks from the decode."""
+    with pytest.raises(SchemaError) as err:
+        decode_group(_with(mutate))
+    assert str(err.value).startswith(message)
+
+
+def test_check_vocabulary_names_the_first_id_past_the_embedding() -> None:
+    g = make_group(length=50)  # response 3 holds ids 3..52
+    check_vocabulary(g, vocab_size=53)
+    with pytest.raises(
+        SchemaError,
+        match=r"^response 3 token 49 is id 52, outside the model's vocabulary of 52 ids$",
+    ):
+        check_vocabulary(g, vocab_size=52)

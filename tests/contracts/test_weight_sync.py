@@ -1,0 +1,272 @@
+"""Weight sync in one process against a real Redis: bucket planning, staging as the gathered
+parameters stream in and `staged()` giving them back, the two-phase join (a silent replica is
+set aside and the group re-formed without it), a reused group, the fallback after a failed
+broadcast, and the catch-up from the checkpoint store."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from contracts.bus import StreamBus, connect
+from contracts.checkpoint_store import file_digest, write_manifest
+from contracts.keys import Counter, Keys
+from contracts.runtime import StopFlag
+from contracts.weight_sync import Announcement, WeightStream, plan_buckets
+from learner.weight_publisher import WeightPublisher
+from rollout.weight_receiver import WeightReceiver
+from tests.helpers import wait_for
+
+
+def params() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(300, 300, generator=gen)),  # 0.34 MiB
+        ("b", torch.randn(300, 300, generator=gen)),
+        ("c", torch.randn(10, generator=gen).to(torch.bfloat16)),
+        ("d", torch.randn(700, 700, generator=gen)),  # 1.9 MiB: over the limit, alone
+        ("e", torch.randn(5, generator=gen)),
+    ]
+
+
+class FakeEngine:
+    def __init__(self, fail: bool = False, on_host: bool = False) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.loaded: list[str] = []
+        self.fail = fail
+        self.receives_on_host = on_host
+        self.owner: set[str] = set()  # the threads that touched the engine
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.owner.add(threading.current_thread().name)
+        for name, tensor in weights:
+            if self.fail:
+                raise RuntimeError("died mid-broadcast")
+            self.weights[name] = tensor.clone()
+
+    def load_weights_from_dir(self, path: str) -> None:
+        self.loaded.append(path)
+
+
+STOPS: list[StopFlag] = []
+
+
+@pytest.fixture()
+def bus(redis_url: str) -> Iterator[StreamBus]:
+    yield StreamBus(connect(redis_url), Keys(f"t{len(STOPS)}-{time.monotonic_ns()}"), consumer="c1")
+    # A subscriber's watcher thread outlives its test unless stopped, and would answer the next
+    # test's announcements for the same replica id.
+    for stop in STOPS:
+        stop.event.set()
+    STOPS.clear()
+
+
+def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
+    info = {"id": rid, "kind": "rollout", "at": time.time(), "policy_version": version}
+    bus.redis.set(bus.keys.heartbeat("rollout", rid), json.dumps(info), ex=60)
+
+
+def publisher(bus: StreamBus) -> WeightPublisher:
+    return WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1)
+
+
+def subscriber(
+    bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r0"
+) -> WeightReceiver:
+    stop = StopFlag()
+    STOPS.append(stop)
+    return WeightReceiver(
+        bus,
+        engine,
+        rid,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        base_model_path="base",
+        lost_contact_s=0.0,
+        max_staleness=1,
+        stop=stop,
+    )
+
+
+def started_subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path) -> WeightReceiver:
+    """Replica r0, started and heartbeating, with no store catch-up (broadcasts only)."""
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9
+    sub.start()
+    beat(bus, "r0")
+    return sub
+
+
+def test_plan_buckets_splits_by_dtype_and_size() -> None:
+    buckets = plan_buckets(params(), bucket_mb=1)
+    assert [[p.name for p in b] for b in buckets] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert buckets[1][0].dtype == "bfloat16" and buckets[2][0].shape == (700, 700)
+
+
+def test_announcement_and_stream_round_trip_json() -> None:
+    ann = Announcement(1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1))
+    assert Announcement.from_json(json.loads(json.dumps(ann.to_json()))) == ann
+    assert ann.rank_of("r1") == 2
+    stream = WeightStream(ann, 2).on("cpu")
+    assert WeightStream.from_json(json.loads(json.dumps(stream.to_json()))) == stream
+
+
+def test_stage_consumes_lazily_and_staged_round_trips(bus: StreamBus) -> None:
+    named = params()
+    pub = publisher(bus)
+    seen: list[str] = []
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in reversed(named):  # any order works; layout order holds the least
+            seen.append(name)
+            yield name, t
+
+    assert pub.version == -1 and list(pub.staged()) == []
+    pub.stage(3, gathered(), named)
+    assert pub.version == 3 and len(seen) == len(named)
+    back = dict(pub.staged())
+    assert list(back) == [n for n, _ in named]
+    for name, t in named:
+        assert torch.equal(back[name], t)
+    with pytest.raises(ValueError, match="lack"):
+        pub.stage(4, iter(named[:2]), named)
+    assert pub.version == -1  # a failed stage leaves nothing half-staged
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["engine-receives", "background-receive"])
+def test_join_sets_aside_silent_replica_then_reuses_group(
+    bus: StreamBus, tmp_path: Path, on_host: bool
+) -> None:
+    named = params()
+    pub = publisher(bus)
+    pub.join_timeout_s = 1.0
+    engine = FakeEngine(on_host=on_host)
+    sub = started_subscriber(bus, engine, tmp_path)
+    beat(bus, "silent")  # heartbeat alive, loop stuck: never joins
+    done = threading.Event()
+
+    def replica() -> None:
+        sub.wait_for(2)
+        done.set()
+
+    thread = threading.Thread(target=replica, name="replica", daemon=True)
+    thread.start()
+    pub.stage(1, iter(named), named)
+    assert pub.publish()
+    assert pub.replicas == ("r0",) and "silent" in pub.quarantined
+    assert bus.counters().get(Counter.WEIGHT_SYNC_DROPPED_REPLICAS) == 1
+    generation = pub.generation
+    pub.stage(2, iter([(n, t + 1) for n, t in named]), named)
+    assert pub.publish()  # the same replicas: no new join, the group is reused
+    assert pub.generation == generation
+    assert done.wait(30) and sub.policy_version == 2
+    for name, t in named:
+        assert torch.equal(engine.weights[name], t + 1)
+    assert engine.owner == {"replica"}  # only the thread that owns the engine touches it
+
+
+def test_background_receive_does_not_wait_for_the_engine(bus: StreamBus, tmp_path: Path) -> None:
+    """An engine that takes host tensors: the watcher thread joins and receives while the owner is
+    busy (it never calls in during the publish); the engine changes only at the owner's next
+    `between_steps`, and a newer broadcast staged before that replaces the older one."""
+    named = params()
+    pub = publisher(bus)
+    engine = FakeEngine(on_host=True)
+    sub = started_subscriber(bus, engine, tmp_path)
+    for version in (1, 2):
+        pub.stage(version, iter([(n, t + version) for n, t in named]), named)
+        assert pub.publish()  # returns although the owner thread never looked
+        wait_for(
+            "the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01
+        )  # raised once staged
+        sub.announced.clear()
+    assert engine.weights == {} and sub.policy_version == 0
+    sub.announced.set()  # as the watcher left it
+    assert sub.between_steps() == 2
+    for name, t in named:
+        assert torch.equal(engine.weights[name], t + 2)
+    assert sub.between_steps() == 2 and len(engine.owner) == 1  # nothing new: nothing applied
+
+
+def test_a_failed_background_receive_leaves_the_engine_untouched(
+    bus: StreamBus,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    named = params()
+    pub = publisher(bus)
+    pub.timeout_s = 2.0
+    engine = FakeEngine(on_host=True)
+    sub = started_subscriber(bus, engine, tmp_path)
+    real_iter = WeightStream.__iter__
+
+    def dies_after_one_bucket(self: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(real_iter(self)):
+            if i == 2:
+                raise RuntimeError("the connection dropped")
+            yield item
+
+    monkeypatch.setattr(WeightStream, "__iter__", dies_after_one_bucket)
+    pub.stage(1, iter(named), named)
+    assert not pub.publish()
+    sub.between_steps()
+    assert engine.weights == {} and engine.loaded == [] and sub.policy_version == 0
+    monkeypatch.setattr(WeightStream, "__iter__", real_iter)
+    assert pub.publish()  # a fresh group; this one lands
+    wait_for("the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01)
+    assert sub.between_steps() == 1
+
+
+def test_failed_receive_falls_back_to_published_weights(bus: StreamBus, tmp_path: Path) -> None:
+    named = params()
+    pub = publisher(bus)
+    pub.timeout_s = 2.0
+    engine = FakeEngine(fail=True)
+    sub = started_subscriber(bus, engine, tmp_path)
+    thread = threading.Thread(target=lambda: sub.poll(block_ms=5000), daemon=True)
+    thread.start()
+    pub.stage(1, iter(named), named)
+    assert not pub.publish()
+    thread.join(30)
+    assert engine.loaded == ["base"] and sub.policy_version == 0  # no checkpoint: the base model
+    assert bus.counters().get(Counter.WEIGHT_SYNC_FAILURES) == 1
+
+
+def test_catch_up_from_store_after_losing_contact(bus: StreamBus, tmp_path: Path) -> None:
+    engine = FakeEngine()
+    sub = subscriber(bus, engine, tmp_path)
+    step = tmp_path / "ckpt" / "step_7"
+    (step / "hf").mkdir(parents=True)
+    (step / "trainer.json").write_text(json.dumps({"policy_version": 5}))
+    write_manifest(
+        step, 7, {"trainer.json": file_digest(step / "trainer.json")}
+    )  # replicas load only what verifies
+    (step / "COMMITTED").touch()
+    bus.set_policy_version(1)
+    assert not sub.catch_up()  # within max_staleness: wait for the learner
+    bus.set_policy_version(6)
+    assert sub.catch_up()
+    assert engine.loaded == [str(step / "hf")] and sub.policy_version == 5
+    assert bus.counters().get(Counter.REPLICA_STORE_CATCH_UPS) == 1
+    assert not sub.catch_up()  # just loaded: in contact again
+
+
+def test_buckets_can_be_planned_in_the_serving_dtype() -> None:
+    """fp32 master weights are staged and sent in the replicas' dtype (half the bytes in bf16)."""
+    layout = [("a", torch.zeros(4, 4)), ("b", torch.zeros(8))]
+    [bucket] = plan_buckets(layout, bucket_mb=1, dtype="bfloat16")
+    assert [p.dtype for p in bucket] == ["bfloat16", "bfloat16"]
+    assert [p.dtype for p in plan_buckets(layout, bucket_mb=1)[0]] == ["float32", "float32"]
+
+
+def test_an_announcement_round_trips_without_json_too() -> None:
+    """`to_json` output handed over directly (a spawned receiver's arguments) keeps tuples."""
+    ann = Announcement(
+        1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1), publisher="p"
+    )
+    assert Announcement.from_json(ann.to_json()) == ann
