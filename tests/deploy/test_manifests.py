@@ -485,6 +485,23 @@ def test_one_dockerignore_keeps_runs_caches_and_the_venv_out() -> None:
 
 
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_dockerfile_copies_every_package_the_project_installs(variant: str) -> None:
+    """A package left out of the image imports nowhere in it: the floors of the tree
+    (`contracts/`, the stages, `services/`) are each copied, as pyproject.toml installs them."""
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    m = re.search(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[([^\]]*)\]", text)
+    assert m
+    packages = {name.strip().strip('"').rstrip("*") for name in m.group(1).split(",")}
+    assert {"contracts", "gatekeeper", "services"} <= packages
+    copied = {
+        ln.split()[1].rstrip("/")
+        for ln in dockerfile(variant).splitlines()
+        if ln.startswith("COPY ")
+    }
+    assert packages <= copied, f"Dockerfile.{variant} leaves out {sorted(packages - copied)}"
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_dockerfile_copies_only_what_exists_and_the_context_keeps(variant: str) -> None:
     allowed = [ln[1:].rstrip("/") for ln in dockerignore_lines() if ln.startswith("!")]
     sources = []

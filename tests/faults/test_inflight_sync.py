@@ -55,8 +55,7 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     length = sum(m["response_length/mean"] for m in metrics) / len(metrics)
     mean_sync, median_sync = sum(syncs) / len(syncs), statistics.median(syncs)
     print(
-        f"
-sync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max "
+        f"\nsync: median {median_sync * 1e3:.1f} ms, mean {mean_sync * 1e3:.1f} ms (max "
         f"{max(syncs) * 1e3:.1f}: forming the group) vs a bare broadcast of the same bytes "
         f"{flat * 1e3:.1f} ms ({median_sync / flat:.1f}x); one group's share of a generation "
         f"batch {gen_per_group * 1e3:.1f} ms; responses updated in flight {in_flight:.0%}, mean "
