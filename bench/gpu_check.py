@@ -97,7 +97,7 @@ def check_sync(model_dir: Path) -> None:
     buckets = plan_buckets(named, 64)
     ann = Announcement(
         version=1,
-        generation=1,
+        epoch=1,
         replicas=("engine",),
         store_host="127.0.0.1",
         store_port=store.port,

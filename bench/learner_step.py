@@ -36,7 +36,7 @@ def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
             prompt_index=g,
             prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(20, 40))],
             ground_truth="1",
-            policy_version=version,
+            issued_version=version,
             issued_at=0.0,
         )
         responses = []

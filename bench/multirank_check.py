@@ -62,7 +62,7 @@ def make_groups() -> list[Any]:
             prompt_index=g,
             prompt_ids=[rng.randrange(3, 90) for _ in range(rng.randint(3, 8))],
             ground_truth="1",
-            policy_version=version,
+            issued_version=version,
             issued_at=0.0,
         )
         responses = []

@@ -31,7 +31,7 @@ def make_group(group_size: int, tokens: int) -> RolloutGroup:
         prompt_index=0,
         prompt_ids=list(range(128)),
         ground_truth="1",
-        policy_version=0,
+        issued_version=0,
         issued_at=0.0,
     )
     resp = [

@@ -73,7 +73,7 @@ def sync_once(engine: Engine, params: dict[str, torch.Tensor], version: int) -> 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
         version=version,
-        generation=version,
+        epoch=version,
         replicas=("replica-0",),
         store_host="127.0.0.1",
         store_port=store.port,

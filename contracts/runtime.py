@@ -5,7 +5,7 @@ hosted by Ray Serve) runs the same skeleton, `serve_stage`: start the heartbeat,
 loop until asked to stop, write the final stats, release what the worker holds. The loop
 repeats: reclaim entries abandoned by dead consumers (sooner than `queue.claim_idle_s` when their
 heartbeat is gone: `StreamBus.reclaim`), read new entries, hand them to the worker's `handle`,
-which finishes each with one atomic hop. A stage brings only a `StageWorker`: its handler, its
+which finishes each with one atomic hop. A stage brings only a `StageHandler`: its handler, its
 status, how it reads (`StageLoop`) and what to release.
 
 The one error policy lives here, at the loop boundary only: Redis going away is waited out; an
@@ -176,7 +176,7 @@ class StageLoop:
     """Called after a read that found nothing."""
 
 
-class StageWorker(Protocol):
+class StageHandler(Protocol):
     """What a stage brings to `serve_stage`."""
 
     @property
@@ -266,7 +266,7 @@ def _failed(
     return failed_in_a_row
 
 
-def serve_stage(ctx: ServiceContext, worker: StageWorker, queue: QueueConfig) -> None:
+def serve_stage(ctx: ServiceContext, worker: StageHandler, queue: QueueConfig) -> None:
     """The skeleton of every stage process: heartbeat, the stage loop until stopped, final stats,
     release. Raises what the loop raises (`StageFailing`); the final stats are written anyway."""
     ctx.heartbeat(queue.heartbeat_ttl_s, worker.status)

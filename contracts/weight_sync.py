@@ -2,10 +2,9 @@
 
 Why a side group: the replicas are not part of the learner's training group (they come and go,
 and a hung one must not stall training), so weights travel over a group of their own. A
-TCPStore served by learner rank 0, a prefix per *generation* (one membership), and a
-ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) over it. A membership change bumps the
-generation and everyone builds a fresh group under the new prefix; a broken group is never
-reused. Every operation has a timeout.
+TCPStore served by learner rank 0, a prefix per membership *epoch*, and a ProcessGroupGloo (CPU)
+or ProcessGroupNCCL (GPU) over it. A membership change bumps the epoch and everyone builds a
+fresh group under the new prefix; a broken group is never reused. Every operation has a timeout.
 
 Parameters travel in buckets: consecutive tensors of one dtype flattened into one buffer of
 about `learner.weight_bucket_mb`, so a sync is a few large broadcasts instead of one per tensor.
@@ -70,7 +69,8 @@ class Announcement:
 
     version: int
     """The policy version being sent."""
-    generation: int
+    epoch: int
+    """The membership epoch: +1 whenever the set of receivers changes (a fresh group)."""
     replicas: tuple[str, ...]
     """Replica ids; replica i has rank i + 1 (the learner is rank 0)."""
     store_host: str
@@ -88,9 +88,9 @@ class Announcement:
     @property
     def group_key(self) -> str:
         """Identity of the process group: a restarted learner serves a new store (possibly on the
-        same port) and counts generations from 1 again, so neither the address nor the generation
+        same port) and counts epochs from 1 again, so neither the address nor the epoch
         number is unique; the publisher token is."""
-        return f"{self.store_host}:{self.store_port}/{self.publisher}/gen{self.generation}"
+        return f"{self.store_host}:{self.store_port}/{self.publisher}/epoch{self.epoch}"
 
     def rank_of(self, replica_id: str) -> int:
         return self.replicas.index(replica_id) + 1
@@ -118,7 +118,7 @@ class Announcement:
         )
         return cls(
             version=int(data["version"]),
-            generation=int(data["generation"]),
+            epoch=int(data["epoch"]),
             replicas=tuple(data["replicas"]),
             store_host=data["store_host"],
             store_port=int(data["store_port"]),
@@ -192,7 +192,7 @@ def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, 
 
 
 def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:
-    """Rendezvous with the other members of `ann.generation` (blocks up to ann.timeout_s)."""
+    """Rendezvous with the other members of `ann.epoch` (blocks up to ann.timeout_s)."""
     timeout = timedelta(seconds=ann.timeout_s)
     store = dist.TCPStore(
         ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False
@@ -232,7 +232,7 @@ def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
         version=0,
-        generation=0,
+        epoch=0,
         replicas=tuple(f"probe{i}" for i in range(replicas)),
         store_host="127.0.0.1",
         store_port=store.port,
@@ -276,7 +276,7 @@ def _flat_receiver(ann_json: dict[str, Any], rank: int, nbytes: int, rounds: int
 
 
 class _Receiver:
-    """This process's receive group; rebuilt when the announced generation changes, dropped on
+    """This process's receive group; rebuilt when the announced epoch changes, dropped on
     any error so the next sync builds a fresh one."""
 
     def __init__(self) -> None:

@@ -68,6 +68,7 @@ from contracts.checkpoint_store import (
     write_durable,
     write_manifest,
 )
+from learner.trainer import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ class Checkpoints:
         self,
         root: Path,
         *,
-        trainer: Any,
+        trainer: TrainState,
         rank: int,
         keep_last: int,
         save_hf: bool,

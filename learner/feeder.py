@@ -121,7 +121,7 @@ class PromptFeeder:
                 prompt_ids=self._prompt_ids(index),
                 ground_truth=rec.ground_truth,
                 data_source=rec.data_source,
-                policy_version=policy_version,
+                issued_version=policy_version,
                 issued_at=time.time(),
                 extra_info=rec.extra_info,
             )

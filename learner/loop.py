@@ -62,7 +62,7 @@ from learner.export import Exporter
 from learner.feeder import budget_jobs
 from learner.publish import Publisher
 from learner.report import Reporter
-from learner.trainer import NonFiniteTrainingError
+from learner.trainer import NonFiniteTrainingError, StepTrainer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class LearnerLoop:
         self,
         cfg: DapoConfig,
         *,
-        trainer: Any,
+        trainer: StepTrainer,
         checkpoints: CheckpointStore,
         source: BatchSource,
         publisher: Publisher,

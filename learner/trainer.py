@@ -52,7 +52,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,32 @@ from learner.batch import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class StepTrainer(Protocol):
+    """What the learner loop asks of a trainer (`Trainer`, or a test's stand-in)."""
+
+    def train_step(self, batch: TrainBatch, policy_version: int) -> dict[str, float]: ...
+
+    def named_full_params(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    def param_shapes(self) -> list[tuple[str, Any]]: ...
+
+
+class TrainState(Protocol):
+    """What a checkpoint saves and restores of a trainer."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
+
+    @property
+    def rng(self) -> random.Random: ...
 
 
 def device_for(backend: str) -> torch.device:

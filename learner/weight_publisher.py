@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class WeightPublisher:
-    """Rank 0's store, membership generations and the newest staged weights.
+    """Rank 0's store, membership epochs and the newest staged weights.
 
     `version` is the staged policy version: -1 before the first `stage`, and while one is in
     progress or after one failed (the previous host buckets are released first, so that rank 0
@@ -76,7 +76,7 @@ class WeightPublisher:
         self.store, self._listener = bound_store(host, port, timeout_s)
         self.port = self.store.port
         self.token = secrets.token_hex(4)  # tells this learner's groups from a restarted one's
-        self.generation = 0
+        self.epoch = 0
         self.replicas: tuple[str, ...] = ()
         self.group: dist.ProcessGroup | None = None
         self.version = -1
@@ -205,11 +205,11 @@ class WeightPublisher:
         if not chosen or self.version < 0:
             return True
         if chosen != self.replicas or self.group is None:
-            self.generation += 1
+            self.epoch += 1
             self.replicas, self.group = chosen, None
         ann = Announcement(
             version=self.version,
-            generation=self.generation,
+            epoch=self.epoch,
             replicas=self.replicas,
             store_host=self.host,
             store_port=self.port,

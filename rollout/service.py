@@ -54,7 +54,7 @@ IDLE_WAIT_S = 1.0
 thread rings), and at least this often."""
 
 
-class RolloutWorker:
+class RolloutReplica:
     """The replica's loop; everything about its weights is `self.weights` (a WeightReceiver)."""
 
     def __init__(
@@ -134,7 +134,7 @@ class RolloutWorker:
                 self.bus.dead_letter(stage, entry_id, fields, f"rollout: {exc}")
         if not jobs:
             return
-        need = max(job.policy_version for _, job in jobs)
+        need = max(job.issued_version for _, job in jobs)
         if not self.weights.wait_for(need):  # stopping: give the work back untouched
             for entry_id, fields in entries:
                 self.bus.hand_back(stage, entry_id, fields)
@@ -257,7 +257,7 @@ def main(cfg: DapoConfig) -> int:
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
     engine = make_engine(cfg, replica_id=ctx.inst)  # a seed of its own per replica
-    worker = RolloutWorker(cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now)
+    worker = RolloutReplica(cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now)
     log.info("rollout replica %s ready", ctx.inst)
     serve_stage(ctx, worker, cfg.queue)
     log.info("rollout replica %s stopped after %d groups", ctx.inst, worker.groups_done)

@@ -135,7 +135,7 @@ def run_in_process(
                 prompt_ids=ids,
                 ground_truth=record.ground_truth,
                 data_source=record.data_source,
-                policy_version=0,
+                issued_version=0,
                 issued_at=0.0,
                 extra_info=record.extra_info,
             )

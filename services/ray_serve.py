@@ -1,6 +1,6 @@
 """Ray Serve hosting for the rollout and reward stages: `serve run services.ray_serve:app`.
 
-Each Serve replica hosts one stage worker, the same `RolloutWorker` / `RewardWorker` that
+Each Serve replica hosts one stage handler, the same `RolloutReplica` / `RewardWorker` that
 `dapo rollout` / `dapo reward` run, and the work still flows through the Redis streams: Serve
 only places, counts, health-checks and restarts the processes. No prompt or group travels as a
 Serve request; the HTTP/handle `__call__` only reports status.
@@ -46,7 +46,7 @@ from ray.serve.handle import DeploymentHandle
 
 from contracts.config import ConfigError, load_config
 from contracts.model_source import with_local_model
-from contracts.runtime import StageWorker, serve_stage, service_context
+from contracts.runtime import StageHandler, serve_stage, service_context
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class _StageHost:
     """One stage worker on a background thread of this process, run by the same skeleton as the
     CLI process (`serve_stage`: heartbeat, the stage loop, final stats, release).
 
-    Subclasses build the worker (a `StageWorker`) in `setup`.
+    Subclasses build the worker (a `StageHandler`) in `setup`.
     """
 
     kind = ""
@@ -87,7 +87,7 @@ class _StageHost:
         self.thread.start()
         log.info("%s replica %s ready", self.kind, self.id)
 
-    def setup(self) -> StageWorker:
+    def setup(self) -> StageHandler:
         raise NotImplementedError
 
     def _run(self) -> None:
@@ -131,14 +131,14 @@ class RolloutHost(_StageHost):
 
     kind = "rollout"
 
-    def setup(self) -> StageWorker:
+    def setup(self) -> StageHandler:
         from rollout.engine import make_engine
-        from rollout.service import RolloutWorker
+        from rollout.service import RolloutReplica
 
         log.info("loading %s engine from %s", self.cfg.rollout.engine, self.cfg.model.path)
         engine = make_engine(self.cfg, replica_id=self.id)  # a seed of its own per replica
         # Weight swaps beat at once, as in `dapo rollout`.
-        return RolloutWorker(
+        return RolloutReplica(
             self.cfg, self.bus, engine, self.id, self.stop, beat_now=self.ctx.beat_now
         )
 
@@ -153,7 +153,7 @@ class RewardHost(_StageHost):
 
     kind = "reward"
 
-    def setup(self) -> StageWorker:
+    def setup(self) -> StageHandler:
         from transformers import AutoTokenizer
 
         from reward.service import RewardWorker
@@ -178,13 +178,13 @@ _STAGE_OPTIONS: dict[str, Any] = {
     "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
     "max_ongoing_requests": 8,
 }
-RolloutReplica = serve.deployment(
+RolloutDeployment = serve.deployment(
     name="RolloutReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS
 )(RolloutHost)
-RewardReplica = serve.deployment(
+RewardDeployment = serve.deployment(
     name="RewardReplica", ray_actor_options={"num_cpus": 1}, **_STAGE_OPTIONS
 )(RewardHost)
-PipelineStatus = serve.deployment(
+StatusDeployment = serve.deployment(
     name="PipelineStatus", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16
 )(StatusIngress)
 
@@ -261,8 +261,8 @@ def app(args: dict[str, Any]) -> Application:
         rollout_opts["autoscaling_config"] = scaling
     else:
         rollout_opts["num_replicas"] = a.rollout_replicas or cfg.rollout.replicas
-    rollout = RolloutReplica.options(**rollout_opts).bind(a.config, a.overrides)
-    reward = RewardReplica.options(
+    rollout = RolloutDeployment.options(**rollout_opts).bind(a.config, a.overrides)
+    reward = RewardDeployment.options(
         num_replicas=a.reward_replicas, ray_actor_options={"num_cpus": a.reward_cpus}
     ).bind(a.config, a.overrides)
-    return PipelineStatus.bind(rollout, reward)
+    return StatusDeployment.bind(rollout, reward)

@@ -26,7 +26,7 @@ def make_group(n: int = 4, length: int = 50) -> RolloutGroup:
         prompt_index=7,
         prompt_ids=[1, 2, 3],
         ground_truth="42",
-        policy_version=3,
+        issued_version=3,
         issued_at=1.0,
     )
     responses = [

@@ -160,10 +160,10 @@ def test_join_sets_aside_silent_replica_then_reuses_group(
     assert pub.publish()
     assert pub.replicas == ("r0",) and "silent" in pub.quarantined
     assert bus.counters().get(Counter.WEIGHT_SYNC_DROPPED_REPLICAS) == 1
-    generation = pub.generation
+    epoch = pub.epoch
     pub.stage(2, iter([(n, t + 1) for n, t in named]), named)
     assert pub.publish()  # the same replicas: no new join, the group is reused
-    assert pub.generation == generation
+    assert pub.epoch == epoch
     assert done.wait(30) and sub.policy_version == 2
     for name, t in named:
         assert torch.equal(engine.weights[name], t + 1)

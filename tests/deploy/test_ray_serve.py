@@ -52,7 +52,11 @@ def test_serve_yaml_is_a_valid_serve_config_whose_builder_resolves() -> None:
     assert isinstance(application, Application)
     known = {
         d.name
-        for d in (ray_serve.RolloutReplica, ray_serve.RewardReplica, ray_serve.PipelineStatus)
+        for d in (
+            ray_serve.RolloutDeployment,
+            ray_serve.RewardDeployment,
+            ray_serve.StatusDeployment,
+        )
     }
     assert {d["name"] for d in app_cfg["deployments"]} <= known
     assert raw["http_options"]["host"] == "127.0.0.1"

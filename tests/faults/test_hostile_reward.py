@@ -65,7 +65,7 @@ def group_of(name: str, hostile: list[int], good: list[int], index: int) -> Roll
         prompt_index=index,
         prompt_ids=[1, 2, 3],
         ground_truth="42",
-        policy_version=0,
+        issued_version=0,
         issued_at=time.time(),
     )
     responses = [

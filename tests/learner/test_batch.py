@@ -14,7 +14,7 @@ def _group(finish: list[str], rewards: list[float]) -> RolloutGroup:
         prompt_index=0,
         prompt_ids=[5, 6],
         ground_truth="1",
-        policy_version=0,
+        issued_version=0,
         issued_at=0.0,
     )
     responses = [
@@ -77,7 +77,7 @@ def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> N
             prompt_index=gid,
             prompt_ids=prompt,
             ground_truth="1",
-            policy_version=0,
+            issued_version=0,
             issued_at=0.0,
         )
         responses = [

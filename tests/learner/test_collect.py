@@ -66,7 +66,7 @@ def job(i: int) -> PromptJob:
         prompt_index=0,
         prompt_ids=[5, 6],
         ground_truth="2",
-        policy_version=0,
+        issued_version=0,
         issued_at=100.0 + i,
     )
 

@@ -31,7 +31,7 @@ def group(group_id: str, prompt: list[int]) -> RolloutGroup:
         prompt_ids=prompt,
         ground_truth="4",
         issued_at=0.0,
-        policy_version=0,
+        issued_version=0,
     )
     responses = [
         Response(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),

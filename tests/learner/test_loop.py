@@ -52,7 +52,7 @@ def group(group_id: str, policy_version: int = 0) -> RolloutGroup:
         prompt_ids=[5, 6],
         ground_truth="1",
         issued_at=0.0,
-        policy_version=policy_version,
+        issued_version=policy_version,
     )
     responses = [
         Response(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),

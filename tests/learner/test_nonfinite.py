@@ -246,7 +246,7 @@ def groups(n_groups: int, seed: int = 0, reward: float | None = None) -> list[Ro
             prompt_index=g,
             prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
             ground_truth="1",
-            policy_version=0,
+            issued_version=0,
             issued_at=0.0,
         )
         responses = []

@@ -44,7 +44,7 @@ def make_groups(
             prompt_index=g,
             prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(4, 9))],
             ground_truth="1",
-            policy_version=version,
+            issued_version=version,
             issued_at=0.0,
         )
         responses = []

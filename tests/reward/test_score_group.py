@@ -29,7 +29,7 @@ def group_of(ground_truth: str, texts: list[str]) -> RolloutGroup:
         prompt_index=0,
         prompt_ids=[1, 2],
         ground_truth=ground_truth,
-        policy_version=0,
+        issued_version=0,
         issued_at=0.0,
     )
     responses = [

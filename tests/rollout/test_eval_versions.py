@@ -27,7 +27,7 @@ from contracts.schemas import (
 )
 from learner.evaluation import _Round
 from rollout.hf_engine import HFEngine
-from rollout.service import RolloutWorker
+from rollout.service import RolloutReplica
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8]
@@ -60,7 +60,7 @@ def _job(group_id: str, tag: EvalTag | None) -> PromptJob:
         prompt_index=0,
         prompt_ids=PROMPT,
         ground_truth="1",
-        policy_version=2,
+        issued_version=2,
         issued_at=time.time(),
         eval=tag,
     )
@@ -83,7 +83,7 @@ def test_an_evaluation_job_takes_no_update_announced_mid_generation(
     bus.ensure_groups()
     engine = HFEngine(str(tiny_model_dir), seed=0)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    worker = RolloutWorker(cfg, bus.as_consumer("replica"), engine, "replica", StopFlag())
+    worker = RolloutReplica(cfg, bus.as_consumer("replica"), engine, "replica", StopFlag())
     worker.weights = UpdateMidGeneration(engine, version=3)  # type: ignore[assignment]
     worker.weights.background = background
     tag: EvalTag | None = None

@@ -19,7 +19,7 @@ from contracts.runtime import StopFlag
 from contracts.schemas import PromptJob, decode_group, encode_job
 from rollout import service
 from rollout.sample import Sample
-from rollout.service import RolloutWorker
+from rollout.service import RolloutReplica
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,16 +85,16 @@ def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
         prompt_ids=[5, 6],
         ground_truth="1",
         issued_at=time.time(),
-        policy_version=0,
+        issued_version=0,
     )
     bus.issue([encode_job(job)])
 
-    replicas: dict[str, tuple[RolloutWorker, SlowEngine, threading.Thread]] = {}
+    replicas: dict[str, tuple[RolloutReplica, SlowEngine, threading.Thread]] = {}
     stop = StopFlag()
 
     def start(name: str) -> SlowEngine:
         engine = SlowEngine(seconds=1.5)  # three claim timeouts
-        worker = RolloutWorker(cfg, bus.as_consumer(name), engine, name, stop)
+        worker = RolloutReplica(cfg, bus.as_consumer(name), engine, name, stop)
         thread = threading.Thread(target=worker.run, name=name, daemon=True)
         thread.start()
         replicas[name] = (worker, engine, thread)
