@@ -174,7 +174,7 @@ class EvalLane:
                     extra_info=self.extra_infos[i] if self.extra_infos is not None else {},
                     eval=EvalTag(
                         round_step=progress.step,
-                        issued_version=progress.policy_version,
+                        policy_version=progress.policy_version,
                         problem=i,
                         problems=n,
                         samples=self.samples,

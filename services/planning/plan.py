@@ -28,7 +28,7 @@ from services.planning.costs import (
 from services.planning.hardware import GpuType
 from services.planning.simulation import PipelineSpec, Prediction, simulate
 
-MODELS = Path(__file__).resolve().parents[3] / "configs" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 STALENESS_CHOICES = (0, 1, 2, 4)
 WITHIN = 0.05
 """The recommended max_staleness is the smallest within this share of the fastest."""

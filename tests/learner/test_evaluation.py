@@ -163,7 +163,7 @@ def test_the_result_message_counts_what_avg_at_k_needs() -> None:
             "prompt_index": 0,
             "prompt_ids": [1],
             "ground_truth": "1",
-            "policy_version": 2,
+            "issued_version": 2,
             "issued_at": 0.0,
             "eval": {
                 "round_step": 2,
