@@ -269,7 +269,8 @@ def _failed(
 def serve_stage(ctx: ServiceContext, worker: StageHandler, queue: QueueConfig) -> None:
     """The skeleton of every stage process: heartbeat, the stage loop until stopped, final stats,
     release. Raises what the loop raises (`StageFailing`); the final stats are written anyway."""
-    ctx.heartbeat(queue.heartbeat_ttl_s, worker.status)
+    if ctx.beating is None:  # a host may start it first, to be visible once it is constructed
+        ctx.heartbeat(queue.heartbeat_ttl_s, worker.status)
     loop = worker.loop
     try:
         run_stage_loop(

@@ -83,6 +83,9 @@ class _StageHost:
         self.error: BaseException | None = None
         self._stopped = False
         self.worker = self.setup()
+        # Beating before __init__ returns: Serve calls the replica ready then, and the learner
+        # and `dapo status` count replicas by their heartbeats. `serve_stage` stops it.
+        self.ctx.heartbeat(self.cfg.queue.heartbeat_ttl_s, self.worker.status)
         self.thread = threading.Thread(target=self._run, name=f"{self.kind}-worker", daemon=True)
         self.thread.start()
         log.info("%s replica %s ready", self.kind, self.id)
