@@ -199,29 +199,25 @@ class StageFailing(RuntimeError):
 
 def run_stage_loop(
     bus: StreamBus,
-    stage: Stage,
+    loop: StageLoop,
     handle: Callable[[list[Entry]], None],
     *,
     queue: QueueConfig,
     stop: StopFlag,
-    batch: int = 1,
-    block: bool = True,
-    reclaim_every_s: float = 5.0,
-    start: Callable[[], None] | None = None,
-    before_read: Callable[[], None] | None = None,
-    idle: Callable[[], None] | None = None,
 ) -> None:
-    """Consume `stage` until stopped. `handle` finishes each entry with a hop (or dead letter);
-    while it works, its claims are renewed, so only a dead consumer's entries are reclaimed."""
-    if start is not None:
-        start()
+    """Consume `loop.stage` until stopped. `handle` finishes each entry with a hop (or dead
+    letter); while it works, its claims are renewed, so only a dead consumer's entries are
+    reclaimed."""
+    stage, batch = loop.stage, loop.batch
+    if loop.start is not None:
+        loop.start()
     last_reclaim, failed_in_a_row = 0.0, 0
     while not stop.stopping:
         entries: list[Entry] = []
         try:
-            if before_read is not None:
-                before_read()
-            if time.monotonic() - last_reclaim > reclaim_every_s:
+            if loop.before_read is not None:
+                loop.before_read()
+            if time.monotonic() - last_reclaim > loop.reclaim_every_s:
                 last_reclaim = time.monotonic()
                 # A consumer whose heartbeat is gone loses its entries without the claim timeout.
                 entries = bus.reclaim(
@@ -232,14 +228,15 @@ def run_stage_loop(
                     heartbeat_ttl_s=queue.heartbeat_ttl_s,
                 )
             if not entries:
-                entries = bus.read(stage, count=batch, block_ms=queue.block_ms if block else None)
+                block_ms = queue.block_ms if loop.block else None
+                entries = bus.read(stage, count=batch, block_ms=block_ms)
             if entries:
                 ids = [entry_id for entry_id, _ in entries]
                 with bus.claims_kept(stage, ids, every_s=queue.claim_idle_s / 3):
                     handle(entries)
                 failed_in_a_row = 0
-            elif idle is not None:
-                idle()
+            elif loop.idle is not None:
+                loop.idle()
         except redis.ConnectionError as exc:  # ride out a Redis restart; pending work is reclaimed
             log.warning("redis unavailable (%s); retrying", exc)
             stop.wait(1.0)
@@ -271,21 +268,8 @@ def serve_stage(ctx: ServiceContext, worker: StageHandler, queue: QueueConfig) -
     release. Raises what the loop raises (`StageFailing`); the final stats are written anyway."""
     if ctx.beating is None:  # a host may start it first, to be visible once it is constructed
         ctx.heartbeat(queue.heartbeat_ttl_s, worker.status)
-    loop = worker.loop
     try:
-        run_stage_loop(
-            ctx.bus,
-            loop.stage,
-            worker.handle,
-            queue=queue,
-            stop=ctx.stop,
-            batch=loop.batch,
-            block=loop.block,
-            reclaim_every_s=loop.reclaim_every_s,
-            start=loop.start,
-            before_read=loop.before_read,
-            idle=loop.idle,
-        )
+        run_stage_loop(ctx.bus, worker.loop, worker.handle, queue=queue, stop=ctx.stop)
     finally:
         ctx.write_final_stats(worker.status())
         ctx.stop_heartbeat()  # deletes the key: the learner stops counting this instance at once

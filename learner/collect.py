@@ -23,10 +23,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from contracts.bus import Entry, Fields, StreamBus, is_evaluation
+from contracts.bus import Entry, Fields, StreamBus
 from contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
 from contracts.runtime import StopFlag
-from contracts.schemas import RolloutGroup, SchemaError, check_vocabulary, decode_group
+from contracts.schemas import (
+    RolloutGroup,
+    SchemaError,
+    check_vocabulary,
+    decode_group,
+    is_evaluation,
+)
 from learner.commands import Picked
 from learner.feeder import PromptFeeder
 

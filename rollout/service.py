@@ -227,20 +227,7 @@ class RolloutReplica:
 
     def run(self) -> None:
         """The stage loop alone, until asked to stop (tests; a process runs `serve_stage`)."""
-        loop = self.loop
-        run_stage_loop(
-            self.bus,
-            loop.stage,
-            self.handle,
-            queue=self.cfg.queue,
-            stop=self.stop,
-            batch=loop.batch,
-            block=loop.block,
-            reclaim_every_s=loop.reclaim_every_s,
-            start=loop.start,
-            before_read=loop.before_read,
-            idle=loop.idle,
-        )
+        run_stage_loop(self.bus, self.loop, self.handle, queue=self.cfg.queue, stop=self.stop)
 
 
 def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, PromptJob]]]:

@@ -63,7 +63,6 @@ from contracts.bus.transport import (
     pass_rate,
 )
 from contracts.keys import Keys
-from contracts.schemas import is_evaluation
 
 
 class StreamBus(Transport, RunState, Telemetry):
@@ -114,7 +113,6 @@ __all__ = [
     "StreamBus",
     "check_memory_policy",
     "connect",
-    "is_evaluation",
     "is_oom",
     "memory_report",
     "open_bus",

@@ -4,7 +4,6 @@ learner lease)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Self
 
 import redis
@@ -12,8 +11,6 @@ import redis
 from contracts.bus import scripts
 from contracts.bus.connection import check_memory_policy, memory_report
 from contracts.keys import Keys
-
-log = logging.getLogger(__name__)
 
 Fields = dict[bytes, bytes]
 Entry = tuple[str, Fields]

@@ -106,5 +106,7 @@ def test_the_loop_stops_when_asked_between_batches(bus: StreamBus) -> None:
         stop.event.set()
 
     issue(bus, 1)
-    run_stage_loop(bus, bus.keys.prompts, handle, queue=QUEUE, stop=stop, start=lambda: None)
+    issue(bus, 1)  # a second job waits: the loop must not take it after the stop
+    run_stage_loop(bus, StageLoop(bus.keys.prompts), handle, queue=QUEUE, stop=stop)
     assert len(seen) == 1
+    assert bus.redis.xlen(bus.keys.prompts.stream) == 2  # the handler hopped nothing; both wait

@@ -12,7 +12,7 @@ import pytest
 from contracts.bus import GONE_AFTER_TTLS, Entry, StreamBus, connect
 from contracts.config import QueueConfig
 from contracts.keys import Keys
-from contracts.runtime import Heartbeat, StopFlag, instance_id, run_stage_loop
+from contracts.runtime import Heartbeat, StageLoop, StopFlag, instance_id, run_stage_loop
 from contracts.schemas import decode_group, encode_group, encode_job
 from gatekeeper.service import Gatekeeper, keep_group
 from tests.contracts.test_schemas import make_group
@@ -171,9 +171,9 @@ def test_a_stage_worker_keeps_the_claim_on_work_that_outlasts_the_claim_timeout(
 
         thread = threading.Thread(
             target=run_stage_loop,
-            args=(consumer, stage, handle),
+            args=(consumer, StageLoop(stage, reclaim_every_s=0.05), handle),
             daemon=True,
-            kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05},
+            kwargs={"queue": queue, "stop": stop},
         )
         thread.start()
         return thread
@@ -238,9 +238,9 @@ def test_a_stage_takes_over_a_dead_consumers_entry_before_the_claim_timeout(bus:
     beats[taker.consumer] = Heartbeat(taker, "rollout", taker.consumer, ttl_s).start()
     thread = threading.Thread(
         target=run_stage_loop,
-        args=(taker, stage, handle),
+        args=(taker, StageLoop(stage, reclaim_every_s=0.05), handle),
         daemon=True,
-        kwargs={"queue": queue, "stop": stop, "reclaim_every_s": 0.05},
+        kwargs={"queue": queue, "stop": stop},
     )
     started = time.monotonic()
     thread.start()
