@@ -153,9 +153,10 @@ class SynthDataSpec(_Section):
 
     num_train: PositiveInt = 20000
     num_eval: PositiveInt = 128
-    difficulty: Annotated[int, Field(ge=1, le=6)] = 1
-    template: Literal["short", "dapo"] = "short"
-    """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast."""
+    difficulty: Annotated[int, Field(ge=0, le=6)] = 1
+    template: Literal["short", "dapo", "one-shot"] = "short"
+    """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast;
+    `one-shot` shows a chat model one worked example first (services/demo/synthetic.py)."""
 
 
 class DataConfig(_Section):

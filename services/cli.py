@@ -32,6 +32,7 @@ from pathlib import Path
 
 from contracts.config import ConfigError, DapoConfig, load_config
 from contracts.runtime import EXIT_BAD_CONFIG
+from services.demo.synthetic import DIFFICULTY_LEVELS, TEMPLATES
 
 log = logging.getLogger("dapo")
 
@@ -400,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True, help="output directory (train.* and eval.*)")
     synth.add_argument("--num-train", type=int, default=20000)
     synth.add_argument("--num-eval", type=int, default=128)
-    synth.add_argument("--difficulty", type=int, default=1, choices=[1, 2, 3, 4, 5, 6])
-    synth.add_argument("--template", choices=["short", "dapo"], default="short")
+    synth.add_argument("--difficulty", type=int, default=1, choices=sorted(DIFFICULTY_LEVELS))
+    synth.add_argument("--template", choices=TEMPLATES, default="short")
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(fn=_cmd_data_synth)

@@ -22,6 +22,7 @@ DAPO_PROMPT_TEMPLATE = (
 )
 
 DIFFICULTY_LEVELS: dict[int, str] = {
+    0: "a + b, two 1-digit numbers (1-9): the real-model preset's task (configs/smollm2-135m.yaml)",
     1: "a + b, two 2-digit numbers (10-99)",
     2: "a + b - c, three 2-digit numbers; the result is never negative",
     3: "a * k + b, 3-digit a and b (100-999) and a 1-digit multiplier k (2-9)",
@@ -32,7 +33,31 @@ DIFFICULTY_LEVELS: dict[int, str] = {
     "task)",
 }
 """What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
-in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits."""
+in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits. Level 0
+is for SmolLM2-135M-Instruct (a 4-bit copy de-quantised): it gets 0% of level 1 right and about
+15-40% of level 0, the band where most groups have mixed outcomes for DAPO to learn from."""
+
+ANSWER_INSTRUCTION = 'End your reply with a line of the form "Answer: <number>".'
+"""The last line of every `one-shot` prompt turn: the format the verifier reads."""
+
+# The `one-shot` template's worked example. Its answer (19) is outside level 0's answers (2-18),
+# so a reply that copies the example's answer line never scores.
+ONE_SHOT_EXAMPLE = (
+    "Jo has 12 hats and gets 7 more. How many hats does Jo have?",
+    "Jo starts with 12 hats and gets 7 more, so 12 + 7 = 19.\nAnswer: 19",
+)
+
+Template = Literal["short", "dapo", "one-shot"]
+TEMPLATES: tuple[Template, ...] = ("short", "dapo", "one-shot")
+"""How `synth_rows` puts a problem to the model:
+
+- short: the bare problem and "\\n", for tiny models without a chat template;
+- dapo: the DAPO-Math-17K instruction around the problem (docs/algorithm.md s7);
+- one-shot: a chat conversation, one worked example (user, assistant) and then the problem, each
+  user turn ending in `ANSWER_INSTRUCTION`. A small instruct model writes the `Answer:` line in
+  24-31% of replies when only told to and in 78-96% after one example (200 problems x 4 samples,
+  bench/results/2026-12-03-real-model.md), so its reward measures arithmetic, not format luck.
+"""
 
 _NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines", "Kofi", "Lena")
 _ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards")
@@ -94,7 +119,7 @@ def synth_rows(
     *,
     difficulty: int = 1,
     seed: int = 0,
-    template: Literal["short", "dapo"] = "short",
+    template: Template = "short",
     start_index: int = 0,
 ) -> list[dict[str, Any]]:
     """Make `n` arithmetic word problems with integer answers, in the DAPO-Math-17K schema.
@@ -103,8 +128,9 @@ def synth_rows(
         n: number of rows.
         difficulty: a key of `DIFFICULTY_LEVELS` (1 = 2-digit addition).
         seed: the rows are a function of (n, difficulty, seed, template, start_index).
-        template: "dapo" wraps each problem in the DAPO-Math-17K prompt (docs/algorithm.md s7);
-            "short" is the bare problem plus "\\n", far fewer tokens for a tiny CPU model.
+        template: one of `TEMPLATES` (see there): "short" (the bare problem, far fewer tokens
+            for a tiny CPU model), "dapo" or "one-shot" (a chat conversation with one worked
+            example).
         start_index: `extra_info.index` of the first row.
 
     `extra_info` also holds `difficulty`, `expression` (e.g. "23 + 45") and `numbers` (the
@@ -113,8 +139,8 @@ def synth_rows(
     """
     if difficulty not in DIFFICULTY_LEVELS:
         raise ValueError(f"difficulty must be one of {sorted(DIFFICULTY_LEVELS)}, got {difficulty}")
-    if template not in ("short", "dapo"):
-        raise ValueError(f"template must be 'short' or 'dapo', got {template!r}")
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {list(TEMPLATES)}, got {template!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(f"synth_arith:{seed}:{difficulty}")
@@ -122,14 +148,10 @@ def synth_rows(
     for i in range(n):
         numbers, expression, answer = _draw_problem(rng, difficulty)
         problem = _render_problem(rng, difficulty, numbers)
-        if template == "dapo":
-            content = DAPO_PROMPT_TEMPLATE.format(problem=problem)
-        else:
-            content = problem + "\n"
         rows.append(
             {
                 "data_source": SYNTH_DATA_SOURCE,
-                "prompt": [{"role": "user", "content": content}],
+                "prompt": _messages(problem, template),
                 "ability": "MATH",
                 "reward_model": {"ground_truth": str(answer), "style": "rule"},
                 "extra_info": {
@@ -144,8 +166,25 @@ def synth_rows(
     return rows
 
 
+def _messages(problem: str, template: Template) -> list[dict[str, str]]:
+    """The chat messages that put `problem` to the model under `template`."""
+    if template == "dapo":
+        return [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=problem)}]
+    if template == "short":
+        return [{"role": "user", "content": problem + "\n"}]
+    example, solution = ONE_SHOT_EXAMPLE
+    return [
+        {"role": "user", "content": f"{example}\n{ANSWER_INSTRUCTION}"},
+        {"role": "assistant", "content": solution},
+        {"role": "user", "content": f"{problem}\n{ANSWER_INSTRUCTION}"},
+    ]
+
+
 def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str, int]:
     """(operands, expression, answer) for one problem of the given level."""
+    if difficulty == 0:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return [a, b], f"{a} + {b}", a + b
     if difficulty == 1:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         return [a, b], f"{a} + {b}", a + b
@@ -183,7 +222,7 @@ def worked_solution(numbers: list[int]) -> str:
 
 
 def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> str:
-    sentence = rng.choice(_TEMPLATES[difficulty])
+    sentence = rng.choice(_TEMPLATES[difficulty or 1])  # level 0 is worded as level 1
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if difficulty == 6:
         listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
@@ -192,5 +231,5 @@ def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> 
         ]  # in words: the only digits are the operands
         return sentence.format(name=name, item=item, count=count, numbers=listed)
     # Placeholder names in the order `_draw_problem` lists the operands.
-    keys = {1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
+    keys = {0: "ab", 1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
     return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))

@@ -13,12 +13,25 @@ MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny.yaml", "dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-1node.yaml"]
+    "name",
+    ["tiny.yaml", "smollm2-135m.yaml", "dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-1node.yaml"],
 )
 def test_presets_load(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert load_config(CONFIGS / name) == cfg
     assert build_config(__import__("yaml").safe_load(dump_config(cfg))) == cfg
+
+
+def test_real_model_preset_keeps_the_papers_algorithm() -> None:
+    """configs/smollm2-135m.yaml departs from the paper in sizes only (each commented there)."""
+    cfg = load_config(CONFIGS / "smollm2-135m.yaml")
+    a, ro = cfg.algorithm, cfg.rollout
+    assert cfg.model.catalog_name == "smollm2-135m-instruct"
+    assert (a.clip_low, a.clip_high, a.clip_c, a.loss_agg) == (0.2, 0.28, 10.0, "token-mean")
+    assert a.gatekeeper and a.gatekeeper_metric == "acc" and a.entropy_coef == 0.0
+    assert cfg.reward.overlong.enabled and (ro.temperature, ro.top_p) == (1.0, 1.0)
+    assert cfg.data.synth is not None and cfg.data.synth.template == "one-shot"
+    assert cfg.eval.max_problems == 200 and cfg.data.synth.num_eval > 200  # 200 distinct held out
 
 
 def test_paper_preset_has_paper_values() -> None:

@@ -21,7 +21,13 @@ from contracts.data import (
     render_prompt,
     write_rows,
 )
-from services.demo.synthetic import DAPO_PROMPT_TEMPLATE, DIFFICULTY_LEVELS, synth_rows
+from services.demo.synthetic import (
+    ANSWER_INSTRUCTION,
+    DAPO_PROMPT_TEMPLATE,
+    DIFFICULTY_LEVELS,
+    ONE_SHOT_EXAMPLE,
+    synth_rows,
+)
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -129,9 +135,26 @@ def test_synth_rows_dapo_template() -> None:
         assert s["reward_model"] == d["reward_model"]
 
 
+def test_one_shot_template_puts_a_worked_example_before_the_problem() -> None:
+    short = synth_rows(50, difficulty=0, seed=1)
+    chat = synth_rows(50, difficulty=0, seed=1, template="one-shot")
+    example, solution = ONE_SHOT_EXAMPLE
+    for s, c in zip(short, chat, strict=True):
+        problem = s["prompt"][0]["content"].removesuffix("\n")
+        assert c["prompt"] == [
+            {"role": "user", "content": f"{example}\n{ANSWER_INSTRUCTION}"},
+            {"role": "assistant", "content": solution},
+            {"role": "user", "content": f"{problem}\n{ANSWER_INSTRUCTION}"},
+        ]
+        # Copying the example's answer never scores: no level-0 answer is 19.
+        assert c["reward_model"] == s["reward_model"] != {"ground_truth": "19", "style": "rule"}
+        assert all(1 <= n <= 9 for n in c["extra_info"]["numbers"])
+    assert solution.endswith("Answer: 19")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"difficulty": 0}, "difficulty"), ({"template": "long"}, "template"), ({"n": -1}, "n")],
+    [({"difficulty": -1}, "difficulty"), ({"template": "long"}, "template"), ({"n": -1}, "n")],
 )
 def test_synth_rows_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     args: dict[str, Any] = {"n": 1, **kwargs}
