@@ -1,12 +1,13 @@
-"""Learner step throughput on the tiny preset: trained response tokens per second.
+"""Learner step throughput on a preset: trained response tokens per second.
 
-Builds (or reuses) the tiny preset's base model, makes batches shaped like the preset's (16
-groups of 8 responses; prompts and response lengths drawn from the synthetic task's range), and
-times `Trainer.train_step` plus the weight gather that follows every step (what the learner does
-per step apart from waiting for data), after two warm-up steps. One learner rank, as the preset
+Builds or fetches the preset's base model (default the tiny preset), makes batches shaped like
+the preset's (its groups per step and group size; prompts of 50-75% of `data.max_prompt_len`
+tokens and responses of 3 to `rollout.max_response_len` tokens), and times `Trainer.train_step`
+plus the weight gather that follows every step (what the learner does per step apart from
+waiting for data), after two warm-up steps. One learner rank, as the preset
 runs. Nothing is asserted; figures only.
 
-    .venv/bin/python bench/learner_step.py [--steps 20] [--profile out.svg]
+    .venv/bin/python bench/learner_step.py [--steps 20] [--config configs/tiny.yaml] [overrides]
 
 Last line: `learner_tokens_per_s=<trained response tokens per second>`.
 """
@@ -26,15 +27,19 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 
 def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
-    """One step's groups, shaped like the tiny preset's (prompt 20-40 tokens, responses 3-16)."""
+    """One step's groups, shaped like the preset's (see the module's docstring)."""
     from contracts.schemas import PromptJob, Response, RolloutGroup
 
     ro, groups = cfg.rollout, []
+    prompt_len = cfg.data.max_prompt_len
     for g in range(cfg.algorithm.train_batch_groups):
         job = PromptJob(
             group_id=f"g{g}",
             prompt_index=g,
-            prompt_ids=[rng.randrange(3, 200) for _ in range(rng.randint(20, 40))],
+            prompt_ids=[
+                rng.randrange(3, 200)
+                for _ in range(rng.randint(prompt_len // 2, prompt_len * 3 // 4))
+            ],
             ground_truth="1",
             issued_version=version,
             issued_at=0.0,
@@ -65,18 +70,20 @@ def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
     return groups
 
 
-def measure(steps: int, overrides: list[str]) -> dict[str, float]:
+def measure(steps: int, config: str, overrides: list[str]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
     from contracts.config import load_config
+    from contracts.model_source import with_local_model
     from learner.batch import build_batch
     from learner.service import init_distributed
     from learner.trainer import Trainer
     from services.launcher import prepare
 
-    cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
+    cfg = load_config(REPO / config, overrides)
     prepare(cfg)  # the cached base model and data
+    cfg = with_local_model(cfg)  # a catalog:// or hf:// model's local directory
     torch.set_num_threads(cfg.learner.torch_threads or 1)
     rank, world, backend = init_distributed(cfg)
     trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
@@ -110,13 +117,17 @@ def measure(steps: int, overrides: list[str]) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("overrides", nargs="*", help="config overrides, dotted.key=value")
     args = parser.parse_args()
-    figures = measure(args.steps, args.overrides)
-    save_result("learner_step", {"overrides": args.overrides, **figures}, args.out)
+    figures = measure(args.steps, args.config, args.overrides)
+    save_result(
+        "learner_step", {"config": args.config, "overrides": args.overrides, **figures}, args.out
+    )
     print(
-        f"tiny preset, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per step; "
+        f"{args.config}, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per "
+        "step; "
         f"train_step {figures['train_s_per_step']:.3f} s, weight gather "
         f"{figures['gather_s_per_step']:.3f} s"
     )

@@ -8,7 +8,10 @@ sensitive figure: AdamW's first step is nearly lr * sign(gradient), so a gradien
 constant factor barely moves the parameters. `grad_clip` is set so that some modes are clipped
 and some are not with one rank, so a wrongly scaled gradient also clips differently.
 
-    .venv/bin/python bench/multirank_check.py [--world-sizes 1,2,4] [--json OUT]
+    .venv/bin/python bench/multirank_check.py [--world-sizes 1,2,4] [--json OUT] [--tied]
+
+`--tied` runs a Llama whose output projection is its input embedding (SmolLM2's shape, scaled
+down): under FSDP2 the one matrix gets both uses' gradients on every rank.
 
 Prints a table and, as its last line, `max_abs_param_diff=<largest |param(W) - param(1)|>`.
 """  # noqa: E501 (the first line is the argparse description: __doc__.splitlines()[0])
@@ -33,10 +36,24 @@ MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-to
 N_GROUPS, GROUP_SIZE = 4, 3  # 12 rows; 2 mini-batches of 6 rows: 4 ranks get 2, 2, 1, 1
 
 
-def build_model(out: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_model(out: Path, *, tied: bool = False) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    if tied:
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=96,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                tie_word_embeddings=True,
+            )
+        ).save_pretrained(out)
+        return
     cfg = Qwen2Config(
         vocab_size=96,
         hidden_size=64,
@@ -110,7 +127,7 @@ def worker(model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     batch = build_batch(make_groups(), pad_id=0)
     results: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in os.environ.get("DAPO_BENCH_MODES", ",".join(MODES)).split(","):
         cfg = load_config(
             REPO / "configs" / "tiny.yaml",
             [
@@ -196,7 +213,7 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, dict[str, 
     """Per mode: the largest relative metric difference (relative to max(|value|, 1e-3)), and the
     largest absolute gradient and parameter differences."""
     out = {}
-    for mode in MODES:
+    for mode in base:
         a, b = base[mode], other[mode]
         metric_diff = max(
             abs(a["metrics"][k] - b["metrics"][k]) / max(abs(a["metrics"][k]), 1e-3)
@@ -225,6 +242,8 @@ def main() -> int:
     parser.add_argument(
         "--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank"
     )
+    parser.add_argument("--modes", default=",".join(MODES), help="loss_agg modes, comma-separated")
+    parser.add_argument("--tied", action="store_true", help="a tied-embedding Llama")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -232,9 +251,11 @@ def main() -> int:
         return 0
     worlds = [int(w) for w in args.world_sizes.split(",")]
     os.environ["DAPO_BENCH_BACKEND"] = args.backend  # read by the ranks
+    os.environ["DAPO_BENCH_MODES"] = args.modes
+    modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        build_model(model_dir)
+        build_model(model_dir, tied=args.tied)
         results = {w: run_world(model_dir, w, Path(tmp) / f"w{w}.pt") for w in worlds}
     base = results[worlds[0]]
     report = {w: compare(base, results[w]) for w in worlds[1:]}
@@ -242,7 +263,7 @@ def main() -> int:
         f"{'ranks':>5} {'loss_agg':<24} {'pg_loss':>10} {'grad_norm':>10} {'metric rel':>11} "
         f"{'grad abs':>10} {'param abs':>10}"
     )
-    for mode in MODES:
+    for mode in modes:
         m = base[mode]["metrics"]
         print(
             f"{worlds[0]:>5} {mode:<24} {m['actor/pg_loss']:>10.6f} {m['actor/grad_norm']:>10.6f}"
@@ -256,7 +277,7 @@ def main() -> int:
             )
     if args.json:
         Path(args.json).write_text(json.dumps({str(w): r for w, r in report.items()}, indent=1))
-    worst = max((r[mode]["param_abs_diff"] for r in report.values() for mode in MODES), default=0.0)
+    worst = max((r[mode]["param_abs_diff"] for r in report.values() for mode in modes), default=0.0)
     print(f"max_abs_param_diff={worst:.3e}")
     return 0
 

@@ -7,6 +7,12 @@ generate tokens/s, and the wall time of weight syncs received over a real gloo s
 this process as learner rank 0. RSS counts the engine's child processes too.
 
     .venv/bin/python bench/vllm_weight_sync.py [--prompts 8] [--n 8] [--max-tokens 32]
+        [--model catalog://smollm2-135m-instruct | DIR]
+
+`--model` measures a given model instead of the tiny one (a directory or a `catalog://` name),
+with a bare broadcast of the same bytes to one receiving process beside the syncs.
+
+Last line: `vllm_over_transformers=<vLLM generate tokens/s / transformers generate tokens/s>`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -22,18 +29,23 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from transformers import Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from contracts.config import DapoConfig, build_config
 from contracts.weight_sync import (
     Announcement,
     WeightStream,
     broadcast_bucket,
+    flat_broadcast_seconds,
     make_group_on_store,
     plan_buckets,
 )
 from rollout.engine import Engine, make_engine
 from services.demo.tiny_base import tiny_qwen2_config, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 TEXTS = ["What is 12 + 30? Answer: 42", "Compute 7 * 6. Answer: 42", "the quick brown fox"] * 20
 
@@ -97,7 +109,7 @@ def sync_once(engine: Engine, params: dict[str, torch.Tensor], version: int) -> 
 
 def bench(
     kind: str, model_dir: Path, params: dict[str, torch.Tensor], args: argparse.Namespace
-) -> None:
+) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (24,), generator=gen).tolist() for _ in range(args.prompts)]
     kw = {"n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0}
@@ -125,6 +137,13 @@ def bench(
         f"weight sync median {statistics.median(syncs):.3f}s (max {max(syncs):.3f}s)  "
         f"RSS {rss:.2f} GiB"
     )
+    return {
+        "startup_s": startup,
+        "first_generate_s": first,
+        "generate_tokens_per_s": statistics.median(rates),
+        "sync_median_s": statistics.median(syncs),
+        "rss_gib": rss,
+    }
 
 
 def main() -> None:
@@ -135,15 +154,43 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--engines", default="transformers,vllm")
+    parser.add_argument("--model", help="a model directory or catalog://NAME (default: tiny)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "tiny"
-        model = build_model(model_dir)
+        if args.model:
+            model_dir = local_model(args.model)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        else:
+            model_dir = Path(tmp) / "tiny"
+            model = build_model(model_dir)
+        # named_parameters names a tied matrix once, as the learner's broadcast does.
         params = {k: v.detach() * 1.01 for k, v in model.named_parameters()}
         numel = sum(v.numel() for v in params.values())
-        print(f"tiny Qwen2: {numel / 1e6:.2f}M parameters, {args.prompts} prompts x n={args.n}")
-        for kind in args.engines.split(","):
-            bench(kind, model_dir, params, args)
+        nbytes = sum(v.numel() * v.element_size() for v in params.values())
+        print(
+            f"{args.model or 'tiny Qwen2'}: {numel / 1e6:.2f}M parameters, "
+            f"{args.prompts} prompts x n={args.n}"
+        )
+        figures = {kind: bench(kind, model_dir, params, args) for kind in args.engines.split(",")}
+    flat = flat_broadcast_seconds(nbytes, replicas=1)
+    print(f"bare broadcast of the same {nbytes / 2**20:.0f} MiB to 1 process: {flat:.3f}s")
+    name = "engines" if not args.model else f"engines-{Path(str(model_dir)).name}"
+    save_result(name, {"model": args.model, "bytes": nbytes, "flat_s": flat, **figures}, args.out)
+    if {"vllm", "transformers"} <= set(figures):
+        ratio = (
+            figures["vllm"]["generate_tokens_per_s"]
+            / figures["transformers"]["generate_tokens_per_s"]
+        )
+        print(f"vllm_over_transformers={ratio:.2f}")
+
+
+def local_model(spec: str) -> Path:
+    from contracts.model_catalog import CATALOG_SCHEME, fetch_catalog_model
+
+    if spec.startswith(CATALOG_SCHEME):
+        return fetch_catalog_model(spec.removeprefix(CATALOG_SCHEME))
+    return Path(spec)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 both the token embedding and the output projection. Through the learner's fused chunked head
 its gradient must be the sum of both uses, as in the plain model; FSDP2 must keep the two names
 one parameter when it shards, loads, steps and gathers; and the export must load as a tied model
-with the trained matrix."""
+with the trained matrix; and a learner restarted from a checkpoint must resume it exactly."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from contracts.config import load_config
 from contracts.runtime import free_port
 from learner.batch import build_batch
+from learner.checkpoint import Checkpoints
 from learner.export import HFExporter
 from learner.trainer import ResponseHead, Trainer
 from services.demo.synthetic import synth_rows
@@ -137,3 +138,47 @@ def test_fsdp_keeps_the_tie_through_load_step_and_export(
         torch.testing.assert_close(
             model(input_ids=ids).logits, exported(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
+
+
+def test_a_learner_restarted_from_a_checkpoint_takes_the_step_it_would_have_taken(
+    tied_model_dir: Path, tmp_path: Path
+) -> None:
+    """Checkpoint, kill, resume on the tied model: a fresh learner loading step 1 takes step 2
+    exactly as the uninterrupted one did, and the loaded matrix is still both uses."""
+    overrides = [
+        f"model.path={tied_model_dir}",
+        "learner.lr=1e-3",
+        "learner.warmup_steps=0",
+        "algorithm.train_batch_groups=4",
+        "algorithm.mini_batch_groups=2",
+    ]
+    cfg = load_config(CONFIG, overrides)
+    batches = [build_batch(make_groups(4, 4, seed=s), pad_id=0) for s in (3, 4)]
+
+    def checkpoints(trainer: Trainer) -> Checkpoints:
+        return Checkpoints(
+            tmp_path / "ckpt",
+            trainer=trainer,
+            rank=0,
+            keep_last=2,
+            save_hf=False,
+            barrier=lambda: None,
+        )
+
+    first = Trainer(cfg, rank=0, world_size=1, backend="gloo")
+    first.train_step(batches[0], policy_version=0)
+    checkpoints(first).save(1, {"policy_version": 1}, keep=False, hf_export=lambda out: None)
+    first.train_step(batches[1], policy_version=1)
+    uninterrupted = {n: t.clone() for n, t in first.named_full_params()}
+    del first  # the killed learner
+
+    resumed = Trainer(cfg, rank=0, world_size=1, backend="gloo")
+    meta = checkpoints(resumed).load(1)
+    assert meta is not None and meta["policy_version"] == 1
+    model = resumed.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    resumed.train_step(batches[1], policy_version=1)
+    after = dict(resumed.named_full_params())
+    assert after.keys() == uninterrupted.keys()
+    for name, value in after.items():
+        torch.testing.assert_close(value, uninterrupted[name], rtol=0, atol=1e-6, msg=name)
