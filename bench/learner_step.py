@@ -4,8 +4,8 @@ Builds or fetches the preset's base model (default the tiny preset), makes batch
 the preset's (its groups per step and group size; prompts of 50-75% of `data.max_prompt_len`
 tokens and responses of 3 to `rollout.max_response_len` tokens), and times `Trainer.train_step`
 plus the weight gather that follows every step (what the learner does per step apart from
-waiting for data), after two warm-up steps. One learner rank, as the preset
-runs. Nothing is asserted; figures only.
+waiting for data), after two warm-up steps. One learner rank, as the preset runs. Nothing is
+asserted; figures only.
 
     .venv/bin/python bench/learner_step.py [--steps 20] [--config configs/tiny.yaml] [overrides]
 
@@ -126,9 +126,8 @@ def main() -> int:
         "learner_step", {"config": args.config, "overrides": args.overrides, **figures}, args.out
     )
     print(
-        f"{args.config}, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens per "
-        "step; "
-        f"train_step {figures['train_s_per_step']:.3f} s, weight gather "
+        f"{args.config}, 1 learner rank: {figures['tokens_per_step']:.0f} response tokens "
+        f"per step; train_step {figures['train_s_per_step']:.3f} s, weight gather "
         f"{figures['gather_s_per_step']:.3f} s"
     )
     print(f"learner_tokens_per_s={figures['tokens_per_s']:.0f}")

@@ -40,31 +40,14 @@ def build_model(out: Path, *, tied: bool = False) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    if tied:
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=96,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                tie_word_embeddings=True,
-            )
-        ).save_pretrained(out)
-        return
-    cfg = Qwen2Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    shape: dict[str, Any] = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128}
+    shape |= {"num_hidden_layers": 2, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    if tied:  # grouped-query attention as in SmolLM2: 4 heads sharing 2 key/value heads
+        cfg = LlamaConfig(**shape, num_attention_heads=4, tie_word_embeddings=True)
+        LlamaForCausalLM(cfg).save_pretrained(out)
+    else:
+        cfg = Qwen2Config(**shape, num_attention_heads=2, tie_word_embeddings=False)
+        Qwen2ForCausalLM(cfg).save_pretrained(out)
 
 
 def make_groups() -> list[Any]:

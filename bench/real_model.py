@@ -134,17 +134,12 @@ def step_figures(metrics: Path) -> dict[str, float]:
 
 
 def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the weights in `model_dir/model.safetensors`: what a sync broadcasts."""
     from safetensors import safe_open
 
-    nbytes = 0
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        for key in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-            t = f.get_slice(key)
-            n = 1
-            for d in t.get_shape():
-                n *= d
-            nbytes += n * {"F32": 4, "BF16": 2, "F16": 2}[t.get_dtype()]
-    return nbytes
+        tensors = (f.get_tensor(k) for k in f.keys())  # noqa: SIM118  (safe_open has no __iter__)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def main() -> int:

@@ -26,8 +26,7 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 
 def main() -> int:
-    from safetensors import safe_open
-
+    from bench.real_model import weight_bytes
     from contracts.config import load_config
     from contracts.weight_sync import flat_broadcast_seconds
 
@@ -62,8 +61,7 @@ def main() -> int:
             env={**os.environ, "DAPO_FAULTS": f"rollout.slowdown={args.slowdown}"},
         )
         summary = json.loads((run / "summary.json").read_text())
-        with safe_open(str(run / "final_model" / "model.safetensors"), "pt") as f:
-            nbytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
+        nbytes = weight_bytes(run / "final_model")
     flat = flat_broadcast_seconds(nbytes, replicas=replicas)
     sync = summary["timing"]["sync_weights_s"]
     print(

