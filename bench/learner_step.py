@@ -28,7 +28,7 @@ from bench.results_file import save_result  # noqa: E402  (a module beside this 
 
 def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
     """One step's groups, shaped like the preset's (see the module's docstring)."""
-    from contracts.schemas import PromptJob, Response, RolloutGroup
+    from contracts.schemas import PromptJob, Response, ScoredGroup
 
     ro, groups = cfg.rollout, []
     prompt_len = cfg.data.max_prompt_len
@@ -56,7 +56,7 @@ def preset_groups(rng: random.Random, cfg: Any, version: int) -> list[Any]:
             )
         rewards = [1.0, -1.0] + [rng.choice([1.0, -1.0]) for _ in range(ro.group_size - 2)]
         groups.append(
-            RolloutGroup(
+            ScoredGroup(
                 job=job,
                 policy_version=version,
                 replica_id="r",

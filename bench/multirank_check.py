@@ -51,7 +51,7 @@ def build_model(out: Path, *, tied: bool = False) -> None:
 
 
 def make_groups() -> list[Any]:
-    from contracts.schemas import PromptJob, Response, RolloutGroup
+    from contracts.schemas import PromptJob, Response, ScoredGroup
 
     rng = random.Random(7)
     groups = []
@@ -77,7 +77,7 @@ def make_groups() -> list[Any]:
             )
         rewards = [1.0, -1.0] + [rng.choice([1.0, -1.0]) for _ in range(GROUP_SIZE - 2)]
         groups.append(
-            RolloutGroup(
+            ScoredGroup(
                 job=job,
                 policy_version=version,
                 replica_id="r",

@@ -2,12 +2,14 @@
 
 One message = one prompt group (ARCHITECTURE.md): a `PromptJob` issued by the feeder grows into a
 `RolloutGroup` (G responses + behaviour log-probs + the policy version that generated them) and then
-into a scored group (the same model with `scores` filled in). An evaluation job (`PromptJob.eval`
-set) travels the same way and is turned by the gatekeeper into an `EvalResult` for the learner's
-evaluation lane instead of being trained. Scalars travel as one small JSON
-field; token ids and log-probs travel as packed little-endian int32 / float32 arrays, never as
-JSON lists. Nothing is pickled. Anything that does not decode raises `SchemaError`, which the
-stream layer turns into a dead letter with the reason.
+into a `ScoredGroup` (the same group with every response judged). Each state has its own type and
+its own wire kind, so a consumer never meets a half-filled message: the gatekeeper and the learner
+decode scored groups only, and an unscored one is a schema error (dead-lettered), not an assert.
+An evaluation job (`PromptJob.eval` set) travels the same way and is turned by the gatekeeper into
+an `EvalResult` for the learner's evaluation lane instead of being trained. Scalars travel as one
+small JSON field; token ids and log-probs travel as packed little-endian int32 / float32 arrays,
+never as JSON lists. Nothing is pickled. Anything that does not decode raises `SchemaError`, which
+the stream layer turns into a dead letter with the reason.
 
 A decoded group's numbers are checked too, so no consumer trains on them: rewards and scores
 must be finite, behaviour log-probs finite and not above zero, token ids not negative. The upper
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -32,13 +34,15 @@ from pydantic import (
     field_validator,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
 3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message.
 4: `EvalResult.policy_version` became `policy_version_min` / `policy_version_max`.
 5: `PromptJob.policy_version` is `issued_version` again: one message (a group, which carries its
 job) held two different `policy_version`s; `policy_version` now always names the version that
-generated something (a group, a response's range, an evaluation round)."""
+generated something (a group, a response's range, an evaluation round).
+6: scored groups are their own message kind (`scored`, `ScoredGroup`) with every score field
+required; a `group` carries no score fields."""
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -113,7 +117,7 @@ class Response(_Msg):
 
 
 class RolloutGroup(_Msg):
-    """A prompt job's G responses, optionally scored by the reward service."""
+    """A prompt job's G responses, as the rollout replica generated them (not yet judged)."""
 
     job: PromptJob
     policy_version: int
@@ -123,18 +127,40 @@ class RolloutGroup(_Msg):
     replica_id: str
     responses: list[Response]
     gen_seconds: float = 0.0
-    # Filled by the reward service (None before scoring).
-    scores: list[float] | None = None
+
+
+class ScoredGroup(RolloutGroup):
+    """A `RolloutGroup` after the reward service: every response judged. The gatekeeper reads
+    these and forwards the kept ones unchanged; the learner trains on them."""
+
+    scores: list[float]
     """Verifier score per response (+1 / -1)."""
-    acc: list[bool] | None = None
-    rewards: list[float] | None = None
+    acc: list[bool]
+    rewards: list[float]
     """Shaped reward per response (score + overlong penalty), placed on the last token."""
-    preds: list[str] | None = None
+    preds: list[str]
     reward_timeouts: int = Field(0, ge=0)
 
-    @property
-    def is_scored(self) -> bool:
-        return self.rewards is not None
+    @classmethod
+    def of(
+        cls,
+        group: RolloutGroup,
+        *,
+        scores: list[float],
+        acc: list[bool],
+        rewards: list[float],
+        preds: list[str],
+        reward_timeouts: int = 0,
+    ) -> ScoredGroup:
+        """`group` with its judgements (the responses are shared, not copied)."""
+        return cls(
+            **dict(group),
+            scores=scores,
+            acc=acc,
+            rewards=rewards,
+            preds=preds,
+            reward_timeouts=reward_timeouts,
+        )
 
 
 class EvalResult(_Msg):
@@ -161,9 +187,9 @@ class EvalResult(_Msg):
         return self.policy_version_max
 
     @classmethod
-    def of(cls, group: RolloutGroup) -> EvalResult:
-        if group.job.eval is None or group.acc is None:
-            raise SchemaError(f"group {group.job.group_id} is not a scored evaluation group")
+    def of(cls, group: ScoredGroup) -> EvalResult:
+        if group.job.eval is None:
+            raise SchemaError(f"group {group.job.group_id} is not an evaluation group")
         held = (group.policy_version, group.policy_version)  # responses that recorded no range
         ranges = [r.versions or held for r in group.responses]
         return cls(
@@ -267,7 +293,7 @@ def encode_group(group: RolloutGroup) -> dict[str, bytes]:
         logprobs.extend(r.logprobs)
     return {
         "v": str(SCHEMA_VERSION).encode(),
-        "kind": b"group",
+        "kind": b"scored" if isinstance(group, ScoredGroup) else b"group",
         "group_id": group.job.group_id.encode(),
         "meta": json.dumps(meta, separators=(",", ":")).encode(),
         "prompt_ids": _pack_ints(group.job.prompt_ids),
@@ -323,7 +349,23 @@ def decode_job(fields: dict[bytes, bytes]) -> PromptJob:
 
 
 def decode_group(fields: dict[bytes, bytes]) -> RolloutGroup:
-    meta = _header(fields, "group")
+    """A generated group (kind `group`), as the reward service reads it."""
+    return _decode_group(fields, "group", RolloutGroup)
+
+
+def decode_scored_group(fields: dict[bytes, bytes]) -> ScoredGroup:
+    """A judged group (kind `scored`), as the gatekeeper and the learner read it."""
+    if fields.get(b"kind") == b"group":
+        group_id = (group_id_of_fields(fields) or b"?").decode(errors="replace")
+        raise SchemaError(f"group {group_id} is unscored (it has not passed the reward service)")
+    return _decode_group(fields, "scored", ScoredGroup)
+
+
+_Group = TypeVar("_Group", bound=RolloutGroup)
+
+
+def _decode_group(fields: dict[bytes, bytes], kind: str, model: type[_Group]) -> _Group:
+    meta = _header(fields, kind)
     for name in (b"tokens", b"logprobs"):
         if name not in fields:
             raise SchemaError(f"missing field {name.decode()!r}")
@@ -359,19 +401,21 @@ def decode_group(fields: dict[bytes, bytes]) -> RolloutGroup:
         raise SchemaError("missing job")
     job["prompt_ids"] = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
     try:
-        group = RolloutGroup.model_validate(meta)
+        group = model.model_validate(meta)
     except ValidationError as exc:
-        raise SchemaError(f"invalid group: {_first_error(exc)}") from None
+        raise SchemaError(f"invalid {kind} group: {_first_error(exc)}") from None
     _check_group_lengths(group)
     _check_group_values(group)
     return group
 
 
 def _check_group_lengths(group: RolloutGroup) -> None:
+    if not isinstance(group, ScoredGroup):
+        return
     n = len(group.responses)
     for name in ("scores", "acc", "rewards", "preds"):
         values = getattr(group, name)
-        if values is not None and len(values) != n:
+        if len(values) != n:
             raise SchemaError(
                 f"group {group.job.group_id}: {name} has {len(values)} entries for {n} responses"
             )
@@ -391,8 +435,8 @@ def _check_group_values(group: RolloutGroup) -> None:
     probability 0.9), and token ids past the model's vocabulary (`check_vocabulary`).
     """
     for name in ("rewards", "scores"):
-        values: list[float] | None = getattr(group, name)
-        for i, value in enumerate(values or []):
+        values: list[float] = getattr(group, name, [])
+        for i, value in enumerate(values):
             if not math.isfinite(value):
                 raise SchemaError(f"response {i} {name[:-1]} is {value}")
     for i, response in enumerate(group.responses):

@@ -27,9 +27,9 @@ from contracts.keys import LEDGER_FILTERED, Counter
 from contracts.runtime import StageLoop, serve_stage, service_context
 from contracts.schemas import (
     EvalResult,
-    RolloutGroup,
     SchemaError,
-    decode_group,
+    ScoredGroup,
+    decode_scored_group,
     encode_eval_result,
 )
 
@@ -51,16 +51,13 @@ def keep_group(values: Sequence[float | bool | int]) -> bool:
     return max(finite) != min(finite)
 
 
-def group_metric(group: RolloutGroup, metric: str) -> list[float]:
+def group_metric(group: ScoredGroup, metric: str) -> list[float]:
     """The per-response values the gatekeeper compares."""
     if metric == "acc":
-        assert group.acc is not None
         return [float(a) for a in group.acc]
     if metric == "score":
-        assert group.scores is not None
         return list(group.scores)
     if metric == "reward":
-        assert group.rewards is not None
         return list(group.rewards)
     raise ValueError(f"unknown gatekeeper metric {metric!r}; expected acc, score or reward")
 
@@ -102,9 +99,7 @@ class Gatekeeper:
         stage = self.bus.keys.scored
         for entry_id, fields in entries:
             try:
-                group = decode_group(fields)
-                if not group.is_scored:
-                    raise SchemaError(f"group {group.job.group_id} reached the gatekeeper unscored")
+                group = decode_scored_group(fields)
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"gatekeeper: {exc}")
                 continue
@@ -128,7 +123,7 @@ class Gatekeeper:
                 self.filtered += done
                 self._count_responses(group, done)
 
-    def _count_responses(self, group: RolloutGroup, hopped: bool) -> None:
+    def _count_responses(self, group: ScoredGroup, hopped: bool) -> None:
         """Response counts for the truncation rate, added after the hop rather than inside its
         atomic script: they are a statistic, so a crash in between may undercount one group,
         and the hop, which the ledger rests on, stays as simple as it is."""

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from contracts.schemas import RolloutGroup
+from contracts.schemas import ScoredGroup
 from learner.algos import group_advantages
 
 
@@ -54,7 +54,7 @@ class TrainBatch:
 
 
 def build_batch(
-    groups: list[RolloutGroup],
+    groups: list[ScoredGroup],
     *,
     pad_id: int,
     norm_by_std: bool = True,
@@ -81,7 +81,6 @@ def build_batch(
             behaviour[b, :n] = torch.tensor(r.logprobs)
             keep = not (overlong_filter and r.finish_reason == "length")
             response_mask[b, :n] = float(keep)
-            assert g.rewards is not None, f"group {g.job.group_id} is unscored"
             token_rewards[b, n - 1] = g.rewards[ri]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     returns = token_rewards.sum(-1)  # (B,): the outcome reward sits on the last token

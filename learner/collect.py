@@ -27,10 +27,10 @@ from contracts.bus import Entry, Fields, StreamBus
 from contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
 from contracts.runtime import StopFlag
 from contracts.schemas import (
-    RolloutGroup,
     SchemaError,
+    ScoredGroup,
     check_vocabulary,
-    decode_group,
+    decode_scored_group,
     is_evaluation,
 )
 from learner.commands import Picked
@@ -39,7 +39,7 @@ from learner.feeder import PromptFeeder
 log = logging.getLogger(__name__)
 
 
-def issue_order(group: RolloutGroup) -> tuple[float, float]:
+def issue_order(group: ScoredGroup) -> tuple[float, float]:
     """Sort key: the order in which the feeder issued the group's job. Its group id ends with the
     data cursor (`<run>-<cursor>`); an id that does not (none the feeder writes) goes after
     those that do, by issue time."""
@@ -196,8 +196,8 @@ class StreamSource:
             else:
                 self.pending.append(picked)
 
-    def _decode(self, fields: Fields) -> RolloutGroup:
-        group = decode_group(fields)
+    def _decode(self, fields: Fields) -> ScoredGroup:
+        group = decode_scored_group(fields)
         check_vocabulary(group, self.vocab_size)
         return group
 

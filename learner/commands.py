@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.schemas import RolloutGroup
+from contracts.schemas import ScoredGroup
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Picked:
     """A kept group taken from the train stream, with the stream entry that carried it."""
 
     entry_id: str
-    group: RolloutGroup
+    group: ScoredGroup
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Train:
     picked: tuple[Picked, ...]
 
     @property
-    def groups(self) -> list[RolloutGroup]:
+    def groups(self) -> list[ScoredGroup]:
         return [p.group for p in self.picked]
 
 

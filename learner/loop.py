@@ -41,7 +41,7 @@ from contracts.checkpoint_store import CheckpointRefused
 from contracts.config import DapoConfig
 from contracts.faults import slowdown
 from contracts.keys import Counter, RunField
-from contracts.schemas import RolloutGroup
+from contracts.schemas import ScoredGroup
 from learner.batch import build_batch
 from learner.checkpoint import CheckpointStore
 from learner.collect import BatchSource
@@ -246,7 +246,7 @@ class LearnerLoop:
         self._record_evaluations(self.evaluations.poll())
 
     def _update_actor(
-        self, groups: list[RolloutGroup], policy_version: int, t0: float
+        self, groups: list[ScoredGroup], policy_version: int, t0: float
     ) -> dict[str, float]:
         alg = self.cfg.algorithm
         batch = build_batch(

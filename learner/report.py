@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from contracts.bus import StreamBus
 from contracts.config import TrackingConfig
 from contracts.keys import RunField
-from contracts.schemas import RolloutGroup
+from contracts.schemas import ScoredGroup
 from learner.commands import Progress
 from learner.tracking import Completion, Tracker
 
@@ -32,7 +32,7 @@ class Reporter(Protocol):
     def mean_version_lag(self) -> float: ...
 
     def rollout_metrics(
-        self, groups: Sequence[RolloutGroup], trained_on: int
+        self, groups: Sequence[ScoredGroup], trained_on: int
     ) -> dict[str, float]: ...
 
     def record_eval(self, step: int, result: dict[str, float]) -> None: ...
@@ -52,7 +52,7 @@ class NullReporter:
     has_evals = True  # nothing to evaluate here: the base evaluation is rank 0's
     mean_version_lag = 0.0
 
-    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+    def rollout_metrics(self, groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, float]:
         return {}
 
     def record_eval(self, step: int, result: dict[str, float]) -> None:
@@ -71,11 +71,11 @@ class NullReporter:
         pass
 
 
-def group_metrics(groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+def group_metrics(groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, float]:
     """Batch statistics of the groups trained on at policy version `trained_on`."""
-    rewards = [r for g in groups for r in (g.rewards or [])]
-    scores = [s for g in groups for s in (g.scores or [])]
-    accs = [float(a) for g in groups for a in (g.acc or [])]
+    rewards = [r for g in groups for r in g.rewards]
+    scores = [s for g in groups for s in g.scores]
+    accs = [float(a) for g in groups for a in g.acc]
     lengths = [len(r.token_ids) for g in groups for r in g.responses]
     lags = [float(trained_on - g.policy_version) for g in groups]
     truncated = sum(r.finish_reason == "length" for g in groups for r in g.responses)
@@ -123,7 +123,7 @@ class CompletionSampler:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def sample(self, groups: Sequence[RolloutGroup]) -> list[Completion]:
+    def sample(self, groups: Sequence[ScoredGroup]) -> list[Completion]:
         picked: list[Completion] = []
         for i in range(min(self.count, sum(len(g.responses) for g in groups))):
             group = groups[i % len(groups)]
@@ -135,8 +135,8 @@ class CompletionSampler:
                 Completion(
                     prompt=self.decode(group.job.prompt_ids),
                     response=self.decode(response.token_ids),
-                    reward=group.rewards[k] if group.rewards else float("nan"),
-                    acc=group.acc[k] if group.acc else None,
+                    reward=group.rewards[k],
+                    acc=group.acc[k],
                     finish_reason=response.finish_reason,
                 )
             )
@@ -152,7 +152,7 @@ class RunReporter:
         self.bus, self.trackers, self.completions = bus, trackers, completions
         self.evals: list[tuple[int, float, float]] = bus.eval_history()
         self.lags: list[float] = []
-        self.step_groups: Sequence[RolloutGroup] = ()
+        self.step_groups: Sequence[ScoredGroup] = ()
         """The groups of the step being reported: `rollout_metrics` sees them,
         `report` samples them."""
 
@@ -164,7 +164,7 @@ class RunReporter:
     def mean_version_lag(self) -> float:
         return _mean(self.lags)
 
-    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+    def rollout_metrics(self, groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, float]:
         """The batch's statistics plus the pipeline's: gatekeeper, ledger, stream depths."""
         metrics = group_metrics(groups, trained_on)
         self.step_groups = groups

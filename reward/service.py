@@ -22,7 +22,7 @@ from contracts.config import ConfigError, DapoConfig, RewardConfig
 from contracts.keys import Counter
 from contracts.model_source import with_local_model
 from contracts.runtime import StageLoop, serve_stage, service_context
-from contracts.schemas import RolloutGroup, SchemaError, decode_group, encode_group
+from contracts.schemas import RolloutGroup, SchemaError, ScoredGroup, decode_group, encode_group
 from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
 from reward.result import VerifyResult
@@ -136,33 +136,31 @@ class RewardWorker:
                     "configs?)",
                 )
                 continue
-            results = score_group(group, self.tokenizer, self.scorer, self.cfg)
+            scored, results = score_group(group, self.tokenizer, self.scorer, self.cfg)
             self.metrics.add(results)
             self.unverified += sum(r.reason is not None for r in results)
-            self.timeouts += group.reward_timeouts
-            if group.reward_timeouts:
-                self.bus.incr(Counter.REWARD_TIMEOUTS, group.reward_timeouts)
+            self.timeouts += scored.reward_timeouts
+            if scored.reward_timeouts:
+                self.bus.incr(Counter.REWARD_TIMEOUTS, scored.reward_timeouts)
             self.groups += self.bus.hop(
-                stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(group)
+                stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(scored)
             )
 
 
 def score_group(
     group: RolloutGroup, tokenizer: Any, scorer: Scorer, cfg: DapoConfig
-) -> list[VerifyResult]:
-    """Fill in a group's scores, accuracies, predictions and shaped rewards (in place).
+) -> tuple[ScoredGroup, list[VerifyResult]]:
+    """Judge a group: its scores, accuracies, predictions and shaped rewards.
 
-    Returns the verifier's results, one per response (for their reasons and metrics).
+    Returns the scored group and the verifier's results, one per response (for their reasons
+    and metrics). Each response's `text` becomes the tail of its decoded text, for inspection.
     """
     ov, max_len = cfg.reward.overlong, cfg.rollout.max_response_len
     texts = tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
     results = scorer.score_many(
         [(t, group.job.ground_truth) for t in texts], [group.job.extra_info] * len(texts)
     )
-    group.scores = [r.score for r in results]
-    group.acc = [r.acc for r in results]
-    group.preds = [r.pred for r in results]
-    group.rewards = [
+    rewards = [
         shaped_reward(
             r.score,
             len(resp.token_ids),
@@ -175,7 +173,14 @@ def score_group(
     ]
     for resp, text in zip(group.responses, texts, strict=True):
         resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
-    group.reward_timeouts = sum(r.timeout for r in results)
+    scored = ScoredGroup.of(
+        group,
+        scores=[r.score for r in results],
+        acc=[r.acc for r in results],
+        rewards=rewards,
+        preds=[r.pred for r in results],
+        reward_timeouts=sum(r.timeout for r in results),
+    )
     unverified = [r.reason for r in results if r.reason is not None]
     if unverified:  # pred says only "[ERROR]" / "[TIMEOUT]"; the reason goes here
         log.warning(
@@ -184,7 +189,7 @@ def score_group(
             len(unverified),
             "; ".join(sorted(set(unverified))),
         )
-    return results
+    return scored, results
 
 
 def main(cfg: DapoConfig) -> int:

@@ -41,7 +41,7 @@ from transformers import AutoTokenizer
 
 from contracts.config import DapoConfig
 from contracts.data import encode_prompt, load_prompts
-from contracts.schemas import PromptJob, Response, RolloutGroup
+from contracts.schemas import PromptJob, Response, RolloutGroup, ScoredGroup
 from gatekeeper.service import group_metric, keep_group
 from learner.batch import build_batch
 from learner.export import HFExporter
@@ -114,7 +114,7 @@ def run_in_process(
         if on_eval is not None:
             on_eval(step, acc, result.rl_seconds)
 
-    def generate_and_score() -> list[RolloutGroup]:
+    def generate_and_score() -> list[ScoredGroup]:
         """One generation batch of `rollout.prompts_per_batch` prompts (a replica's batch)."""
         nonlocal cursor
         batch = [records[order[(cursor + i) % len(records)]] for i in range(ro.prompts_per_batch)]
@@ -147,15 +147,14 @@ def run_in_process(
             group = RolloutGroup(
                 job=job, policy_version=0, replica_id="in-process", responses=responses
             )
-            score_group(group, tokenizer, scorer, cfg)
-            groups.append(group)
+            groups.append(score_group(group, tokenizer, scorer, cfg)[0])
         return groups
 
     try:
         evaluate_now(0)
         for step in range(1, result.steps + 1):
             start = time.monotonic()
-            kept: list[RolloutGroup] = []
+            kept: list[ScoredGroup] = []
             while (
                 len(kept) < alg.train_batch_groups
             ):  # dynamic sampling: generate until B groups pass

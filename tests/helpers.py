@@ -15,6 +15,7 @@ import redis
 from contracts.bus import StreamBus
 from contracts.config import DapoConfig, build_config
 from contracts.keys import Keys
+from contracts.schemas import RolloutGroup, ScoredGroup
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,4 +122,14 @@ def model_config(
             "reward": {"overlong": {"buffer_len": 4}},
             "queue": {"redis_url": redis_url},
         }
+    )
+
+
+def judged(group: RolloutGroup, acc: list[bool] | None = None) -> ScoredGroup:
+    """`group` scored by hand: `acc` per response (default all correct), score and reward +1 for
+    a correct response and -1 otherwise, no overlong penalty."""
+    acc = [True] * len(group.responses) if acc is None else acc
+    rewards = [1.0 if a else -1.0 for a in acc]
+    return ScoredGroup.of(
+        group, scores=list(rewards), acc=acc, rewards=rewards, preds=[""] * len(acc)
     )

@@ -12,12 +12,15 @@ from contracts.schemas import (
     Response,
     RolloutGroup,
     SchemaError,
+    ScoredGroup,
     check_vocabulary,
     decode_group,
     decode_job,
+    decode_scored_group,
     encode_group,
     encode_job,
 )
+from tests.helpers import judged
 
 
 def make_group(n: int = 4, length: int = 50) -> RolloutGroup:
@@ -51,15 +54,36 @@ def test_job_round_trip() -> None:
 
 
 def test_group_round_trip_scored() -> None:
-    g = make_group()
-    g.scores, g.acc, g.rewards, g.preds = (
-        [1.0, -1.0, 1.0, -1.0],
-        [True, False, True, False],
-        [1.0, -1.5, 1.0, -1.0],
-        ["0", "x", "2", "y"],
+    g = ScoredGroup.of(
+        make_group(),
+        scores=[1.0, -1.0, 1.0, -1.0],
+        acc=[True, False, True, False],
+        rewards=[1.0, -1.5, 1.0, -1.0],
+        preds=["0", "x", "2", "y"],
     )
-    back = decode_group(as_wire(encode_group(g)))
-    assert back == g
+    back = decode_scored_group(as_wire(encode_group(g)))
+    assert back == g and isinstance(back, ScoredGroup)
+
+
+def test_each_pipeline_state_decodes_only_as_itself() -> None:
+    """A generated group is no scored group and a scored one no generated group: the gatekeeper
+    and the learner name the first, and the reward service the second, when one reaches them."""
+    generated = as_wire(encode_group(make_group()))
+    assert decode_group(generated) == make_group()
+    with pytest.raises(SchemaError, match="group run-7 is unscored"):
+        decode_scored_group(generated)
+    scored = as_wire(encode_group(judged(make_group())))
+    with pytest.raises(SchemaError, match="message kind b'scored', expected 'group'"):
+        decode_group(scored)
+
+
+def test_a_scored_group_missing_a_judgement_does_not_decode() -> None:
+    fields = as_wire(encode_group(judged(make_group())))
+    meta = json.loads(fields[b"meta"])
+    del meta["acc"]
+    fields[b"meta"] = json.dumps(meta).encode()
+    with pytest.raises(SchemaError, match="invalid scored group: acc: Field required"):
+        decode_scored_group(fields)
 
 
 def test_arrays_are_packed_not_json() -> None:
@@ -96,18 +120,16 @@ def test_group_with_missing_response_is_rejected() -> None:
 
 
 def test_scores_must_match_responses() -> None:
-    g = make_group()
-    fields = as_wire(encode_group(g))
+    fields = as_wire(encode_group(judged(make_group())))
     meta = json.loads(fields[b"meta"])
     meta["rewards"] = [1.0]
     fields[b"meta"] = json.dumps(meta).encode()
     with pytest.raises(SchemaError, match="rewards has 1 entries for 4 responses"):
-        decode_group(fields)
+        decode_scored_group(fields)
 
 
-def _with(mutate: Callable[[RolloutGroup], object]) -> dict[bytes, bytes]:
-    g = make_group()
-    g.scores, g.rewards = [1.0, -1.0, 1.0, -1.0], [1.0, -1.0, 1.0, -1.0]
+def _with(mutate: Callable[[ScoredGroup], object]) -> dict[bytes, bytes]:
+    g = judged(make_group(), [True, False, True, False])
     mutate(g)
     return as_wire(encode_group(g))
 
@@ -135,7 +157,7 @@ def test_numbers_no_model_can_train_on_do_not_decode(mutate, message: str) -> No
     """Every consumer of a group (reward worker, gatekeeper, learner)
     gets these checks from the decode."""
     with pytest.raises(SchemaError) as err:
-        decode_group(_with(mutate))
+        decode_scored_group(_with(mutate))
     assert str(err.value).startswith(message)
 
 

@@ -13,10 +13,10 @@ from contracts.bus import GONE_AFTER_TTLS, Entry, StreamBus, connect
 from contracts.config import QueueConfig
 from contracts.keys import Keys
 from contracts.runtime import Heartbeat, StageLoop, StopFlag, instance_id, run_stage_loop
-from contracts.schemas import decode_group, encode_group, encode_job
+from contracts.schemas import decode_scored_group, encode_group, encode_job
 from gatekeeper.service import Gatekeeper, keep_group
 from tests.contracts.test_schemas import make_group
-from tests.helpers import wait_for
+from tests.helpers import judged, wait_for
 
 
 @pytest.fixture()
@@ -95,19 +95,17 @@ def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
     for (eid, _), accs in zip(entries, [[True, False, True, True], [True] * 4], strict=True):
         g = make_group()
         g.job.group_id = f"gid-{eid}"
-        g.acc = accs
-        g.scores = g.rewards = [1.0 if a else -1.0 for a in accs]
-        g.preds = ["p"] * 4
         if all(accs):  # the group the gatekeeper filters had one response cut at the length limit
             g.responses[0].finish_reason = "length"
-        bus.hop(bus.keys.prompts, eid, downstream=bus.keys.scored.stream, fields=encode_group(g))
+        fields = encode_group(judged(g, accs))
+        bus.hop(bus.keys.prompts, eid, downstream=bus.keys.scored.stream, fields=fields)
     gate = Gatekeeper(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert (gate.kept, gate.filtered, gate.pass_rate) == (1, 1, 0.5)
     # Responses are counted for the truncation rate whether their group was kept or filtered.
     assert (bus.counters()["responses_judged"], bus.counters()["responses_truncated"]) == (8, 1)
     [(_, fields)] = bus.redis.xrange(bus.keys.train.stream)
-    assert decode_group(fields).acc == [True, False, True, True]
+    assert decode_scored_group(fields).acc == [True, False, True, True]
     snap = bus.ledger()
     assert (snap.filtered, snap.in_flight, snap.balanced) == (1, 1, True)
 

@@ -22,7 +22,8 @@ from contracts.schemas import (
     PromptJob,
     Response,
     RolloutGroup,
-    decode_group,
+    ScoredGroup,
+    decode_scored_group,
     encode_group,
     encode_job,
 )
@@ -186,8 +187,8 @@ def test_hostile_responses_are_scored_within_the_bound(
     )
 
 
-def _scored(r: redis.Redis, keys: Keys, n: int) -> list[tuple[str, RolloutGroup]] | None:
+def _scored(r: redis.Redis, keys: Keys, n: int) -> list[tuple[str, ScoredGroup]] | None:
     rows = r.xrange(keys.scored.stream)
     if len(rows) < n:
         return None
-    return [(eid.decode(), decode_group(fields)) for eid, fields in rows]
+    return [(eid.decode(), decode_scored_group(fields)) for eid, fields in rows]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from contracts.schemas import PromptJob, Response, RolloutGroup
+from contracts.schemas import PromptJob, Response, ScoredGroup
 from learner.batch import build_batch
 
 
-def _group(finish: list[str], rewards: list[float]) -> RolloutGroup:
+def _group(finish: list[str], rewards: list[float]) -> ScoredGroup:
     job = PromptJob(
         group_id="g-0",
         prompt_index=0,
@@ -21,7 +21,7 @@ def _group(finish: list[str], rewards: list[float]) -> RolloutGroup:
         Response(token_ids=[1, 2, 3][: i + 1], logprobs=[-0.1] * (i + 1), finish_reason=f)
         for i, f in enumerate(finish)
     ]  # type: ignore[arg-type]
-    return RolloutGroup(
+    return ScoredGroup(
         job=job,
         policy_version=0,
         replica_id="r",
@@ -29,6 +29,7 @@ def _group(finish: list[str], rewards: list[float]) -> RolloutGroup:
         rewards=rewards,
         scores=rewards,
         acc=[r > 0 for r in rewards],
+        preds=[""] * len(rewards),
     )
 
 
@@ -71,7 +72,7 @@ def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> N
         )
     ).eval()
 
-    def group(gid: int, prompt: list[int], lengths: list[int]) -> RolloutGroup:
+    def group(gid: int, prompt: list[int], lengths: list[int]) -> ScoredGroup:
         job = PromptJob(
             group_id=f"g-{gid}",
             prompt_index=gid,
@@ -88,7 +89,7 @@ def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> N
             )
             for i, k in enumerate(lengths)
         ]
-        return RolloutGroup(
+        return ScoredGroup(
             job=job,
             policy_version=0,
             replica_id="r",
@@ -96,6 +97,7 @@ def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> N
             rewards=[1.0, -1.0, 1.0][: len(lengths)],
             scores=[1.0] * len(lengths),
             acc=[True] * len(lengths),
+            preds=[""] * len(lengths),
         )
 
     batch = build_batch(

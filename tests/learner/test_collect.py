@@ -12,7 +12,7 @@ from contracts.bus import StreamBus, connect
 from contracts.data import PromptRecord
 from contracts.keys import LEDGER_FILTERED, Keys
 from contracts.runtime import StopFlag
-from contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
+from contracts.schemas import PromptJob, Response, ScoredGroup, encode_group, encode_job
 from learner.collect import StreamSource
 from learner.commands import Picked
 from learner.feeder import PromptFeeder, budget_jobs
@@ -92,7 +92,7 @@ def finish(
         Response(token_ids=[7] * length, logprobs=[-0.5] * length, finish_reason="stop")
         for _ in range(2)
     ]
-    group = RolloutGroup(
+    group = ScoredGroup(
         job=job(i),
         policy_version=0,
         replica_id="r",

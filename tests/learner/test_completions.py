@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from contracts.bus import open_bus
-from contracts.schemas import PromptJob, Response, RolloutGroup
+from contracts.schemas import PromptJob, Response, ScoredGroup
 from learner.commands import Picked
 from learner.report import CompletionSampler, RunReporter
 from learner.tracking import COMPLETIONS_TAG, Completion, Trackers, markdown_table
@@ -24,7 +24,7 @@ def decode(ids: list[int]) -> str:
     return " ".join(VOCAB.get(i, f"<{i}>") for i in ids)
 
 
-def group(group_id: str, prompt: list[int]) -> RolloutGroup:
+def group(group_id: str, prompt: list[int]) -> ScoredGroup:
     job = PromptJob(
         group_id=group_id,
         prompt_index=0,
@@ -37,7 +37,7 @@ def group(group_id: str, prompt: list[int]) -> RolloutGroup:
         Response(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
         Response(token_ids=[3, 4], logprobs=[-0.3, -0.4], finish_reason="length"),
     ]
-    return RolloutGroup(
+    return ScoredGroup(
         job=job,
         policy_version=0,
         replica_id="r0",
@@ -45,6 +45,7 @@ def group(group_id: str, prompt: list[int]) -> RolloutGroup:
         scores=[1.0, -1.0],
         acc=[True, False],
         rewards=[1.0, -1.5],
+        preds=["", ""],
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 from contracts.bus import StreamBus, connect
 from contracts.data import PromptRecord, distinct_problems
 from contracts.keys import Counter, Keys
-from contracts.schemas import EvalResult, Response, RolloutGroup, decode_job, encode_group
+from contracts.schemas import EvalResult, Response, ScoredGroup, decode_job, encode_group
 from gatekeeper.service import Gatekeeper
 from learner.commands import Progress
 from learner.evaluation import EvalLane
@@ -50,7 +50,7 @@ def serve(
             replica.hand_back(keys.prompts, entry_id, fields)
             continue
         ok = correct[job.eval.problem]
-        group = RolloutGroup(
+        group = ScoredGroup(
             job=job,
             policy_version=version,
             replica_id="r0",
@@ -157,7 +157,7 @@ def test_a_round_is_issued_once_per_policy_version(bus: StreamBus) -> None:
 
 
 def test_the_result_message_counts_what_avg_at_k_needs() -> None:
-    group = RolloutGroup(
+    group = ScoredGroup(
         job={
             "group_id": "e",
             "prompt_index": 0,

@@ -20,7 +20,7 @@ from contracts.bus import FencedError
 from contracts.checkpoint_store import CheckpointRefused
 from contracts.config import DapoConfig, load_config
 from contracts.keys import Counter, RunField
-from contracts.schemas import PromptJob, Response, RolloutGroup
+from contracts.schemas import PromptJob, Response, ScoredGroup
 from learner.collect import NullSource
 from learner.commands import (
     Command,
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # --- fakes ----------------------------------------------------------------------------------------
-def group(group_id: str, policy_version: int = 0) -> RolloutGroup:
+def group(group_id: str, policy_version: int = 0) -> ScoredGroup:
     job = PromptJob(
         group_id=group_id,
         prompt_index=0,
@@ -58,7 +58,7 @@ def group(group_id: str, policy_version: int = 0) -> RolloutGroup:
         Response(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
         Response(token_ids=[3], logprobs=[-0.3], finish_reason="length"),
     ]
-    return RolloutGroup(
+    return ScoredGroup(
         job=job,
         policy_version=policy_version,
         replica_id="r0",
@@ -66,6 +66,7 @@ def group(group_id: str, policy_version: int = 0) -> RolloutGroup:
         scores=[1.0, -1.0],
         acc=[True, False],
         rewards=[1.0, -1.5],
+        preds=["", ""],
     )
 
 
@@ -280,7 +281,7 @@ class FakeReporter:
 
     mean_version_lag = 0.0
 
-    def rollout_metrics(self, groups: Sequence[RolloutGroup], trained_on: int) -> dict[str, float]:
+    def rollout_metrics(self, groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, float]:
         return group_metrics(groups, trained_on)
 
     def record_eval(self, step: int, result: dict[str, float]) -> None:

@@ -30,8 +30,8 @@ from contracts.runtime import StopFlag, free_port
 from contracts.schemas import (
     PromptJob,
     Response,
-    RolloutGroup,
-    decode_group,
+    ScoredGroup,
+    decode_scored_group,
     encode_group,
     encode_job,
 )
@@ -42,6 +42,7 @@ from learner.commands import Picked, Progress, Train
 from learner.feeder import PromptFeeder
 from learner.trainer import NonFiniteTrainingError, Trainer
 from tests.contracts.test_schemas import make_group
+from tests.helpers import judged
 from tests.learner.test_loop import FakeSource, rank0
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,39 +51,35 @@ VOCAB = 100  # make_group's token ids stay below 4 + 50
 
 
 # --- groups on the streams ------------------------------------------------------------------------
-def scored(group_id: str) -> RolloutGroup:
+def scored(group_id: str) -> ScoredGroup:
     g = make_group()
     g.job.group_id = group_id
-    g.acc = [True, False, True, False]
-    g.scores = g.rewards = [1.0 if a else -1.0 for a in g.acc]
-    g.preds = ["p"] * 4
-    return g
+    return judged(g, [True, False, True, False])
 
 
-def set_reward(i: int, value: float) -> Callable[[RolloutGroup], None]:
-    def corrupt(g: RolloutGroup) -> None:
-        assert g.rewards is not None
+def set_reward(i: int, value: float) -> Callable[[ScoredGroup], None]:
+    def corrupt(g: ScoredGroup) -> None:
         g.rewards = [value if j == i else r for j, r in enumerate(g.rewards)]
 
     return corrupt
 
 
-def set_logprob(i: int, j: int, value: float) -> Callable[[RolloutGroup], None]:
-    def corrupt(g: RolloutGroup) -> None:
+def set_logprob(i: int, j: int, value: float) -> Callable[[ScoredGroup], None]:
+    def corrupt(g: ScoredGroup) -> None:
         g.responses[i].logprobs[j] = value
 
     return corrupt
 
 
-def set_token(i: int, j: int, value: int) -> Callable[[RolloutGroup], None]:
-    def corrupt(g: RolloutGroup) -> None:
+def set_token(i: int, j: int, value: int) -> Callable[[ScoredGroup], None]:
+    def corrupt(g: ScoredGroup) -> None:
         g.responses[i].token_ids[j] = value
 
     return corrupt
 
 
-def set_prompt_token(j: int, value: int) -> Callable[[RolloutGroup], None]:
-    def corrupt(g: RolloutGroup) -> None:
+def set_prompt_token(j: int, value: int) -> Callable[[ScoredGroup], None]:
+    def corrupt(g: ScoredGroup) -> None:
         g.job.prompt_ids[j] = value
 
     return corrupt
@@ -125,7 +122,7 @@ def bus(redis_url: str) -> StreamBus:
     return b
 
 
-def forward(bus: StreamBus, groups: list[RolloutGroup], downstream: Stage) -> None:
+def forward(bus: StreamBus, groups: list[ScoredGroup], downstream: Stage) -> None:
     """Issue one job per group (counted in the ledger) and hop each, as its group,
     to `downstream`."""
     assert bus.issue([encode_job(g.job) for g in groups]) == len(groups)
@@ -177,7 +174,7 @@ def stream_source(bus: StreamBus, batch_groups: int) -> StreamSource:
 
 @pytest.mark.parametrize(("corrupt", "reason"), NUMBERS)
 def test_the_gatekeeper_dead_letters_a_group_with_bad_numbers(
-    bus: StreamBus, corrupt: Callable[[RolloutGroup], None], reason: str
+    bus: StreamBus, corrupt: Callable[[ScoredGroup], None], reason: str
 ) -> None:
     good, bad = scored("good"), scored("bad")
     corrupt(bad)
@@ -185,9 +182,8 @@ def test_the_gatekeeper_dead_letters_a_group_with_bad_numbers(
     gate = Gatekeeper(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert dead_letters(bus) == [("bad", f"gatekeeper: {reason}")]
-    assert [decode_group(f).job.group_id for _, f in bus.redis.xrange(bus.keys.train.stream)] == [
-        "good"
-    ]
+    trained = bus.redis.xrange(bus.keys.train.stream)
+    assert [decode_scored_group(f).job.group_id for _, f in trained] == ["good"]
     snap = bus.ledger()
     assert (snap.dead, snap.in_flight, snap.balanced) == (1, 1, True)
     assert bus.counters()[Counter.DEAD_LETTERS] == 1
@@ -195,7 +191,7 @@ def test_the_gatekeeper_dead_letters_a_group_with_bad_numbers(
 
 @pytest.mark.parametrize(("corrupt", "reason"), NUMBERS + VOCABULARY)
 def test_the_learner_dead_letters_a_bad_group_and_trains_the_others(
-    bus: StreamBus, corrupt: Callable[[RolloutGroup], None], reason: str
+    bus: StreamBus, corrupt: Callable[[ScoredGroup], None], reason: str
 ) -> None:
     """Whatever reaches the train stream (a gatekeeper of an older version, an orphan taken over)
     is checked again, and the vocabulary only here."""
@@ -235,7 +231,7 @@ def process_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def groups(n_groups: int, seed: int = 0, reward: float | None = None) -> list[RolloutGroup]:
+def groups(n_groups: int, seed: int = 0, reward: float | None = None) -> list[ScoredGroup]:
     """`n_groups` groups of 4 responses with mixed rewards (each group has signal); `reward`, when
     given, replaces the first response's reward (a NaN the decode would have rejected)."""
     rng = random.Random(seed)
@@ -263,7 +259,7 @@ def groups(n_groups: int, seed: int = 0, reward: float | None = None) -> list[Ro
         if reward is not None:
             rewards[0] = reward
         out.append(
-            RolloutGroup(
+            ScoredGroup(
                 job=job,
                 policy_version=0,
                 replica_id="r",

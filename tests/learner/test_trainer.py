@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from contracts.config import ConfigError, DapoConfig, load_config
 from contracts.runtime import free_port
-from contracts.schemas import PromptJob, Response, RolloutGroup
+from contracts.schemas import PromptJob, Response, ScoredGroup
 from learner.batch import PACKED_ATTENTION, build_batch
 from learner.trainer import Trainer
 
@@ -35,7 +35,7 @@ def process_group() -> None:
 
 def make_groups(
     n_groups: int, group_size: int, seed: int = 0, version: int = 0
-) -> list[RolloutGroup]:
+) -> list[ScoredGroup]:
     rng = random.Random(seed)
     groups = []
     for g in range(n_groups):
@@ -60,7 +60,7 @@ def make_groups(
         rewards = [rng.choice([1.0, -1.0]) for _ in range(group_size)]
         rewards[0], rewards[1] = 1.0, -1.0
         groups.append(
-            RolloutGroup(
+            ScoredGroup(
                 job=job,
                 policy_version=version,
                 replica_id="r",

@@ -303,11 +303,11 @@ def test_a_hanging_function_times_out_and_the_next_item_is_scored() -> None:
 def test_score_group_shapes_the_function_score(pool: SandboxPool) -> None:
     cfg: DapoConfig = load_config(REPO / "configs" / "tiny.yaml")  # overlong: 4-token buffer of 16
     group = group_of("42", ["it is 42", "it is 41", "2" * 16])
-    results = score_group(group, CharTokenizer(), pool, cfg)
-    assert group.scores == [RIGHT_SCORE, WRONG_SCORE, RIGHT_SCORE]
-    assert group.acc == [True, False, True]
+    scored, results = score_group(group, CharTokenizer(), pool, cfg)
+    assert scored.scores == [RIGHT_SCORE, WRONG_SCORE, RIGHT_SCORE]
+    assert scored.acc == [True, False, True]
     # 16 tokens is the whole budget: the full overlong penalty (-1) is added to the score.
-    assert group.rewards == [RIGHT_SCORE, WRONG_SCORE, RIGHT_SCORE - 1.0]
+    assert scored.rewards == [RIGHT_SCORE, WRONG_SCORE, RIGHT_SCORE - 1.0]
     means = MetricMeans()
     means.add(results)
     assert means.means() == {"has_expression": 0.0, "response_chars": (8 + 8 + 16) / 3}
@@ -318,5 +318,5 @@ def test_score_group_hands_the_job_extra_info_to_the_function() -> None:
     group = group_of("42", ["42", "41"])
     group.job.extra_info = {"weight": 2.5}
     with one_item_pool(f"{MODULE}:weighted_by_extra_info") as scorer:
-        score_group(group, CharTokenizer(), scorer, cfg)
-    assert (group.scores, group.acc) == ([2.5, 0.0], [True, False])
+        scored, _ = score_group(group, CharTokenizer(), scorer, cfg)
+    assert (scored.scores, scored.acc) == ([2.5, 0.0], [True, False])

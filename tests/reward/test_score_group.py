@@ -49,8 +49,8 @@ def cfg() -> DapoConfig:
 def test_a_group_is_scored(cfg: DapoConfig, caplog: pytest.LogCaptureFixture) -> None:
     group = group_of("42", ["Answer: 42", "no answer"])
     with caplog.at_level(logging.WARNING, logger="reward.service"):
-        score_group(group, CharTokenizer(), make_scorer("dapo"), cfg)
-    assert (group.preds, group.scores, group.acc) == (
+        scored, _ = score_group(group, CharTokenizer(), make_scorer("dapo"), cfg)
+    assert (scored.preds, scored.scores, scored.acc) == (
         ["42", "[INVALID]"],
         [1.0, -1.0],
         [True, False],
@@ -63,8 +63,8 @@ def test_an_over_long_ground_truth_is_an_error_logged_with_its_reason(
 ) -> None:
     group = group_of("4" * (GROUND_TRUTH_MAX_CHARS + 1), ["Answer: 42", "no answer"])
     with caplog.at_level(logging.WARNING, logger="reward.service"):
-        score_group(group, CharTokenizer(), make_scorer("dapo"), cfg)
-    assert (group.preds, group.scores, group.acc) == (["[ERROR]"] * 2, [-1.0] * 2, [False] * 2)
+        scored, _ = score_group(group, CharTokenizer(), make_scorer("dapo"), cfg)
+    assert (scored.preds, scored.scores, scored.acc) == (["[ERROR]"] * 2, [-1.0] * 2, [False] * 2)
     assert (
         "group g-1: 2 responses not verified: ground truth is 1025 characters long, "
         "over GROUND_TRUTH_MAX_CHARS=1024"

@@ -28,6 +28,7 @@ from contracts.schemas import (
 from learner.evaluation import _Round
 from rollout.hf_engine import HFEngine
 from rollout.service import RolloutReplica
+from tests.helpers import judged
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8]
@@ -100,16 +101,14 @@ def test_an_evaluation_job_takes_no_update_announced_mid_generation(
     if not evaluation or not background:  # the update is taken mid-generation
         assert (3, 4) in versions and group.policy_version == 3
         if evaluation:
-            group.acc = [True] * len(group.responses)
-            result = EvalResult.of(group)
+            result = EvalResult.of(judged(group))
             assert (result.policy_version_min, result.policy_version_max) == (3, 4)
         return
     # Every token from the weights held at the start: version 3, newer than the job's 2.
     assert versions == {(3, 3)} and group.policy_version == 3
     for name, p in engine.model.named_parameters():
         assert torch.equal(p, before[name])  # the update waits for the batch to end
-    group.acc = [True] * len(group.responses)
-    result = EvalResult.of(group)
+    result = EvalResult.of(judged(group))
     assert (result.policy_version_min, result.policy_version_max) == (3, 3)
 
 
@@ -120,7 +119,6 @@ def test_a_round_from_several_versions_reports_the_spread() -> None:
             "job": _job("e0", tag).model_dump(),
             "policy_version": 5,
             "replica_id": "r",
-            "acc": [True, False],
             "responses": [
                 {"token_ids": [1], "logprobs": [-1.0], "finish_reason": "stop", "versions": (5, 5)},
                 {
@@ -132,7 +130,7 @@ def test_a_round_from_several_versions_reports_the_spread() -> None:
             ],
         }
     )
-    mixed = EvalResult.of(group)  # a result from an engine that took an update mid-generation
+    mixed = EvalResult.of(judged(group, [True, False]))  # a result from an engine that took an update mid-generation
     assert (mixed.policy_version_min, mixed.policy_version_max, mixed.policy_version) == (5, 7, 7)
 
     rnd = _Round(tag)
