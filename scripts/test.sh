@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: fast unit tests, integration tests against a real Redis, and the slow
 # end-to-end runs (real processes). `scripts/test.sh -m "not slow"` for the quick subset; any
-# arguments go to pytest. Runs in the environment scripts/install.sh finished (VENV, default
+# arguments go to pytest. Two pytest-xdist workers: the end-to-end tests run one at a time on
+# one of them, everything else on the other (tests/conftest.py); DAPO_TEST_WORKERS=0 runs the
+# suite in one process (for -s, pdb, or a profile). Runs in the environment scripts/install.sh finished (VENV, default
 # .venv); it never installs anything itself, so a failed install is not hidden behind a test
 # run that dies on a missing module.
 set -euo pipefail
@@ -21,4 +23,4 @@ fi
 
 # What the install left out, so the skips in pytest's summary come as no surprise.
 grep '^skipped=' "$MARKER" | sed 's/^skipped=/test.sh: not installed: /' || true
-exec "$VENV/bin/python" -m pytest "${@:-tests}"
+exec "$VENV/bin/python" -m pytest -n "${DAPO_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"

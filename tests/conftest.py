@@ -1,7 +1,15 @@
-"""Shared fixtures: a real redis-server for the session, flushed per test."""
+"""Shared fixtures: a real redis-server for the session, flushed per test.
+
+scripts/test.sh runs the suite on two pytest-xdist workers (`--dist loadgroup`). The end-to-end
+tests (`slow`) each keep both cores busy and several judge pacing, so they all go to one worker,
+one at a time, in the order pytest collects them; the other worker runs the quick tests and the
+`io_bound` ones (image builds, package resolution, downloads), which mostly wait. Session
+fixtures are per worker; what they build in the repository (runs/cache) is built under a lock.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +18,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("io_bound"):
+            item.add_marker(pytest.mark.xdist_group("one-at-a-time"))
 
 
 @pytest.fixture(scope="session")
@@ -73,4 +88,8 @@ def tiny_cache() -> None:
         "from contracts.config import load_config; from services.launcher import prepare; "
         "prepare(load_config('configs/tiny.yaml'))"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=3600)
+    lock_path = REPO / "runs" / ".tiny-cache.lock"
+    lock_path.parent.mkdir(exist_ok=True)
+    with lock_path.open("w") as lock:  # the other worker may be building it right now
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=3600)

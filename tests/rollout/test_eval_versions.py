@@ -130,7 +130,8 @@ def test_a_round_from_several_versions_reports_the_spread() -> None:
             ],
         }
     )
-    mixed = EvalResult.of(judged(group, [True, False]))  # a result from an engine that took an update mid-generation
+    # A result from an engine that took an update mid-generation:
+    mixed = EvalResult.of(judged(group, [True, False]))
     assert (mixed.policy_version_min, mixed.policy_version_max, mixed.policy_version) == (5, 7, 7)
 
     rnd = _Round(tag)
