@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -80,6 +81,20 @@ class StopSignal(Protocol):
     def stopping(self) -> bool: ...
 
     def wait(self, seconds: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Collaborators:
+    """What a rank does beyond training: rank 0's talk to Redis, the replicas, the evaluation
+    lane, the export and the trackers; every other rank gets the null ones
+    (`learner/service.py`)."""
+
+    source: BatchSource
+    publisher: Publisher
+    evaluations: Evaluations
+    exporter: Exporter
+    control: Control
+    reporter: Reporter
 
 
 class LearnerLoop:

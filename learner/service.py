@@ -44,7 +44,7 @@ from learner.control import NullControl, RunControl
 from learner.evaluation import NullEvaluations, eval_lane
 from learner.export import HFExporter, NullExporter
 from learner.feeder import PromptFeeder, budget_jobs
-from learner.loop import LearnerLoop, Share
+from learner.loop import Collaborators, LearnerLoop, Share
 from learner.publish import NullPublisher
 from learner.report import CompletionSampler, NullReporter, RunReporter
 from learner.tracking import Trackers
@@ -123,7 +123,7 @@ def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
 
 def rank0_collaborators(
     cfg: DapoConfig, backend: str, stop: StopFlag, claim: RunClaim
-) -> dict[str, Any]:
+) -> Collaborators:
     """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -171,32 +171,32 @@ def rank0_collaborators(
         bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode)
     )
     evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up)
-    return {
-        "source": source,
-        "publisher": publisher,
-        "evaluations": evaluations,
-        "exporter": HFExporter(cfg.model.path),
-        "reporter": reporter,
-        "control": RunControl(
+    return Collaborators(
+        source=source,
+        publisher=publisher,
+        evaluations=evaluations,
+        exporter=HFExporter(cfg.model.path),
+        reporter=reporter,
+        control=RunControl(
             bus,
             run_name=cfg.run_name,
             instance=inst,
             heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s,
             lease=lease,
         ),
-    }
+    )
 
 
-def null_collaborators() -> dict[str, Any]:
+def null_collaborators() -> Collaborators:
     """Every other rank: it trains and gathers weights; rank 0 does the rest."""
-    return {
-        "source": NullSource(),
-        "publisher": NullPublisher(),
-        "evaluations": NullEvaluations(),
-        "exporter": NullExporter(),
-        "reporter": NullReporter(),
-        "control": NullControl(),
-    }
+    return Collaborators(
+        source=NullSource(),
+        publisher=NullPublisher(),
+        evaluations=NullEvaluations(),
+        exporter=NullExporter(),
+        reporter=NullReporter(),
+        control=NullControl(),
+    )
 
 
 def main(cfg: DapoConfig) -> int:
@@ -266,7 +266,12 @@ def _train(cfg: DapoConfig, rank: int, world: int, backend: str, stop: StopFlag)
             checkpoints=checkpoints,
             share=make_share(rank),
             stop=stop,
-            **parts,
+            source=parts.source,
+            publisher=parts.publisher,
+            evaluations=parts.evaluations,
+            exporter=parts.exporter,
+            control=parts.control,
+            reporter=parts.reporter,
         )
     except BaseException:
         if claim is not None:  # never trained: the next learner need not wait out the lease's TTL
