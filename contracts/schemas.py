@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from array import array
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -49,6 +50,36 @@ FinishReason = Literal["stop", "length", "abort"]
 
 class SchemaError(ValueError):
     """A stream entry could not be decoded into a valid message."""
+
+
+MAX_JSON_BYTES = 64 * 2**20
+"""Largest JSON text any reader parses (a group's meta holds its responses' text tails: kilobytes;
+a Redis value can be 512 MB)."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting any reader parses: our messages nest at most 4 levels. `json.loads` raises
+`RecursionError` (not a ValueError) near depth 1000, which 2 KB of brackets reach."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: no per-byte alternation
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def parse_json(raw: bytes | str, what: str = "value") -> object:
+    """`json.loads` for text that Redis or a request hands us: size and nesting are checked
+    before parsing, and every failure is a `SchemaError` (a ValueError) naming `what`, so a
+    reader that skips what does not parse can never be crashed by a value (a RecursionError from
+    brackets nested 1000 deep was one)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if len(data) > MAX_JSON_BYTES:
+        raise SchemaError(f"{what} is {len(data)} bytes of JSON, over {MAX_JSON_BYTES}")
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH:  # only then can it nest too deep
+        depth = 0
+        for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub(b"", data)):
+            depth += 1 if bracket in (b"[", b"{") else -1
+            if depth > MAX_JSON_DEPTH:
+                raise SchemaError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise SchemaError(f"{what} is not valid JSON: {exc}") from None
 
 
 class _Msg(BaseModel):
@@ -330,10 +361,7 @@ def _header(
     for name in (b"meta", *packed):
         if name not in fields:
             raise SchemaError(f"missing field {name.decode()!r}")
-    try:
-        meta = json.loads(fields[b"meta"])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SchemaError(f"meta is not valid JSON: {exc}") from None
+    meta = parse_json(fields[b"meta"], "meta")
     if not isinstance(meta, dict):
         raise SchemaError("meta is not a JSON object")
     return meta
@@ -492,9 +520,9 @@ def is_evaluation(fields: dict[bytes, bytes]) -> bool:
     if fields.get(b"kind") == b"eval":
         return True
     try:
-        meta = json.loads(fields[b"meta"])
+        meta: Any = parse_json(fields[b"meta"], "meta")
         return bool(meta.get("eval") or meta.get("job", {}).get("eval"))
-    except (KeyError, ValueError, AttributeError, TypeError):
+    except (KeyError, ValueError, AttributeError, TypeError):  # SchemaError is a ValueError
         return False
 
 
@@ -504,10 +532,10 @@ def group_id_of_fields(fields: dict[bytes, bytes]) -> bytes | None:
     if fields.get(b"group_id"):
         return fields[b"group_id"]
     try:
-        meta = json.loads(fields[b"meta"])
+        meta: Any = parse_json(fields[b"meta"], "meta")
         group_id = meta.get("group_id") or meta.get("job", {}).get("group_id")
         return str(group_id).encode() if group_id else None
-    except (KeyError, ValueError, AttributeError, TypeError):
+    except (KeyError, ValueError, AttributeError, TypeError):  # SchemaError is a ValueError
         return None
 
 

@@ -33,13 +33,12 @@ cover a file swapped between the check and the load, nor a writer who rewrites t
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 import torch
@@ -58,6 +57,7 @@ from contracts.checkpoint_store import (
 from contracts.config import DapoConfig
 from contracts.keys import Counter
 from contracts.runtime import StopFlag
+from contracts.schemas import parse_json
 from contracts.weight_sync import Announcement, WeightChannel, WeightStream
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,8 @@ class WeightReceiver:
         newest: tuple[Announcement, float] | None = None
         for eid, fields in entries:
             try:
-                ann = Announcement.from_json(json.loads(fields[b"ann"]))
+                data: Any = parse_json(fields[b"ann"], "announcement")
+                ann = Announcement.from_json(data)
             except (
                 KeyError,
                 ValueError,

@@ -3,7 +3,6 @@ info, evaluation history, trained group ids) and the operator's control requests
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -13,7 +12,7 @@ from pydantic import ValidationError
 
 from contracts.bus.hygiene import RedisHygiene
 from contracts.keys import Counter, RunField
-from contracts.schemas import ControlRequest, decode_control_request
+from contracts.schemas import ControlRequest, decode_control_request, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class RunState(RedisHygiene):
         when the evaluated weights existed, counted from the first training step); malformed history
         reads as empty."""
         try:
-            rows = json.loads(self.run_field(RunField.EVAL_HISTORY) or "[]")
+            rows: Any = parse_json(self.run_field(RunField.EVAL_HISTORY) or "[]", "eval history")
             return [
                 (int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else -1.0)
                 for row in rows

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contracts.bus.hygiene import RedisHygiene
+from contracts.schemas import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Telemetry(RedisHygiene):
         out = []
         for _, fields in rows:
             try:
-                record = json.loads(fields[b"m"])
+                record = parse_json(fields[b"m"], "metrics record")
             except (KeyError, ValueError):
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
@@ -72,7 +73,7 @@ class Telemetry(RedisHygiene):
             if raw is None:  # expired between the scan and the read (or not a string)
                 continue
             try:
-                info = json.loads(raw)
+                info: Any = parse_json(raw, "heartbeat")
                 if not isinstance(info, dict) or not isinstance(info.get("id"), str):
                     raise ValueError("not a JSON object with a string id")
                 info["age_s"] = round(now - float(info.get("at", now)), 3)
@@ -104,7 +105,7 @@ class Telemetry(RedisHygiene):
                 continue
             try:
                 out[key.decode().rsplit(":", 1)[-1]] = {
-                    k.decode(): json.loads(v) for k, v in stats.items()
+                    k.decode(): parse_json(v, "final stats") for k, v in stats.items()
                 }
             except ValueError:
                 continue

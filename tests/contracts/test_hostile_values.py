@@ -98,6 +98,7 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
             b"[]",
             json.dumps({"replicas": "r0"}).encode(),
             json.dumps({"replicas": ["r0"], "backend": "x", "store_host": 1}).encode(),
+            NESTED,
         ]:
             bus.redis.xadd(bus.keys.weights, {"ann": raw})
         bus.redis.xadd(bus.keys.weights, {"other": b"field"})
@@ -109,7 +110,7 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
         assert publisher.publish()
         wait_for("version 1 applied", lambda: sub.between_steps() == 1, timeout_s=30, every_s=0.01)
         assert sub.policy_version == 1 and torch.equal(engine.weights["w"], torch.ones(3))
-        assert bus.counters()[Counter.BAD_REDIS_VALUES] == 5
+        assert bus.counters()[Counter.BAD_REDIS_VALUES] == 6
     finally:
         stop.event.set()
 
@@ -162,3 +163,24 @@ def test_long_work_keeps_its_claim_and_only_a_dead_workers_entry_is_reclaimed(
     )  # taken over: the old worker does not steal it back
     pending = bus.redis.xpending_range(stage.stream, stage.group, min="-", max="+", count=10)
     assert [p["consumer"] for p in pending] == [b"other"] and pending[0]["times_delivered"] == 2
+
+
+NESTED = b"[" * 2000 + b"]" * 2000  # 4 KB; json.loads raised RecursionError, which no reader caught
+
+
+def test_json_nested_2000_deep_is_skipped_by_every_bus_reader(bus: StreamBus) -> None:
+    """One SET or XADD of nested brackets crashed the learner (heartbeats, evaluation history),
+    the API and the replicas; each reader now skips it, and a heartbeat is counted as well."""
+    good = {"id": "r0", "kind": "rollout", "at": time.time(), "policy_version": 4}
+    bus.redis.set(bus.keys.heartbeat("rollout", "r0"), json.dumps(good))
+    bus.redis.set(bus.keys.heartbeat("rollout", "deep"), NESTED)
+    assert [i["id"] for i in bus.live_instances("rollout")] == ["r0"]
+    assert bus.counters()[Counter.BAD_REDIS_VALUES] == 1
+    bus.redis.hset(bus.keys.run_info, "eval_history", NESTED)
+    assert bus.eval_history() == []
+    bus.append_metrics({"step": 1, "loss": 0.5})
+    bus.redis.xadd(bus.keys.metrics, {"m": NESTED})
+    assert [m["step"] for m in bus.recent_metrics()] == [1]
+    bus.write_final_stats("rollout", "r0", {"groups": 3})
+    bus.redis.hset(bus.keys.final_stats("rollout", "deep"), "groups", NESTED)
+    assert bus.final_stats("rollout") == {"r0": {"groups": 3}}

@@ -7,18 +7,24 @@ from collections.abc import Callable
 
 import pytest
 
+from contracts import schemas
 from contracts.schemas import (
+    MAX_JSON_DEPTH,
     PromptJob,
     Response,
     RolloutGroup,
     SchemaError,
     ScoredGroup,
     check_vocabulary,
+    decode_eval_result,
     decode_group,
     decode_job,
     decode_scored_group,
     encode_group,
     encode_job,
+    group_id_of_fields,
+    is_evaluation,
+    parse_json,
 )
 from tests.helpers import judged
 
@@ -169,3 +175,37 @@ def test_check_vocabulary_names_the_first_id_past_the_embedding() -> None:
         match=r"^response 3 token 49 is id 52, outside the model's vocabulary of 52 ids$",
     ):
         check_vocabulary(g, vocab_size=52)
+
+
+NESTED = b"[" * 2000 + b"]" * 2000  # 4 KB: json.loads raised RecursionError on it
+
+
+@pytest.mark.parametrize(
+    "decode", [decode_job, decode_group, decode_scored_group, decode_eval_result]
+)
+def test_json_nested_past_the_limit_is_a_schema_error_not_a_crash(decode) -> None:  # type: ignore[no-untyped-def]
+    fields = as_wire(encode_group(judged(make_group())))
+    fields[b"kind"] = {decode_job: b"job", decode_eval_result: b"eval"}.get(decode, b"scored")
+    if decode is decode_group:
+        fields[b"kind"] = b"group"
+    fields[b"meta"] = NESTED
+    with pytest.raises(SchemaError, match="meta nests deeper than 32 levels"):
+        decode(fields)
+    # What the dead-letter path reads from the same fields: nothing, and no exception.
+    del fields[b"group_id"]
+    assert group_id_of_fields(fields) is None
+    assert is_evaluation(fields) is (decode is decode_eval_result)  # an eval result by its kind
+
+
+def test_parse_json_bounds_size_and_depth_and_reads_brackets_in_strings_as_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    brackets_in_a_string = {"a": [1, {"b": "[" * 40 + '\\"[{'}]}
+    assert parse_json(json.dumps(brackets_in_a_string)) == brackets_in_a_string
+    deepest = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+    assert isinstance(parse_json(deepest), list)
+    with pytest.raises(SchemaError, match="heartbeat nests deeper than 32 levels"):
+        parse_json(b"[" + deepest + b"]", "heartbeat")
+    monkeypatch.setattr(schemas, "MAX_JSON_BYTES", 8)
+    with pytest.raises(SchemaError, match="eval history is 9 bytes of JSON, over 8"):
+        parse_json(b"[1,2,3,4]", "eval history")

@@ -207,6 +207,28 @@ def test_the_learner_dead_letters_a_bad_group_and_trains_the_others(
     assert (snap.trained, snap.dead, snap.in_flight, snap.balanced) == (2, 1, 0, True)
 
 
+def test_a_group_whose_meta_nests_2000_deep_is_dead_lettered_and_the_others_train(
+    bus: StreamBus,
+) -> None:
+    """The probe that crashed the learner on every restart: json.loads raised RecursionError,
+    which neither the decode nor the dead-letter path (it reads the group id) caught."""
+    groups = [scored(f"g{i}") for i in range(3)]
+    assert bus.issue([encode_job(g.job) for g in groups]) == 3
+    entries = bus.read(bus.keys.prompts, count=3, block_ms=10)
+    for (entry_id, _), g in zip(entries, groups, strict=True):
+        fields = encode_group(g)
+        if g.job.group_id == "g1":
+            fields["meta"] = b"[" * 2000 + b"]" * 2000
+        assert bus.hop(bus.keys.prompts, entry_id, downstream=bus.keys.train.stream, fields=fields)
+    source = stream_source(bus, batch_groups=2)
+    picked = source.collect(policy_version=3)
+    assert picked is not None and [p.group.job.group_id for p in picked] == ["g0", "g2"]
+    assert dead_letters(bus) == [("g1", "learner: meta nests deeper than 32 levels")]
+    source.account(picked)
+    snap = bus.ledger()
+    assert (snap.trained, snap.dead, snap.in_flight, snap.balanced) == (2, 1, 0, True)
+
+
 def test_a_token_at_the_last_vocabulary_id_and_a_tiny_positive_logprob_are_accepted(
     bus: StreamBus,
 ) -> None:
