@@ -10,8 +10,10 @@ So here:
 
 - `.metadata` is unpickled by `MetadataUnpickler`: only the globals in METADATA_GLOBALS (and
   torch's dtypes, layouts and memory formats) can be named, by exact module and name (no dotted
-  paths into them), `getattr` only as a lookup of an allowed enum's member by name, and no
-  pickle may set attributes on a class;
+  paths into them), `getattr` only as a lookup of an allowed enum's member by name, and state
+  may be set only on a fresh record (RECORD_TYPES), never on a class, a function, an enum member
+  or any other object the whole process shares; and any failure to unpickle is a refusal
+  (`CheckpointRefused`, exit 4), never a crash that a retry would repeat;
 - every storage file the metadata points at must be a plain file name inside `state/`;
 - non-tensor items are read with `torch.load(weights_only=True)` (`SafeLoadPlanner`).
 
@@ -31,8 +33,16 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from contracts.checkpoint_store import CheckpointRefused
@@ -58,6 +68,24 @@ METADATA_GLOBALS = frozenset(
     }
 )
 """Every global a checkpoint's `.metadata` may name: records, enums and plain-value constructors."""
+
+RECORD_TYPES = frozenset(
+    {
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+        ChunkStorageMetadata,
+        BytesStorageMetadata,
+        _StorageInfo,
+        _StoragePrefix,
+    }
+)
+"""The only types whose instances a `.metadata` may set state on (pickle's BUILD): the records
+torch writes, each created by the same pickle. Anything else reachable from an allowed global
+is shared by the whole process (torch's layout cache is an attribute of `_get_layout`, an enum
+member is one object for everyone): state set there would outlive the load."""
 
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _STORAGE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -104,11 +132,20 @@ class MetadataUnpickler(pickle._Unpickler):
         return super().find_class(module, name)
 
     def _load_build(self) -> None:
-        if isinstance(
-            self.stack[-2], type
-        ):  # state applied to a class would change it for the whole process
-            raise _refuse(f"sets attributes on the class {self.stack[-2].__name__}")
+        target = self.stack[-2]
+        if isinstance(target, type):
+            raise _refuse(f"sets attributes on the class {target.__name__}")
+        if type(target) not in RECORD_TYPES:
+            raise _refuse(f"sets state on a {type(target).__name__}, which is not a DCP record")
         pickle._Unpickler.load_build(self)
+
+    def load(self) -> Any:
+        try:
+            return super().load()
+        except CheckpointRefused:
+            raise
+        except Exception as exc:  # truncated, malformed, or nested past the recursion limit
+            raise _refuse(f"does not unpickle ({type(exc).__name__}: {exc})") from None
 
     dispatch[pickle.BUILD[0]] = _load_build
 

@@ -264,6 +264,24 @@ METADATA_ATTACKS = {
         b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}\x8c\x01xK\x01s\x86b.",
         "sets attributes on the class Metadata",
     ),
+    # BUILD on a function: `_get_layout.cache` is torch's layout table for the whole process.
+    "state applied to torch's layout cache": (
+        b"\x80\x04ctorch.serialization\n_get_layout\n}\x8c\x05cache}sb.",
+        "sets state on a function, which is not a DCP record",
+    ),
+    # BUILD on an enum member, reached through getattr: every later checkpoint would differ.
+    "state applied to an enum member": (
+        b"\x80\x04cbuiltins\ngetattr\nctorch.distributed.checkpoint.metadata\n"
+        b"_MEM_FORMAT_ENCODING\n\x8c\x13TORCH_CHANNELS_LAST\x86R}\x8c\x07_value_K\x09sb.",
+        "sets state on a _MEM_FORMAT_ENCODING, which is not a DCP record",
+    ),
+    # Every other failure to unpickle is a refusal (exit 4), not a crash a retry repeats.
+    "a truncated file": (b"\x80\x04ctorch\nSize\n", "does not unpickle (EOFError"),
+    "an unknown opcode": (b"\x80\x04\xff.", "does not unpickle (KeyError: 255"),
+    "a constructor called with garbage": (
+        b"\x80\x04ctorch\nSize\n\x8c\x01x\x85\x85R.",
+        "does not unpickle (TypeError",
+    ),
 }
 
 
