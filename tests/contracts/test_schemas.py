@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 import pytest
@@ -209,3 +210,43 @@ def test_parse_json_bounds_size_and_depth_and_reads_brackets_in_strings_as_text(
     monkeypatch.setattr(schemas, "MAX_JSON_BYTES", 8)
     with pytest.raises(SchemaError, match="eval history is 9 bytes of JSON, over 8"):
         parse_json(b"[1,2,3,4]", "eval history")
+
+
+def _job_meta(**changes: object) -> dict[bytes, bytes]:
+    fields = as_wire(encode_job(make_group().job))
+    meta = json.loads(fields[b"meta"])
+    meta.update(changes)
+    fields[b"meta"] = json.dumps(meta).encode()
+    return fields
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {
+                "eval": {
+                    "round_step": 0,
+                    "policy_version": 0,
+                    "problem": 0,
+                    "problems": 1,
+                    "samples": 10**9,
+                }
+            },
+            "eval.samples: Input should be less than or equal to 4096",
+        ),
+        ({"issued_at": float("nan")}, "issued_at: Input should be a finite number"),
+        ({"issued_at": -1.0}, "issued_at: Input should be greater than or equal to 0"),
+    ],
+)
+def test_counts_are_bounded_and_times_finite(changes: dict[str, object], message: str) -> None:
+    """A planted job must not make a replica generate for ever, nor a NaN reach a mean."""
+    with pytest.raises(SchemaError, match=re.escape(f"invalid prompt job: {message}")):
+        decode_job(_job_meta(**changes))
+
+
+def test_a_group_of_more_responses_than_any_sampler_asks_for_does_not_decode() -> None:
+    small = make_group(n=1, length=0)
+    g = RolloutGroup.model_construct(**{**dict(small), "responses": small.responses * 4097})
+    with pytest.raises(SchemaError, match="responses: List should have at most 4096 items"):
+        decode_group(as_wire(encode_group(g)))
