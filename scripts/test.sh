@@ -23,4 +23,4 @@ fi
 
 # What the install left out, so the skips in pytest's summary come as no surprise.
 grep '^skipped=' "$MARKER" | sed 's/^skipped=/test.sh: not installed: /' || true
-exec "$VENV/bin/python" -m pytest -n "${DAPO_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"
+exec "$VENV/bin/python" -m pytest -n "${DAPO_TEST_WORKERS:-2}" "${@:-tests}"

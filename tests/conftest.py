@@ -1,30 +1,74 @@
-"""Shared fixtures: a real redis-server for the session, flushed per test.
+"""Shared fixtures: a real redis-server for the session, flushed per test; and how the suite
+shares two pytest-xdist workers (scripts/test.sh runs `-n 2`).
 
-scripts/test.sh runs the suite on two pytest-xdist workers (`--dist loadgroup`). The end-to-end
-tests (`slow`) each keep both cores busy and several judge pacing, so they all go to one worker,
-one at a time, in the order pytest collects them; the other worker runs the quick tests and the
-`io_bound` ones (image builds, package resolution, downloads), which mostly wait. Session
-fixtures are per worker; what they build in the repository (runs/cache) is built under a lock.
+The end-to-end tests (`slow`) each keep both cores busy and several judge pacing, so they run
+one at a time on one worker, in collection order; the other worker runs the quick tests and the
+`io_bound` ones (image builds, package resolution, downloads), which mostly wait. xdist's own
+`--dist loadgroup` cannot say this under pytest 9 (it renames nodes through an attribute pytest
+no longer reads), and its controller never sees markers, so: each worker writes the ids of the
+tests that must run alone to a file the controller named, and `OneAtATime` (the scheduler)
+reads it once every worker has collected. Session fixtures are per worker; what they build in
+the repository (runs/cache) is built under a lock.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_ALONE_LIST = "dapo_alone_list"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("slow") and not item.get_closest_marker("io_bound"):
-            item.add_marker(pytest.mark.xdist_group("one-at-a-time"))
+def _runs_alone(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("slow")) and not item.get_closest_marker("io_bound")
+
+
+def _alone_list(config: pytest.Config) -> Path:
+    """The controller's file for the workers' lists (one per session)."""
+    if not hasattr(config, "_dapo_alone_list"):
+        config._dapo_alone_list = Path(tempfile.mkdtemp(prefix="dapo-xdist-")) / "alone"  # type: ignore[attr-defined]
+    return config._dapo_alone_list  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:  # the controller, once per worker
+    node.workerinput[_ALONE_LIST] = str(_alone_list(node.config))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = getattr(config, "workerinput", {}).get(_ALONE_LIST)
+    if path:  # a worker: every worker collects the same tests, so any may write the list
+        tmp = Path(f"{path}.{os.getpid()}")
+        tmp.write_text("\n".join(item.nodeid for item in items if _runs_alone(item)))
+        tmp.replace(path)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    alone_list = _alone_list(config)
+
+    class OneAtATime(LoadScopeScheduling):
+        """Every test that runs alone in one work unit (the largest, so it is handed out
+        first); every other test a unit of its own, to whichever worker is free."""
+
+        alone: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.alone is None:  # called once all workers have collected
+                self.alone = set(alone_list.read_text().splitlines())
+            return "one-at-a-time" if nodeid in self.alone else nodeid
+
+    return OneAtATime(config, log)
 
 
 @pytest.fixture(scope="session")
