@@ -645,15 +645,28 @@ def model_hub_id(path: str) -> str | None:
     return repo_id
 
 
+_SECRET_QUERY_KEYS = ("password", "passwd", "pass", "token", "secret", "key", "auth")
+
+
 def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`: what logs, dumps and status show."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """`url` with every secret replaced by `***`: the password of the user part and the value of
+    any query parameter named like one (redis-py reads `?password=`). What logs, dumps and status
+    show. A URL that does not parse is shown as `<unparseable URL>`, not echoed."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
+    query = "&".join(
+        f"{name}=***"
+        if sep and name.lower().rstrip("_") in _SECRET_QUERY_KEYS
+        else f"{name}{sep}{value}"
+        for name, sep, value in (p.partition("=") for p in parts.query.split("&") if p)
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def dump_config(cfg: DapoConfig) -> str:

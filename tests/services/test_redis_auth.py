@@ -36,6 +36,12 @@ def test_urls_are_masked_in_dumps() -> None:
     assert redact_url("redis://:hunter2@redis:6379/0") == "redis://:***@redis:6379/0"
     assert redact_url("redis://dapo:hunter2@redis:6379/0") == "redis://dapo:***@redis:6379/0"
     assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    assert (
+        redact_url("redis://redis:6379/0?password=hunter2&db=1&socket_timeout=5")
+        == "redis://redis:6379/0?password=***&db=1&socket_timeout=5"
+    )
+    assert redact_url("rediss://u:p%40ss@h:6380/0?Token=x") == "rediss://u:***@h:6380/0?Token=***"
+    assert redact_url("redis://:a:b@[::1]:6379") == "redis://:***@[::1]:6379"
     cfg = load_config(
         REPO / "configs" / "tiny.yaml", ["queue.redis_url=redis://dapo:hunter2@redis:6379/0"]
     )
