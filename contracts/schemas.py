@@ -89,8 +89,9 @@ class _Msg(BaseModel):
 MAX_SAMPLES = 4096
 """Most responses a group or an evaluation problem may ask for (the paper's groups hold 16): one
 planted job must not make a replica generate for ever."""
-MAX_TOKENS = 1 << 20
-"""Most token ids in one prompt or response (far past any context window)."""
+MAX_TOKENS = 1 << 24
+"""Most token ids in one prompt or response: 16M, past any context window (the hostile-reward
+test sends responses of 1.1M tokens), and at most 64 MB of packed ids."""
 MAX_PROBLEMS = 10_000_000
 """Most distinct problems an evaluation round may count."""
 

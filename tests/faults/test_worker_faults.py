@@ -19,7 +19,7 @@ from contracts.schemas import encode_group
 from services.redis_server import RedisServer
 from services.status import run_status
 from tests.contracts.test_schemas import make_group
-from tests.helpers import finish, learner_step, pid_of, start_run, wait_for
+from tests.helpers import finish, judged, learner_step, pid_of, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
@@ -65,8 +65,8 @@ def test_poison_messages_are_dead_lettered_and_the_run_goes_on(tmp_path: Path) -
         # 2. A group from a producer speaking another schema version (counted as issued by it).
         wrong = encode_group(make_group())
         wrong.update(v=b"99", group_id=b"poison-version")
-        # 3. A group that lost a response on the way.
-        short = encode_group(make_group())
+        # 3. A scored group that lost a response on the way.
+        short = encode_group(judged(make_group()))
         meta = json.loads(short["meta"])
         meta["responses"].pop()
         short.update(meta=json.dumps(meta).encode(), group_id=b"poison-short")
