@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import threading
@@ -78,8 +79,35 @@ class StopFlag:
         return self.event.wait(seconds)
 
 
+PORTS_FROM = 20000
+"""Lowest port `free_port` draws (Ray's worker ports end at 19999 by default)."""
+
+
+def _ephemeral_ports_from() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (for a rendezvous or a server started next)."""
+    """A TCP port free on loopback right now (for a rendezvous or a server started next).
+
+    Drawn at random between PORTS_FROM and the kernel's ephemeral range, not from that range (as
+    bind to port 0 would): any outgoing connection on the machine may take an ephemeral port as
+    its source port between this check and the caller's bind, and a rendezvous then fails with
+    EADDRINUSE (seen with two test workers busy connecting). Two callers draw the same port once
+    in thousands; where the range is too small, the kernel's choice."""
+    upper = _ephemeral_ports_from()
+    for _ in range(64 if upper - PORTS_FROM >= 1000 else 0):
+        port = random.randrange(PORTS_FROM, upper)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
