@@ -45,7 +45,7 @@ from contracts.keys import Counter, RunField
 from contracts.schemas import ScoredGroup
 from learner.batch import build_batch
 from learner.checkpoint import CheckpointStore
-from learner.collect import BatchSource
+from learner.collect import BatchSource, NullSource
 from learner.commands import (
     Command,
     Pause,
@@ -57,12 +57,12 @@ from learner.commands import (
     Wait,
     resumed_policy_version,
 )
-from learner.control import Control
-from learner.evaluation import Evaluations, RoundReport
-from learner.export import Exporter
+from learner.control import Control, NullControl
+from learner.evaluation import Evaluations, NullEvaluations, RoundReport
+from learner.export import Exporter, NullExporter
 from learner.feeder import budget_jobs
-from learner.publish import Publisher
-from learner.report import Reporter
+from learner.publish import NullPublisher, Publisher
+from learner.report import NullReporter, Reporter
 from learner.trainer import NonFiniteTrainingError, StepTrainer
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,18 @@ class Collaborators:
     control: Control
     reporter: Reporter
 
+    @classmethod
+    def null(cls) -> Collaborators:
+        """Every rank but 0: it trains and gathers weights; rank 0 does the rest."""
+        return cls(
+            source=NullSource(),
+            publisher=NullPublisher(),
+            evaluations=NullEvaluations(),
+            exporter=NullExporter(),
+            control=NullControl(),
+            reporter=NullReporter(),
+        )
+
 
 class LearnerLoop:
     def __init__(
@@ -104,23 +116,15 @@ class LearnerLoop:
         *,
         trainer: StepTrainer,
         checkpoints: CheckpointStore,
-        source: BatchSource,
-        publisher: Publisher,
-        evaluations: Evaluations,
-        exporter: Exporter,
-        control: Control,
-        reporter: Reporter,
+        collaborators: Collaborators,
         share: Share,
         stop: StopSignal,
     ) -> None:
         self.cfg, self.trainer, self.checkpoints = cfg, trainer, checkpoints
-        self.source, self.publisher, self.evaluations, self.exporter = (
-            source,
-            publisher,
-            evaluations,
-            exporter,
-        )
-        self.control, self.reporter, self.share, self.stop = control, reporter, share, stop
+        c = collaborators
+        self.source, self.publisher, self.evaluations = c.source, c.publisher, c.evaluations
+        self.exporter, self.control, self.reporter = c.exporter, c.control, c.reporter
+        self.share, self.stop = share, stop
         self.layout = trainer.param_shapes()
         self.progress = Progress()
         self.state = "starting"

@@ -39,14 +39,13 @@ from contracts.runtime import (
     instance_id,
 )
 from learner.checkpoint import Checkpoints
-from learner.collect import NullSource, StreamSource
-from learner.control import NullControl, RunControl
-from learner.evaluation import NullEvaluations, eval_lane
-from learner.export import HFExporter, NullExporter
+from learner.collect import StreamSource
+from learner.control import RunControl
+from learner.evaluation import eval_lane
+from learner.export import HFExporter
 from learner.feeder import PromptFeeder, budget_jobs
 from learner.loop import Collaborators, LearnerLoop, Share
-from learner.publish import NullPublisher
-from learner.report import CompletionSampler, NullReporter, RunReporter
+from learner.report import CompletionSampler, RunReporter
 from learner.tracking import Trackers
 from learner.trainer import Trainer
 from learner.weight_publisher import WeightPublisher
@@ -187,18 +186,6 @@ def rank0_collaborators(
     )
 
 
-def null_collaborators() -> Collaborators:
-    """Every other rank: it trains and gathers weights; rank 0 does the rest."""
-    return Collaborators(
-        source=NullSource(),
-        publisher=NullPublisher(),
-        evaluations=NullEvaluations(),
-        exporter=NullExporter(),
-        reporter=NullReporter(),
-        control=NullControl(),
-    )
-
-
 def main(cfg: DapoConfig) -> int:
     # An hf:// model: each rank takes the cache's snapshot (downloaded by whichever gets there
     # first), before the process group forms, so a download never runs into its timeout.
@@ -255,23 +242,17 @@ def _train(cfg: DapoConfig, rank: int, world: int, backend: str, stop: StopFlag)
             save_hf=cfg.checkpoint.save_hf,
             barrier=dist.barrier,
         )
-        parts = (
-            rank0_collaborators(cfg, backend, stop, claim)
-            if claim is not None
-            else null_collaborators()
-        )
         loop = LearnerLoop(
             cfg,
             trainer=trainer,
             checkpoints=checkpoints,
+            collaborators=(
+                rank0_collaborators(cfg, backend, stop, claim)
+                if claim is not None
+                else Collaborators.null()
+            ),
             share=make_share(rank),
             stop=stop,
-            source=parts.source,
-            publisher=parts.publisher,
-            evaluations=parts.evaluations,
-            exporter=parts.exporter,
-            control=parts.control,
-            reporter=parts.reporter,
         )
     except BaseException:
         if claim is not None:  # never trained: the next learner need not wait out the lease's TTL

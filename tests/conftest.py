@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,11 @@ def _alone_list(config: pytest.Config) -> Path:
     if not hasattr(config, "_dapo_alone_list"):
         config._dapo_alone_list = Path(tempfile.mkdtemp(prefix="dapo-xdist-")) / "alone"  # type: ignore[attr-defined]
     return config._dapo_alone_list  # type: ignore[attr-defined,no-any-return]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "_dapo_alone_list"):  # the controller made one
+        shutil.rmtree(config._dapo_alone_list.parent, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)

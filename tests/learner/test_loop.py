@@ -8,6 +8,7 @@ commands, as `broadcast_object_list` would deliver them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from contracts.checkpoint_store import CheckpointRefused
 from contracts.config import DapoConfig, load_config
 from contracts.keys import Counter, RunField
 from contracts.schemas import PromptJob, Response, ScoredGroup
-from learner.collect import NullSource
 from learner.commands import (
     Command,
     Pause,
@@ -34,12 +34,8 @@ from learner.commands import (
     Wait,
     resumed_policy_version,
 )
-from learner.control import NullControl
-from learner.evaluation import NullEvaluations
-from learner.export import NullExporter
-from learner.loop import LearnerLoop
-from learner.publish import NullPublisher
-from learner.report import NullReporter, group_metrics
+from learner.loop import Collaborators, LearnerLoop
+from learner.report import group_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -358,7 +354,16 @@ def rank0(cfg: DapoConfig, **parts: Any) -> tuple[LearnerLoop, dict[str, Any]]:
         "stop": FakeStop(),
         **parts,
     }
-    return LearnerLoop(cfg, **parts), parts
+    roles = {f.name: parts[f.name] for f in fields(Collaborators)}
+    loop = LearnerLoop(
+        cfg,
+        trainer=parts["trainer"],
+        checkpoints=parts["checkpoints"],
+        collaborators=Collaborators(**roles),
+        share=parts["share"],
+        stop=parts["stop"],
+    )
+    return loop, parts
 
 
 # --- tests ----------------------------------------------------------------------------------------
@@ -655,12 +660,7 @@ def test_other_ranks_follow_rank_0_with_null_collaborators(tmp_path: Path) -> No
         cfg,
         trainer=follower_trainer,
         checkpoints=follower_ckpt,
-        source=NullSource(),
-        publisher=NullPublisher(),
-        evaluations=NullEvaluations(),
-        exporter=NullExporter(),
-        control=NullControl(),
-        reporter=NullReporter(),
+        collaborators=Collaborators.null(),
         share=Replay(share.shared),
         stop=FakeStop(),
     )
