@@ -8,7 +8,7 @@ sensitive figure: AdamW's first step is nearly lr * sign(gradient), so a gradien
 constant factor barely moves the parameters. `grad_clip` is set so that some modes are clipped
 and some are not with one rank, so a wrongly scaled gradient also clips differently.
 
-    .venv/bin/python bench/multirank_check.py [--world-sizes 1,2,4] [--json OUT] [--tied]
+    .venv/bin/python bench/multirank_check.py [--world-sizes 1,2,4] [--json OUT] [--tied] [--lora]
 
 `--tied` runs a Llama whose output projection is its input embedding (SmolLM2's shape, scaled
 down): under FSDP2 the one matrix gets both uses' gradients on every rank.
@@ -123,6 +123,11 @@ def worker(model_dir: str, out: str) -> None:
                 f"algorithm.train_batch_groups={N_GROUPS}",
                 "algorithm.mini_batch_groups=2",
                 "algorithm.entropy_coef=0.01",
+                *(
+                    ["learner.lora.enabled=true", "learner.lora.rank=4"]
+                    if os.environ.get("DAPO_BENCH_LORA")
+                    else []
+                ),
             ],
         )
         trainer = Trainer(cfg, rank=rank, world_size=world, backend=backend)
@@ -150,9 +155,7 @@ def record_clipped_gradients(trainer: Any) -> list[torch.Tensor]:
     step = trainer.optimizer.step
 
     def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append(
-            torch.cat([_full(p.grad).reshape(-1) for p in trainer.model.parameters()]).cpu()
-        )
+        grads.append(torch.cat([_full(p.grad).reshape(-1) for p in trainer.trainable]).cpu())
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
@@ -227,6 +230,7 @@ def main() -> int:
     )
     parser.add_argument("--modes", default=",".join(MODES), help="loss_agg modes, comma-separated")
     parser.add_argument("--tied", action="store_true", help="a tied-embedding Llama")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (learner.lora)")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -235,6 +239,8 @@ def main() -> int:
     worlds = [int(w) for w in args.world_sizes.split(",")]
     os.environ["DAPO_BENCH_BACKEND"] = args.backend  # read by the ranks
     os.environ["DAPO_BENCH_MODES"] = args.modes
+    if args.lora:
+        os.environ["DAPO_BENCH_LORA"] = "1"
     modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"

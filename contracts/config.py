@@ -356,6 +356,44 @@ class AlgorithmConfig(_Section):
 # learner
 
 
+LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear map of a Llama/Qwen2-style decoder layer: attention and MLP."""
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021) instead of full fine-tuning (`peft`).
+
+    On: the base weights are frozen (bf16 on GPU, the dtype they are served in) and only the
+    adapters train, so the optimizer state and the gradients are the adapters' alone; the
+    weight sync sends only the adapters (the replicas keep the base they loaded); checkpoints
+    keep the adapters with their optimizer state, and exports are `peft` adapter folders
+    (`dapo lora merge` writes the merged model). The DAPO loss is unchanged.
+    """
+
+    enabled: bool = False
+    rank: PositiveInt = 16
+    """r: the adapters' inner dimension. Every replica's vLLM engine is sized for it."""
+    alpha: PositiveInt = 32
+    """The update is scaled by alpha / rank (peft's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training. 0 keeps the learner's old log-probs equal
+    to the replicas' behaviour log-probs (generation never applies dropout)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS_DEFAULT
+    """Names of the decoder layers' linear modules that get adapters. The output head and the
+    embeddings never do (the learner's fused log-prob head reads the head's weight)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        banned = {"lm_head", "embed_tokens"} & set(value)
+        if not value or banned:
+            raise ValueError(
+                "learner.lora.target_modules must name decoder-layer linear modules "
+                f"(e.g. q_proj, v_proj); got {list(value)}"
+            )
+        return value
+
+
 class LearnerConfig(_Section):
     total_steps: PositiveInt = 300
     """Training steps (policy versions) in the run."""
@@ -415,6 +453,8 @@ class LearnerConfig(_Section):
     (`learner/batch.py` `pack_groups`), instead of once per response. auto = when it costs fewer
     FLOPs (short responses after long prompts: the CPU preset); never for long responses, whose
     packed attention would cost more than the prompt tokens saved."""
+    lora: LoraConfig = LoraConfig()
+    """Train low-rank adapters instead of every weight (off by default)."""
     seed: int = 0
 
 
@@ -611,8 +651,20 @@ def build_config(
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoConfig:
-    """Read a YAML file and apply overrides. Missing or malformed files are ConfigErrors."""
+    """Read a YAML file and apply overrides. Missing or malformed files are ConfigErrors.
+
+    A file may start from another: `extends: other.yaml` (relative to the file) reads that one
+    first and lays this file's keys over it, section by section (the LoRA presets are their full
+    fine-tuning presets plus a few lines)."""
     path = Path(path)
+    return build_config(_read_tree(path, ()), overrides, source=str(path))
+
+
+EXTENDS = "extends"
+MAX_EXTENDS = 8
+
+
+def _read_tree(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
@@ -625,7 +677,28 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DapoCon
         raise ConfigError(
             f"config file {path}: top level must be a mapping, got {type(tree).__name__}"
         )
-    return build_config(tree, overrides, source=str(path))
+    parent = tree.pop(EXTENDS, None)
+    if parent is None:
+        return tree
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"config file {path}: `{EXTENDS}` must name a YAML file")
+    chain = (*chain, path.resolve())
+    parent_path = path.parent / parent
+    if parent_path.resolve() in chain or len(chain) > MAX_EXTENDS:
+        names = " -> ".join(str(p) for p in (*chain, parent_path))
+        raise ConfigError(f"config file {path}: `{EXTENDS}` goes round or too deep: {names}")
+    return _overlay(_read_tree(parent_path, chain), tree)
+
+
+def _overlay(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: mappings merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _overlay(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 _HUB_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

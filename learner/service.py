@@ -174,7 +174,7 @@ def rank0_collaborators(
         source=source,
         publisher=publisher,
         evaluations=evaluations,
-        exporter=HFExporter(cfg.model.path),
+        exporter=HFExporter(cfg.model.path, lora=le.lora if le.lora.enabled else None),
         reporter=reporter,
         control=RunControl(
             bus,

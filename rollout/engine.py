@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from contracts.config import DapoConfig
+from contracts.config import LoraConfig as LoraSettings
+from contracts.lora import is_adapter_dir, read_adapter_config
 from rollout.sample import Sample
 
 __all__ = ["BetweenSteps", "Engine", "Sample", "make_engine", "replica_seed"]
@@ -53,7 +56,8 @@ class Engine(Protocol):
 
     def load_weights_from_dir(self, path: str) -> None:
         """Load every weight from a Hugging Face checkpoint directory (start, catch-up from the
-        checkpoint store, recovery after a failed broadcast)."""
+        checkpoint store, recovery after a failed broadcast). An engine serving LoRA adapters
+        loads a `peft` adapter folder, and takes the base model's folder as "no adapter"."""
         ...
 
     def close(self) -> None: ...
@@ -71,9 +75,38 @@ def make_engine(
     cfg: DapoConfig, model_dir: str | None = None, *, replica_id: str | None = None
 ) -> Engine:
     """The configured engine; seeded per replica when `replica_id` is given, else with
-    `rollout.seed` itself (a single engine: offline evaluation, benchmarks)."""
+    `rollout.seed` itself (a single engine: offline evaluation, benchmarks).
+
+    `model_dir` may be a LoRA adapter folder (an export of a `learner.lora` run): the engine is
+    then built on the base model it names with adapters of its shape, and loads it."""
     path = model_dir or cfg.model.path
     seed = cfg.rollout.seed if replica_id is None else replica_seed(cfg.rollout.seed, replica_id)
+    adapter = path if is_adapter_dir(path) else None
+    if adapter is not None:
+        cfg, path = adapter_base(cfg, adapter)
+    engine = _engine(cfg, path, seed)
+    if adapter is not None:
+        engine.load_weights_from_dir(adapter)
+    return engine
+
+
+def adapter_base(cfg: DapoConfig, adapter: str) -> tuple[DapoConfig, str]:
+    """(the config with `learner.lora` as the adapter was trained, its base model's folder): the
+    base the adapter names when that folder exists here, else `model.path`."""
+    meta = read_adapter_config(adapter)
+    named = str(meta.get("base_model_name_or_path") or "")
+    base = named if named and Path(named).is_dir() else cfg.model.path
+    lora = LoraSettings(
+        enabled=True,
+        rank=int(meta["r"]),
+        alpha=int(meta["lora_alpha"]),
+        target_modules=tuple(meta["target_modules"]),
+    )
+    learner = cfg.learner.model_copy(update={"lora": lora})
+    return cfg.model_copy(update={"learner": learner}), base
+
+
+def _engine(cfg: DapoConfig, path: str, seed: int) -> Engine:
     if cfg.rollout.engine == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
@@ -84,4 +117,5 @@ def make_engine(
         import torch
 
         torch.set_num_threads(cfg.rollout.torch_threads)
-    return HFEngine(path, dtype=cfg.model.dtype, seed=seed)
+    lora = cfg.learner.lora if cfg.learner.lora.enabled else None
+    return HFEngine(path, dtype=cfg.model.dtype, seed=seed, lora=lora)

@@ -18,6 +18,11 @@ that never stops), so new weights are copied into the model between two decode s
 logits of each later token, and so its log-prob, come from the new weights. A sample's
 `versions` are the lowest and highest version that sampled any of its tokens (a version can go
 down: after a failed broadcast the replica reloads an older checkpoint).
+
+LoRA (`learner.lora`): the engine injects the learner's adapters into its model
+(`contracts.lora.inject_adapters`), so a weight sync copies the adapter tensors by name and the
+base stays as loaded; a checkpoint's adapter folder loads the same way, and the base model's
+folder resets the adapters to zero (the base policy, version 0).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from contracts.config import LoraConfig as LoraSettings
+from contracts.lora import inject_adapters, is_adapter_dir, is_adapter_param, read_adapter
 from contracts.weight_sync import DTYPES
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
@@ -82,8 +89,19 @@ def _version_range(versions: list[int]) -> tuple[int, int]:
 
 
 class HFEngine:
-    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        lora: LoraSettings | None = None,
+    ) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        self.lora = lora
+        if lora is not None:
+            self.model = inject_adapters(self.model, lora)
+            self._reset_adapters()
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.end_ids = end_token_ids(model_dir, self.tokenizer.eos_token_id)
@@ -152,15 +170,41 @@ class HFEngine:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Receive every tensor first, then swap: a broadcast that fails half-way leaves the
         weights (and the policy version they belong to) untouched."""
-        params = dict(self.model.named_parameters())
+        params = self._swapped_params()
         staged = dict(weights)
         missing = set(params) - set(staged)
         if missing:
             raise ValueError(f"the new weights lack {sorted(missing)[:3]}")
+        unknown = set(staged) - set(params)
+        if unknown:
+            raise ValueError(
+                f"the new weights have tensors this model lacks: {sorted(unknown)[:3]}"
+            )
         for name, tensor in staged.items():
             params[name].copy_(tensor)
 
+    def _swapped_params(self) -> dict[str, torch.Tensor]:
+        """What a weight sync replaces: every parameter, or the adapters alone (LoRA)."""
+        params = dict(self.model.named_parameters())
+        if self.lora is None:
+            return params
+        return {n: p for n, p in params.items() if is_adapter_param(n)}
+
+    @torch.no_grad()
+    def _reset_adapters(self) -> None:
+        for name, param in self.model.named_parameters():
+            if ".lora_B." in name:
+                param.zero_()
+
     def load_weights_from_dir(self, path: str) -> None:
+        if self.lora is not None:
+            if is_adapter_dir(path):
+                self.update_weights(read_adapter(path).items())
+            else:  # the base model's folder: the base policy, which the adapters start from
+                self._reset_adapters()
+            return
+        if is_adapter_dir(path):
+            raise ValueError(f"{path} is a LoRA adapter; this engine serves full weights")
         fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
         self.model.load_state_dict(fresh.state_dict())
 

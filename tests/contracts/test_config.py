@@ -14,7 +14,14 @@ MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny.yaml", "smollm2-135m.yaml", "dapo-qwen2.5-32b.yaml", "dapo-qwen2.5-7b-1node.yaml"],
+    [
+        "tiny.yaml",
+        "smollm2-135m.yaml",
+        "dapo-qwen2.5-32b.yaml",
+        "dapo-qwen2.5-7b-1node.yaml",
+        "dapo-qwen2.5-32b-lora.yaml",
+        "dapo-qwen2.5-7b-1node-lora.yaml",
+    ],
 )
 def test_presets_load(name: str) -> None:
     cfg = load_config(CONFIGS / name)
@@ -51,6 +58,42 @@ def test_paper_preset_has_paper_values() -> None:
     assert a.gatekeeper and a.gatekeeper_metric == "acc" and a.oversampling == 3.0
     assert a.entropy_coef == 0.0
     assert not hasattr(a, "kl_coef")  # DAPO has no KL term; the key is an unknown-key error
+
+
+@pytest.mark.parametrize(
+    ("lora", "full"),
+    [
+        ("dapo-qwen2.5-32b-lora.yaml", "dapo-qwen2.5-32b.yaml"),
+        ("dapo-qwen2.5-7b-1node-lora.yaml", "dapo-qwen2.5-7b-1node.yaml"),
+    ],
+)
+def test_lora_presets_are_their_full_presets_with_adapters(lora: str, full: str) -> None:
+    """`extends` lays the LoRA lines over the full preset; the algorithm stays the paper's."""
+    adapted, base = load_config(CONFIGS / lora), load_config(CONFIGS / full)
+    assert adapted.learner.lora.enabled and not base.learner.lora.enabled
+    assert adapted.learner.lr == pytest.approx(10 * base.learner.lr)
+    assert adapted.algorithm == base.algorithm and adapted.reward == base.reward
+    assert adapted.data == base.data and adapted.model == base.model
+    assert adapted.run_name != base.run_name
+
+
+def test_extends_overlays_section_by_section_and_refuses_loops(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text(
+        "model: {path: m, dtype: bfloat16}\ndata: {train_path: t.parquet}\n"
+        "learner: {lr: 1.0e-6, total_steps: 5}\n"
+    )
+    (tmp_path / "top.yaml").write_text("extends: base.yaml\nlearner: {lr: 1.0e-5}\n")
+    cfg = load_config(tmp_path / "top.yaml", ["learner.total_steps=7"])
+    assert (cfg.learner.lr, cfg.learner.total_steps, cfg.model.dtype) == (1e-5, 7, "bfloat16")
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="goes round"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing\.yaml"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match="lm_head"):
+        build_config(MINIMAL, ["learner.lora.target_modules=[q_proj, lm_head]"])
 
 
 def test_dotted_overrides_parse_yaml_values() -> None:

@@ -38,6 +38,18 @@ def test_a_tied_embedding_model_takes_the_same_step_on_2_ranks_as_on_1(tmp_path:
     assert r["param_abs_diff"] < 1e-4
 
 
+def test_a_lora_step_is_the_same_on_2_ranks_as_on_1(tmp_path: Path) -> None:
+    """LoRA adapters sharded over two ranks (the frozen base too): the same adapter gradients
+    and the same adapters after the step as on one rank."""
+    out = tmp_path / "report.json"
+    proc = run_check(out, "--lora", "--world-sizes", "1,2", "--modes", "token-mean")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["2"]["token-mean"]
+    assert r["metric_rel_diff"] < 1e-3
+    assert r["grad_abs_diff"] <= 1e-3 * r["grad_abs_max"] and r["grad_abs_max"] > 0
+    assert r["param_abs_diff"] < 1e-4
+
+
 def test_one_step_is_the_same_on_1_2_and_4_ranks(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = run_check(out)

@@ -6,17 +6,14 @@ with the trained matrix; and a learner restarted from a checkpoint must resume i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from contracts.config import load_config
-from contracts.runtime import free_port
 from learner.batch import build_batch
 from learner.checkpoint import Checkpoints
 from learner.export import HFExporter
@@ -61,13 +58,8 @@ def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group() -> Any:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
-    )
-    dist.init_process_group("gloo")
-    yield
-    dist.destroy_process_group()
+def process_group(one_rank_group: None) -> None:
+    """Every test here builds a trainer: one gloo rank for the module."""
 
 
 def test_the_chunked_head_gives_the_tied_matrix_the_plain_models_gradient() -> None:

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from contracts.config import ConfigError, DapoConfig, load_config
-from contracts.runtime import free_port
 from contracts.schemas import PromptJob, Response, ScoredGroup
 from learner.batch import PACKED_ATTENTION, build_batch
 from learner.trainer import Trainer
@@ -24,13 +21,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group() -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
-    )
-    dist.init_process_group("gloo")
-    yield
-    dist.destroy_process_group()
+def process_group(one_rank_group: None) -> None:
+    """Every test here builds a trainer: one gloo rank for the module."""
 
 
 def make_groups(

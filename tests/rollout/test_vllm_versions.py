@@ -68,7 +68,9 @@ class _FakeLLM:
         self.kwargs = kwargs
         self.llm_engine = _Core(finish_at=[0])
 
-    def enqueue(self, inputs: list[Any], params: list[Any], use_tqdm: bool = False) -> None:
+    def enqueue(
+        self, inputs: list[Any], params: list[Any], lora_request: Any = None, use_tqdm: bool = False
+    ) -> None:
         assert len(inputs) == len(params) == len(self.llm_engine.finish_at)
 
     def reset_prefix_cache(self) -> bool:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from contracts.config import load_config
 from contracts.data import DAPO_PROMPT_TEMPLATE, DataError, load_prompts, write_rows
 from services.data_fetch import KNOWN_DATASETS, fetch
 
@@ -151,7 +151,7 @@ def test_presets_read_files_that_fetch_writes() -> None:
     written = {f"data/{local}" for known in KNOWN_DATASETS.values() for _, local in known.files}
     preset_paths = set()
     for preset in sorted((ROOT / "configs").glob("*.yaml")):
-        data = yaml.safe_load(preset.read_text())["data"]
+        data = load_config(preset).data.model_dump()  # a LoRA preset `extends:` another
         preset_paths |= {
             data[k] for k in ("train_path", "eval_path") if str(data.get(k)).startswith("data/")
         }

@@ -115,3 +115,31 @@ def test_learner_memory_model_matches_memory_measured_on_cpu() -> None:
 
 if __name__ == "__main__":
     print(json.dumps(measure()))
+
+
+def test_lora_budget_counts_the_adapters_peft_injects() -> None:
+    """`ModelShape.lora_params` is the count of the adapters peft adds to the real architecture,
+    and with LoRA the budget's gradients and AdamW moments are those adapters' alone, the base
+    frozen in the compute dtype, and a weight sync sends the adapters."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from contracts.config import build_config
+    from contracts.lora import inject_adapters, is_adapter_param
+    from services.capacity import budget, sync_bytes
+
+    overrides = ["learner.lora.enabled=true", "learner.lora.rank=8", "learner.nproc=2"]
+    overrides.append("learner.mixed_precision=none")  # the frozen base in fp32, as on CPU
+    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}, overrides)
+    with torch.device("meta"):
+        model = inject_adapters(Qwen2ForCausalLM(Qwen2Config(**MODEL)), cfg.learner.lora)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter_param(n))
+    shape = ModelShape.from_config(MODEL)
+    assert shape.lora_params(8, cfg.learner.lora.target_modules) == adapters
+    parts = budget(cfg, shape, 80.0).learner
+    assert parts["optimizer"] == pytest.approx(8 * adapters / 2 / 2**30)
+    assert parts["gradients"] == pytest.approx(4 * adapters / 2 / 2**30)
+    assert parts["parameters"] == pytest.approx((4 * shape.params + 4 * adapters) / 2 / 2**30)
+    assert sync_bytes(cfg, shape) == 4 * adapters  # float32 on CPU
+    with pytest.raises(ValueError, match="no module"):
+        shape.lora_params(8, ("qkv_proj",))
