@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.bus import open_bus
 from contracts.checkpoint_store import get_checkpoint, list_checkpoints
-from contracts.config import DapoConfig
+from contracts.config import ConfigError, DapoConfig
 from contracts.schemas import CheckpointRequest as CheckpointControl
 from contracts.schemas import PauseRequest, RestoreRequest
 from services.status import prometheus_text, run_status
@@ -89,6 +89,22 @@ class Accepted(BaseModel):
     accepted: bool = True
     request: str
     detail: str
+
+
+MIN_TOKEN_CHARS = 32
+"""A bearer token shorter than this is refused at start: the mutating routes restore and pause
+the run, and a short token can be guessed (the API has no rate limit of its own)."""
+
+
+def check_token_strength(token_env: str) -> None:
+    """Raise ConfigError when `token_env` holds a token too short to keep the mutating routes
+    closed (unset or empty: those routes are disabled, which is allowed)."""
+    token = os.environ.get(token_env)
+    if token and len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"{token_env} is {len(token)} characters; an API token needs at least "
+            f"{MIN_TOKEN_CHARS} (generate one: openssl rand -hex 32)"
+        )
 
 
 def token_refusal(authorization: str | None, token_env: str) -> HTTPException | None:
@@ -219,6 +235,7 @@ def _asset(name: str) -> str:
 
 
 def create_app(cfg: DapoConfig) -> FastAPI:
+    check_token_strength(cfg.api.token_env)
     url = cfg.redis_url
     if not url:
         raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")

@@ -443,6 +443,9 @@ def run_local(
     check_reward_function(
         cfg
     )  # a reward.function that cannot be loaded fails before anything starts
+    from services.api import check_token_strength
+
+    check_token_strength(cfg.api.token_env)  # before the API service would fail on it
     started = time.monotonic()
     out = Path(cfg.output_dir)
     logs = out / "logs"

@@ -28,7 +28,7 @@ def LOG(tmp_path: Path):  # type: ignore[no-untyped-def]
     return (tmp_path / "dapo-run.log").open("a")
 
 
-TOKEN = "e2e-token"
+TOKEN = "e2e-token-0123456789abcdef0123456789"  # at least 32 characters
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 

@@ -31,7 +31,7 @@ from contracts.runtime import Heartbeat
 from services.api import create_app
 from tests.contracts.test_streams import issue
 
-TOKEN = "fuzz-token"
+TOKEN = "fuzz-token-0123456789abcdef0123456789"  # at least 32 characters
 MUTATING = {"POST"}
 
 

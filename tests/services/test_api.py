@@ -20,7 +20,7 @@ from contracts.runtime import Heartbeat
 from services.api import create_app
 from tests.contracts.test_streams import issue
 
-TOKEN = "s3cret"
+TOKEN = "s3cret-0123456789abcdef0123456789"  # at least 32 characters
 
 
 @pytest.fixture()
@@ -256,3 +256,29 @@ def test_metrics_page_parses_with_restarts_and_hostile_ids(
     )
     assert values[("dapo_critic_rewards_mean", ())] == 0.5
     assert ("dapo_ledger_issued", ()) not in values
+
+
+def test_a_token_too_short_to_keep_the_routes_closed_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before any Redis connection: `create_app` and `dapo api` (exit 2, the config-error
+    status) name the variable and the minimum; an unset token (routes disabled) is allowed."""
+    import subprocess
+    import sys
+
+    from contracts.config import ConfigError
+
+    cfg = build_config({"model": {"path": "m"}, "data": {"train_path": "t"}})
+    monkeypatch.setenv("DAPO_API_TOKEN", "hunter2")
+    with pytest.raises(ConfigError, match=r"DAPO_API_TOKEN is 7 characters.*at least 32"):
+        create_app(cfg)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "api", "--config", "configs/tiny.yaml"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "DAPO_REDIS_URL": "redis://127.0.0.1:1/0"},
+    )
+    assert proc.returncode == 2 and "at least 32" in proc.stderr, proc.stderr[-2000:]

@@ -24,7 +24,7 @@ from services.api import MAX_BODY_BYTES, create_app
 from services.status import format_status, run_status
 from tests.contracts.test_streams import issue
 
-TOKEN = "s3cret"
+TOKEN = "s3cret-0123456789abcdef0123456789"  # at least 32 characters
 MiB = 1 << 20
 
 
