@@ -519,6 +519,11 @@ class ApiConfig(_Section):
     """0 = pick a free port."""
     token_env: str = "DAPO_API_TOKEN"
     """Environment variable holding the bearer token for mutating routes (unset = disabled)."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header names the API answers (any port); any other gets 400. None = the loopback
+    names (localhost, 127.0.0.1, ::1) when `host` is a loopback address, so a web page that
+    rebinds its own name to 127.0.0.1 (DNS rebinding) cannot read or drive a local run; any name
+    when the API listens beyond loopback (list the names clients use to close that too)."""
 
 
 class TrackingConfig(_Section):

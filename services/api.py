@@ -213,6 +213,42 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(cfg: DapoConfig) -> frozenset[str] | None:
+    """The Host names the API answers (`api.allowed_hosts`), or None for any."""
+    if cfg.api.allowed_hosts is not None:
+        return frozenset(h.lower() for h in cfg.api.allowed_hosts)
+    if cfg.api.host in LOOPBACK_NAMES or cfg.api.host.startswith("127."):
+        return frozenset(LOOPBACK_NAMES)
+    return None
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header without its port: `[::1]:8000` -> `::1`, `a.b:80` -> `a.b`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.partition(":")[0]
+
+
+class HostCheck:
+    """ASGI middleware: a request whose Host header names none of `allowed` gets 400."""
+
+    def __init__(self, app: ASGIApp, *, allowed: frozenset[str] | None) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.allowed is not None:
+            name = host_name(Headers(scope=scope).get("host", ""))
+            if name not in self.allowed:
+                response = PlainTextResponse(f"Host {name!r} is not served here", status_code=400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class SecurityHeaders:
     """ASGI middleware: adds `SECURITY_HEADERS` to every response that does not set them."""
 
@@ -251,6 +287,7 @@ def create_app(cfg: DapoConfig) -> FastAPI:
         refuse=lambda header: token_refusal(header, cfg.api.token_env),
         limit=MAX_BODY_BYTES,
     )
+    app.add_middleware(HostCheck, allowed=allowed_hosts(cfg))
     app.add_middleware(SecurityHeaders)  # added last: outermost, so refusals carry the headers too
     page, script, style = _asset("dashboard.html"), _asset("dashboard.js"), _asset("dashboard.css")
 
@@ -352,10 +389,12 @@ def create_app(cfg: DapoConfig) -> FastAPI:
 def main(cfg: DapoConfig, host: str | None = None, port: int | None = None) -> int:
     import uvicorn
 
+    if host:  # the address it listens on decides which Host names it answers (HostCheck)
+        cfg = cfg.model_copy(update={"api": cfg.api.model_copy(update={"host": host})})
     app = create_app(cfg)
     uvicorn.run(
         app,
-        host=host or cfg.api.host,
+        host=cfg.api.host,
         port=port if port is not None else cfg.api.port,
         log_level="warning",
     )

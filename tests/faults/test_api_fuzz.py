@@ -31,6 +31,7 @@ from contracts.runtime import Heartbeat
 from services.api import create_app
 from tests.contracts.test_streams import issue
 
+LOCAL = "http://127.0.0.1"  # the API answers loopback Host names only
 TOKEN = "fuzz-token-0123456789abcdef0123456789"  # at least 32 characters
 MUTATING = {"POST"}
 
@@ -46,6 +47,7 @@ def api_schema(
             "data": {"train_path": "t"},
             "output_dir": str(tmp_path),
             "queue": {"redis_url": redis_url, "namespace": "dapo"},
+            "api": {"allowed_hosts": ["testserver", "localhost"]},  # schemathesis's client
         }
     )
     bus = StreamBus(connect(redis_url), Keys("dapo"), "fuzz")
@@ -172,7 +174,7 @@ def test_garbage_in_redis_never_gives_a_server_error(redis_url: str, tmp_path: P
         }
     )
     bus = StreamBus(connect(redis_url), Keys("garbage"), "fuzz")
-    client = TestClient(create_app(cfg), raise_server_exceptions=False)
+    client = TestClient(create_app(cfg), raise_server_exceptions=False, base_url=LOCAL)
     ran = 0
 
     @given(heartbeats=HEARTBEATS, hashes=HASHES, records=st.lists(RAW, max_size=3), version=RAW)

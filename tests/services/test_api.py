@@ -20,6 +20,7 @@ from contracts.runtime import Heartbeat
 from services.api import create_app
 from tests.contracts.test_streams import issue
 
+LOCAL = "http://127.0.0.1"  # the API answers loopback Host names only
 TOKEN = "s3cret-0123456789abcdef0123456789"  # at least 32 characters
 
 
@@ -38,7 +39,7 @@ def setup(
     )
     bus = StreamBus(connect(redis_url), Keys("t"), "test")
     bus.ensure_groups()
-    return TestClient(create_app(cfg)), bus, cfg.checkpoint_dir
+    return TestClient(create_app(cfg), base_url=LOCAL), bus, cfg.checkpoint_dir
 
 
 def commit_checkpoint(store: Path, step: int, *, committed: bool = True) -> None:
@@ -282,3 +283,36 @@ def test_a_token_too_short_to_keep_the_routes_closed_is_refused_at_start(
         env={**__import__("os").environ, "DAPO_REDIS_URL": "redis://127.0.0.1:1/0"},
     )
     assert proc.returncode == 2 and "at least 32" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("bind", "allowed", "host", "code"),
+    [
+        ("127.0.0.1", None, "127.0.0.1:8000", 200),
+        ("127.0.0.1", None, "localhost", 200),
+        ("127.0.0.1", None, "[::1]:8000", 200),
+        ("127.0.0.1", None, "attacker.example:8000", 400),  # a rebound name
+        ("0.0.0.0", None, "dapo-api.dapo.svc", 200),  # beyond loopback: any name by default
+        ("0.0.0.0", ["dapo-api"], "dapo-api:8000", 200),
+        ("0.0.0.0", ["dapo-api"], "evil", 400),
+    ],
+)
+def test_host_header_names_outside_the_allowed_ones_get_400(
+    bind: str, allowed: list[str] | None, host: str, code: int
+) -> None:
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 would reach a loopback API as
+    same-origin; the Host header it must send gives it away. Answered before Redis is touched."""
+    api: dict[str, object] = {"host": bind} | ({"allowed_hosts": allowed} if allowed else {})
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "queue": {"redis_url": "redis://127.0.0.1:1/0"},
+            "api": api,
+        }
+    )
+    client = TestClient(create_app(cfg), base_url="http://127.0.0.1")
+    response = client.get("/healthz", headers={"host": host})
+    assert response.status_code == code, response.text
+    if code == 400:
+        assert "is not served here" in response.text

@@ -24,6 +24,7 @@ from services.api import MAX_BODY_BYTES, create_app
 from services.status import format_status, run_status
 from tests.contracts.test_streams import issue
 
+LOCAL = "http://127.0.0.1"  # the API answers loopback Host names only
 TOKEN = "s3cret-0123456789abcdef0123456789"  # at least 32 characters
 MiB = 1 << 20
 
@@ -156,7 +157,7 @@ def test_garbage_in_redis_is_skipped_not_a_500(api: tuple[FastAPI, StreamBus], c
     app, bus = api
     write, source = GARBAGE[case]
     write(bus)
-    client = TestClient(app, raise_server_exceptions=False)
+    client = TestClient(app, raise_server_exceptions=False, base_url=LOCAL)
     status = client.get("/status")
     assert status.status_code == 200, status.text
     body = status.json()
@@ -189,7 +190,7 @@ def test_garbage_values_read_as_none_not_as_made_up_figures(api: tuple[FastAPI, 
     app, bus = api
     bus.redis.hset(bus.keys.ledger, "issued", "lots")
     heartbeat(bus, "x", hb_json("rollout", "x", host=5, state=7, groups=[1], idle_fraction=0.25))
-    client = TestClient(app)
+    client = TestClient(app, base_url=LOCAL)
     status = client.get("/status").json()
     assert status["ledger"] is None  # not a zeroed, "balanced" ledger
     [row] = [i for i in status["instances"] if i["id"] == "x"]
@@ -210,7 +211,7 @@ def test_garbage_values_read_as_none_not_as_made_up_figures(api: tuple[FastAPI, 
 def test_a_malformed_learner_heartbeat_means_not_ready(api: tuple[FastAPI, StreamBus]) -> None:
     app, bus = api
     heartbeat(bus, "learner-0", hb_json("learner", "learner-0", at="soon"), kind="learner")
-    client = TestClient(app)
+    client = TestClient(app, base_url=LOCAL)
     ready = client.get("/readyz")
     assert ready.status_code == 503 and "learner heartbeat" in ready.json()["detail"]
     assert client.get("/status").json()["learner_state"] == "down"
@@ -256,7 +257,8 @@ def call(
         "query_string": b"",
         "server": ("test", 80),
         "client": ("test", 1),
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "headers": [(b"host", b"127.0.0.1")]
+        + [(k.lower().encode(), v.encode()) for k, v in headers.items()],
     }
     asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
     start = next(m for m in sent if m["type"] == "http.response.start")
@@ -309,7 +311,7 @@ def test_a_body_over_the_limit_with_a_token_gets_413(api: tuple[FastAPI, StreamB
     status, pulled, _, body = call(app, "/checkpoints", iter([ok[:5], ok[5:]]), auth)
     assert (status, pulled) == (202, len(ok)), body
     assert json.loads(bus.redis.hget(bus.keys.control, "checkpoint"))["keep"] is True
-    client = TestClient(app)
+    client = TestClient(app, base_url=LOCAL)
     assert (
         client.post(
             "/checkpoints", headers=auth, content=b"{" + b" " * MAX_BODY_BYTES + b"}"
