@@ -90,10 +90,12 @@ class CheckpointInfo:
     meta: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
+        """What the API shows anyone who can reach it: paths relative to the checkpoint store
+        (`checkpoint_dir`), so the machine's directory layout is not part of the answer."""
         return {
             "step": self.step,
-            "path": str(self.path),
-            "hf_path": str(self.path / HF_EXPORT),
+            "path": self.path.name,
+            "hf_path": f"{self.path.name}/{HF_EXPORT}",
             "committed_at": self.committed_at,
             "keep": self.keep,
             "policy_version": self.meta.get("policy_version"),

@@ -111,7 +111,8 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
                 "kept checkpoint", lambda: [c for c in call(f"{api}/checkpoints")[1] if c["keep"]]
             )
             kept_step = kept[0]["step"]
-            assert Path(kept[0]["hf_path"], "model.safetensors").exists()
+            store = tmp_path / "run" / "checkpoints"  # the API shows paths relative to it
+            assert (store / kept[0]["hf_path"] / "model.safetensors").exists()
             wait_for("a periodic checkpoint after it", lambda: step() >= kept_step + 12)
             assert kept_step in [
                 c["step"] for c in call(f"{api}/checkpoints")[1]

@@ -135,7 +135,11 @@ def test_checkpoint_listing_hides_uncommitted(setup: tuple[TestClient, StreamBus
     commit_checkpoint(store, 10)
     commit_checkpoint(store, 15, committed=False)  # half-written
     assert [c["step"] for c in client.get("/checkpoints").json()] == [5, 10]
-    assert client.get("/checkpoints/10").json()["data_cursor"] == 100
+    ten = client.get("/checkpoints/10").json()
+    assert ten["data_cursor"] == 100
+    # Paths relative to the store: the machine's layout is not shown to unauthenticated readers.
+    assert (ten["path"], ten["hf_path"]) == ("step_10", "step_10/hf")
+    assert str(store) not in client.get("/checkpoints").text
     r = client.get("/checkpoints/15")
     assert r.status_code == 404 and "step 15" in r.json()["detail"]
     assert client.get("/checkpoints/abc").status_code == 422
