@@ -300,8 +300,9 @@ class VLLMEngine:
         """Swap in new weights inside the worker(s); a `WeightStream` is received there."""
         start = time.monotonic()
         if self.lora is not None:
-            what = f"policy version {weights.version}" if isinstance(weights, WeightStream) else ""
-            tensors = self._swap_adapter(dict(weights), what or "adapter")
+            is_stream = isinstance(weights, WeightStream)
+            what = f"policy version {weights.version}" if is_stream else "adapter"
+            tensors = self._swap_adapter(dict(weights), what)
         elif isinstance(weights, WeightStream):
             what = f"policy version {weights.version}"
             tensors = self._swap_weights(what, "dapo_receive_weights", weights.to_json())

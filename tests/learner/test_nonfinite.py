@@ -10,23 +10,21 @@ gradient norm is not finite is skipped on every rank, counted, and stops the run
 from __future__ import annotations
 
 import math
-import os
 import random
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from bench.multirank_check import build_model, launch_ranks
 from contracts.bus import StreamBus, connect
 from contracts.config import DapoConfig, load_config
 from contracts.data import PromptRecord
 from contracts.keys import Counter, Keys, Stage
-from contracts.runtime import StopFlag, free_port
+from contracts.runtime import StopFlag
 from contracts.schemas import (
     PromptJob,
     Response,
@@ -244,13 +242,8 @@ def test_a_token_at_the_last_vocabulary_id_and_a_tiny_positive_logprob_are_accep
 
 # --- the trainer ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def process_group() -> Iterator[None]:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
-    )
-    dist.init_process_group("gloo")
-    yield
-    dist.destroy_process_group()
+def process_group(one_rank_group: None) -> None:
+    """The trainer tests below: one gloo rank (tests/learner/conftest.py)."""
 
 
 def groups(n_groups: int, seed: int = 0, reward: float | None = None) -> list[ScoredGroup]:
