@@ -13,6 +13,11 @@ A response ends at the first of the model's end tokens (`rollout.end_tokens.end_
 tokenizer's eos and every eos of the generation config), which it keeps, with finish reason
 "stop"; a response that reaches `max_tokens` without one ends with "length".
 
+Shared prefill: the prompt of a group is run through the model once and its key/value cache
+repeated for the group's n responses (`_prefill`), as vLLM's prefix cache does, instead of
+expanding each prompt n times before the forward pass. The responses, their log-probs and the
+random draws are the same either way (tests/rollout/test_hf_engine.py).
+
 In-flight weight updates: `between_steps` runs after every sampled token (a stopping criterion
 that never stops), so new weights are copied into the model between two decode steps; the
 logits of each later token, and so its log-prob, come from the new weights. A sample's
@@ -34,6 +39,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Cache,
     GenerationConfig,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -112,6 +118,9 @@ class HFEngine:
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.end_ids, pad_token_id=self.pad_id
         )
+        self.shared_prefill = True
+        """Compute each prompt once for its group (`_prefill`); False expands every prompt n
+        times before the forward pass, as `num_return_sequences` does (bench/skip.py compares)."""
         self.generator = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
 
@@ -135,16 +144,20 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        hook = _EveryStep(between_steps) if between_steps is not None else None
+        hook = _EveryStep(between_steps) if between_steps is not None else None  # new weights first
+        expand: dict[str, object] = {"num_return_sequences": n}
+        if self.shared_prefill and n > 1 and width > 1:
+            expand = {"past_key_values": self._prefill(ids, mask, n)}
+            ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,
+            **expand,
             do_sample=True,
             temperature=temperature,
             top_p=top_p,
             top_k=0,
             max_new_tokens=max_tokens,
-            num_return_sequences=n,
             eos_token_id=self.end_ids,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
@@ -165,6 +178,22 @@ class HFEngine:
             versions = _version_range(hook.versions[: max(end, 1)]) if hook else None
             samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, versions))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int) -> Cache:
+        """The key/value cache of every prompt token but the last, computed once per prompt and
+        repeated for its n responses (row i*n + j is response j of prompt i, the order
+        `num_return_sequences` gives). `generate` then starts from it and runs only the last
+        prompt token n times, which yields the first sampled token's logits. Positions are the
+        ones `generate` gives left-padded rows: counted over the attention mask, 0 on padding."""
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = self.model(
+            input_ids=ids[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, :-1],
+            use_cache=True,
+        ).past_key_values
+        cache.batch_repeat_interleave(n)
+        return cache
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

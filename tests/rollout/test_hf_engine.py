@@ -44,6 +44,27 @@ def test_behaviour_logprobs_match_a_forward_pass(
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_shared_prefill_samples_what_expanded_prompts_sample(tiny_model_dir: Path) -> None:
+    """A group's prompt computed once gives the same responses, log-probs and random draws as
+    the prompt expanded n times (prompts of unequal length: left padding included)."""
+    engine = HFEngine(str(tiny_model_dir), seed=0)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
+    runs = {}
+    for shared in (True, False):
+        engine.shared_prefill = shared
+        runs[shared] = engine.generate(
+            prompts, n=4, max_tokens=8, temperature=1.0, top_p=1.0, seed=123
+        )
+    for group_shared, group_expanded in zip(runs[True], runs[False], strict=True):
+        for a, b in zip(group_shared, group_expanded, strict=True):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5
+            )
+    # The draws differ between responses of a group: four samples, not one repeated.
+    assert len({tuple(s.token_ids) for s in runs[True][0]}) > 1
+
+
 def test_update_weights_swaps_all_or_nothing(tiny_model_dir: Path) -> None:
     engine = HFEngine(str(tiny_model_dir), seed=0)
     new = {n: p.detach() + 1 for n, p in engine.model.named_parameters()}
