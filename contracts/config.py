@@ -319,6 +319,28 @@ class RewardConfig(_Section):
 # algorithm
 
 
+class PromptSkipConfig(_Section):
+    """Skip, before generating it, a prompt whose recent groups all carried no learning signal
+    (GRESO, Zheng et al. 2025; docs/algorithm.md section 11).
+
+    Each time the gatekeeper decides a prompt's group, the run's prompt history records it: a
+    filtered group (every response equally right or wrong, zero advantage) lengthens the
+    prompt's streak, a kept one resets it to 0. When the feeder comes to the prompt again it
+    issues it with probability max(min_keep, keep_base ** streak) and otherwise skips it
+    (counted `prompts_skipped`). The gatekeeper's filter stays the exact check; skipping only
+    saves generation. It helps when a run sees its prompts more than once (several epochs).
+    """
+
+    enabled: bool = False
+    """Off reproduces the paper: every prompt is generated and dynamic sampling filters after."""
+    keep_base: float = Field(0.5, gt=0, lt=1)
+    """Probability of issuing a prompt after one zero-advantage group; each further one in a row
+    multiplies it again (GRESO's exploration probability, held fixed)."""
+    min_keep: float = Field(0.05, gt=0, le=1)
+    """The exploration floor: a prompt is issued with at least this probability however long its
+    streak, so a prompt the policy has outgrown or grown into is seen again."""
+
+
 class AlgorithmConfig(_Section):
     clip_low: float = Field(0.2, gt=0, lt=1)
     """epsilon_low of the decoupled clip (paper: 0.2)."""
@@ -350,6 +372,8 @@ class AlgorithmConfig(_Section):
     is_clip: float = Field(2.0, ge=1)
     """Truncation of the behaviour importance weight pi_old / pi_behaviour
     (docs/algorithm.md s9)."""
+    prompt_skip: PromptSkipConfig = PromptSkipConfig()
+    """Pre-generation skipping of prompts that keep being filtered (off: the paper)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,6 +76,9 @@ class Counter(StrEnum):
     """A replica ended up on an older policy version than it held (must stay 0 in a healthy run)."""
     REPLICA_STORE_CATCH_UPS = "replica_store_catch_ups"
     """Replicas that caught up by loading the newest checkpoint instead of a broadcast."""
+    PROMPTS_SKIPPED = "prompts_skipped"
+    """Training prompts the feeder passed over without issuing them: their recent groups all
+    carried no learning signal (`algorithm.prompt_skip`). Not in the ledger: never issued."""
     REPLICA_REFUSED_CHECKPOINTS = "replica_refused_checkpoints"
     """Checkpoints a replica refused to load because their `hf/` export did not match the
     manifest (or had none); each counted once per replica. Must stay 0 in a healthy run."""
@@ -179,6 +182,12 @@ class Keys:
     def counters(self) -> str:
         """Hash of `Counter` values (plus `restarts:<service>`)."""
         return self._k("counters")
+
+    @property
+    def prompt_history(self) -> str:
+        """String of fixed-width records, one per training prompt: how its groups fared
+        (`contracts.bus.prompt_history`), read before issuing it again."""
+        return self._k("prompt_history")
 
     @property
     def trained_ids(self) -> str:

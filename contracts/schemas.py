@@ -126,6 +126,9 @@ class PromptJob(_Msg):
     """Unique per issued job (`<run>-<cursor>`), the identity the ledger counts."""
     prompt_index: int
     """Row of the training set (data cursor position modulo epoch)."""
+    epoch: int = Field(0, ge=0)
+    """Pass over the training set the job was issued in (the prompt history records it).
+    Optional with a default, so jobs encoded before it existed still decode."""
     prompt_ids: Tokens
     ground_truth: str
     data_source: str = ""

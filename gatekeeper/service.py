@@ -108,7 +108,9 @@ class Gatekeeper:
                 self.evaluations += self.bus.hop(
                     stage, entry_id, downstream=self.bus.keys.evals.stream, fields=result
                 )
-            elif not self.enabled or keep_group(group_metric(group, self.metric)):
+                continue
+            informative = keep_group(group_metric(group, self.metric))
+            if not self.enabled or informative:
                 done = self.bus.hop(
                     stage,
                     entry_id,
@@ -117,22 +119,35 @@ class Gatekeeper:
                     counter=Counter.GATEKEEPER_KEPT,
                 )
                 self.kept += done
-                self._count_responses(group, done)
             else:
                 done = self.bus.hop(stage, entry_id, outcome=LEDGER_FILTERED)
                 self.filtered += done
-                self._count_responses(group, done)
+            if done:
+                self._count_responses(group)
+                self._record_history(group, informative)
 
-    def _count_responses(self, group: ScoredGroup, hopped: bool) -> None:
+    def _count_responses(self, group: ScoredGroup) -> None:
         """Response counts for the truncation rate, added after the hop rather than inside its
         atomic script: they are a statistic, so a crash in between may undercount one group,
         and the hop, which the ledger rests on, stays as simple as it is."""
-        if hopped:
-            self.bus.incr(Counter.RESPONSES_JUDGED, len(group.responses))
-            self.bus.incr(
-                Counter.RESPONSES_TRUNCATED,
-                sum(r.finish_reason == "length" for r in group.responses),
-            )
+        self.bus.incr(Counter.RESPONSES_JUDGED, len(group.responses))
+        self.bus.incr(
+            Counter.RESPONSES_TRUNCATED,
+            sum(r.finish_reason == "length" for r in group.responses),
+        )
+
+    def _record_history(self, group: ScoredGroup, informative: bool) -> None:
+        """The prompt's record in the run's prompt history (after the hop, like the counts):
+        whether this group carried learning signal, which is what the gatekeeper keeps, even
+        when it is switched off and trains every group."""
+        job = group.job
+        self.bus.record_prompt_outcome(
+            job.prompt_index,
+            epoch=job.epoch,
+            correct=sum(bool(a) for a in group.acc),
+            size=len(group.acc),
+            kept=informative,
+        )
 
 
 def main(cfg: DapoConfig) -> int:

@@ -51,6 +51,11 @@ class BatchSource(Protocol):
     @property
     def cursor(self) -> int: ...
 
+    @property
+    def jobs_issued(self) -> int:
+        """Training jobs issued in the run (what a sample budget counts)."""
+        ...
+
     def resume(self, checkpoint_cursor: int) -> None: ...
 
     def collect(self, policy_version: int) -> list[Picked] | None: ...
@@ -68,6 +73,7 @@ class NullSource:
     """Ranks other than 0: no data of their own (batches arrive inside `Train` commands)."""
 
     cursor = 0
+    jobs_issued = 0
 
     def resume(self, checkpoint_cursor: int) -> None:
         pass
@@ -123,6 +129,10 @@ class StreamSource:
     def cursor(self) -> int:
         return self.feeder.cursor
 
+    @property
+    def jobs_issued(self) -> int:
+        return self.feeder.jobs_issued
+
     def resume(self, checkpoint_cursor: int) -> None:
         """Continue issuing after whatever was issued last. Group ids are the cursor, so going
         back would issue (and train) groups twice: take the furthest of the checkpoint's cursor,
@@ -130,7 +140,9 @@ class StreamSource:
         same script that issues them moves, so it is never behind, even when the learner died
         between issuing and recording its cursor, or the recorded cursor is garbage)."""
         recorded = self.bus.run_int(RunField.DATA_CURSOR)
-        self.feeder.cursor = max(checkpoint_cursor, recorded, self.bus.ledger().issued)
+        issued = self.bus.ledger().issued
+        self.feeder.cursor = max(checkpoint_cursor, recorded, issued)
+        self.feeder.jobs_issued = issued
 
     # --- collecting -------------------------------------------------------------------------------
     @property
@@ -155,7 +167,9 @@ class StreamSource:
         while not self._ready() and time.monotonic() - start < self.budget_s:
             if self.stop.stopping:
                 break
-            if self.feeder.admit(policy_version):  # the cursor moved: record it for a restart
+            cursor = self.feeder.cursor
+            self.feeder.admit(policy_version)
+            if self.feeder.cursor != cursor:  # issued or skipped: record it for a restart
                 self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
             self._receive(policy_version)
             self.catch_up()

@@ -212,7 +212,7 @@ class LearnerLoop:
         """`total_steps` trained, or the sample budget spent. Only rank 0 knows what was issued
         (the others hold a null source): share the answer where every rank acts on it."""
         jobs = budget_jobs(self.cfg.learner.sample_budget, self.cfg.rollout.group_size)
-        spent = jobs is not None and self.source.cursor >= jobs  # the feeder issues no more
+        spent = jobs is not None and self.source.jobs_issued >= jobs  # the feeder issues no more
         return self.progress.step >= self.cfg.learner.total_steps or spent
 
     def _collect(self) -> Train | Wait:

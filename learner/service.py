@@ -144,6 +144,7 @@ def rank0_collaborators(
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,
         max_jobs=budget_jobs(le.sample_budget, cfg.rollout.group_size),
+        skip=alg.prompt_skip,
     )
     publisher = WeightPublisher(
         bus,

@@ -110,6 +110,11 @@ function ledgerText(l) {
   return `issued ${l.issued} = trained ${l.trained} + filtered ${l.filtered} + stale ${l.stale} + dead ${l.dead} + in flight ${l.in_flight}` + (l.balanced ? " ✓" : " ✗");
 }
 
+function generationText(g) {
+  const ratio = g.generated_per_trained == null ? "-" : g.generated_per_trained.toFixed(2);
+  return `${ratio} groups per group trained, ${g.prompts_skipped} prompts skipped`;
+}
+
 function redisText(m) {
   const mib = b => (b / 1048576).toFixed(1);
   return `${mib(m.used_bytes)} MiB` + (m.maxmemory_bytes ? ` of ${mib(m.maxmemory_bytes)}` : "") + (m.at_maxmemory ? " (FULL: services paused)" : "");
@@ -145,6 +150,7 @@ async function refresh() {
     setText("version", status.policy_version ?? "-");
     setText("state", status.learner_state + (status.paused ? " (paused)" : ""));
     setText("ledger", ledgerText(status.ledger));
+    setText("generation", generationText(status.generation));
     setText("redis", redisText(status.redis_memory));
     setText("skipped", skippedText(status.skipped_values));
     setText("updated", new Date().toLocaleTimeString());

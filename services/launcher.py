@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from contracts.bus import StreamBus, open_bus
 from contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
-from contracts.keys import RunField, restarts_counter
+from contracts.keys import Counter, RunField, restarts_counter
 from contracts.model_source import Download, with_local_model
 from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
 from reward.service import check_reward_function
@@ -369,6 +369,10 @@ def summarize(
         else float("nan"),
         "replica_final_versions": replica_versions,
         "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
+        "generated_per_trained": (ledger.trained + ledger.filtered + ledger.stale) / ledger.trained
+        if ledger.trained
+        else None,
+        "prompts_skipped": counters.get(Counter.PROMPTS_SKIPPED, 0),
         "gatekeeper_evaluations": sum(
             int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()
         ),

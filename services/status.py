@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from contracts.bus import LedgerSnapshot, StreamBus, open_bus
-from contracts.keys import LEDGER_FIELDS, RunField, restarts_counter
+from contracts.keys import LEDGER_FIELDS, Counter, RunField, restarts_counter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,7 +92,7 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         i["kind"] == "learner" and i["heartbeat_age_s"] < heartbeat_ttl_s for i in instances
     )
     learner_state = state.get("state", "unknown")
-    return {
+    status: dict[str, Any] = {
         "run_name": info.get(RunField.RUN_NAME, keys.ns),
         "namespace": keys.ns,
         "step": _int(state.get("step")),
@@ -111,10 +111,27 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         "redis_memory": bus.memory_report(),
         "eval_history": _eval_history(skipped.read("eval_history", bus.eval_history, []), skipped),
         "last_metrics": metrics[-1] if metrics else {},
+        # Read last: the reads above count the malformed values they meet.
         "counters": _counters(skipped.read("counters", bus.counters, dict[str, int]()), skipped),
         "instances": instances,
         "skipped_values": skipped.counts,
         "at": time.time(),
+    }
+    status["generation"] = _generation(ledger, status["counters"])
+    return status
+
+
+def _generation(ledger: dict[str, Any] | None, counters: dict[str, int]) -> dict[str, Any]:
+    """What generation paid for what was trained: training groups generated (trained, filtered
+    or gone stale) per group trained (1.0: nothing wasted), and prompts skipped before
+    generation (`algorithm.prompt_skip`)."""
+    skipped = counters.get(Counter.PROMPTS_SKIPPED, 0)
+    if ledger is None or not ledger["trained"]:
+        return {"generated_per_trained": None, "prompts_skipped": skipped}
+    generated = ledger["trained"] + ledger["filtered"] + ledger["stale"]
+    return {
+        "generated_per_trained": round(generated / ledger["trained"], 4),
+        "prompts_skipped": skipped,
     }
 
 
@@ -352,6 +369,11 @@ def _run_families(page: _Page, status: dict[str, Any]) -> None:
         status["gatekeeper_pass_rate"],
     )
     page.gauge(
+        "generated_per_trained",
+        "Training groups generated (trained, filtered or stale) per group trained.",
+        status["generation"]["generated_per_trained"],
+    )
+    page.gauge(
         "throughput_prompts_per_second",
         "Trained prompt groups per second.",
         status["throughput"]["prompts_per_s"],
@@ -389,6 +411,12 @@ def _flag(value: bool | None) -> float | None:
     return None if value is None else float(value)
 
 
+def _generation_line(generation: dict[str, Any]) -> str:
+    ratio = generation["generated_per_trained"]
+    text = "-" if ratio is None else f"{ratio:.2f} groups"
+    return f"{text}, {generation['prompts_skipped']} prompts skipped before generation"
+
+
 # --- the `dapo status` table -----------------------------------------------------------------
 def format_status(status: dict[str, Any]) -> str:
     """The status as a readable table (what `dapo status` prints)."""
@@ -406,6 +434,7 @@ def format_status(status: dict[str, Any]) -> str:
             if status["gatekeeper_pass_rate"] is None
             else f"{status['gatekeeper_pass_rate']:.3f}",
         ),
+        ("generated per trained", _generation_line(status["generation"])),
         (
             "throughput",
             f"{status['throughput']['prompts_per_s']:.2f} prompts/s, "

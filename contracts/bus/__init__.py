@@ -33,6 +33,7 @@ The bus is split by concern, all behind the same fenced writes (`core`):
 - `transport`: issue, read, claim, hop, hand back, dead-letter, and the ledger;
 - `run_state`: policy version, learner state, run info, eval history, control requests;
 - `telemetry`: counters, metrics history, heartbeats, final stats;
+- `prompt_history`: how each training prompt's groups fared (for skipping prompts);
 - `hygiene`: what to do with values in Redis this system did not write;
 - `scripts`: the Lua scripts; `connection`: the client and the server's memory policy.
 
@@ -52,6 +53,7 @@ from contracts.bus.connection import (
     memory_report,
 )
 from contracts.bus.core import Entry, FencedError, Fields
+from contracts.bus.prompt_history import MAX_PROMPTS, PromptHistory, PromptStats
 from contracts.bus.run_state import RunState
 from contracts.bus.telemetry import METRICS_MAXLEN, Telemetry
 from contracts.bus.transport import (
@@ -65,7 +67,7 @@ from contracts.bus.transport import (
 from contracts.keys import Keys
 
 
-class StreamBus(Transport, RunState, Telemetry):
+class StreamBus(Transport, RunState, Telemetry, PromptHistory):
     """The pipeline's streams and run state for one namespace, as seen by one consumer.
 
     The only way into Redis: the stages and the application use these methods; `redis` (the
@@ -102,6 +104,7 @@ def open_bus(
 __all__ = [
     "DEAD_LETTER_MAXLEN",
     "GONE_AFTER_TTLS",
+    "MAX_PROMPTS",
     "METRICS_MAXLEN",
     "OOM_PAUSE_COUNTER",
     "OWN_IDLE_MS",
@@ -110,6 +113,7 @@ __all__ = [
     "Fields",
     "LedgerSnapshot",
     "PausingRedis",
+    "PromptStats",
     "StreamBus",
     "check_memory_policy",
     "connect",

@@ -34,6 +34,7 @@ _KEY_TYPE_OF_WRITE = {
     "HDEL": "hash",
     "SADD": "set",
     "XADD": "stream",
+    "BITFIELD": "string",
 }
 """The type a write command needs its key (its first argument) to hold: what `write` may replace."""
 

@@ -9,10 +9,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from contracts.bus.prompt_history import RECORD, PromptStats
 from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
+
+
+def prompt_history(r: redis.Redis) -> list[PromptStats]:
+    """Every record of the run's prompt history (`contracts.bus.prompt_history`)."""
+    raw = r.get("dapo:prompt_history") or b""
+    return [PromptStats(*RECORD.unpack_from(raw, at)) for at in range(0, len(raw), RECORD.size)]
 
 
 def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
@@ -22,6 +29,7 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         r = redis.Redis.from_url(server.url)
         wait_for("step 6", lambda: learner_step(r) >= 6)
         before = {k.decode(): int(v) for k, v in r.hgetall("dapo:ledger").items()}
+        history_before = prompt_history(r)
         server.stop()  # SIGTERM: Redis fsyncs the AOF and exits
         time.sleep(3)
         server = RedisServer(tmp_path / "redis", port=server.port, appendonly=True).start()
@@ -31,6 +39,14 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
             before,
             after,
         )  # nothing acknowledged was lost
+        # Nor any prompt's history (what prompt skipping decides from): every record is back,
+        # at least as far along as before.
+        history_after = prompt_history(r)
+        assert len(history_before) > 0 and len(history_after) >= len(history_before)
+        assert all(
+            after.seen >= prior.seen
+            for prior, after in zip(history_before, history_after, strict=False)
+        )
         restarted_at = time.monotonic()
         at = learner_step(r)
         wait_for("training after the restart", lambda: learner_step(r) >= at + 2, 180)

@@ -129,6 +129,27 @@ def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamB
     assert len(client.get("/metrics/history").json()) == 2
 
 
+def test_status_and_metrics_show_what_generation_paid_for(
+    setup: tuple[TestClient, StreamBus, Path],
+) -> None:
+    client, bus, _ = setup
+    assert client.get("/status").json()["generation"] == {
+        "generated_per_trained": None,  # nothing trained yet
+        "prompts_skipped": 0,
+    }
+    bus.redis.hset(
+        bus.keys.ledger, mapping={"issued": 30, "trained": 16, "filtered": 10, "stale": 2}
+    )
+    bus.incr(Counter.PROMPTS_SKIPPED, 12)
+    assert client.get("/status").json()["generation"] == {
+        "generated_per_trained": 1.75,  # (16 + 10 + 2) / 16
+        "prompts_skipped": 12,
+    }
+    text = client.get("/metrics").text
+    assert "dapo_generated_per_trained 1.75" in text
+    assert "dapo_prompts_skipped_total 12.0" in text
+
+
 def test_checkpoint_listing_hides_uncommitted(setup: tuple[TestClient, StreamBus, Path]) -> None:
     client, _, store = setup
     commit_checkpoint(store, 5)
