@@ -120,6 +120,7 @@ class RolloutReplica:
             "policy_version": self.policy_version,
             "groups": self.groups_done,
             "idle_fraction": round(1.0 - (self.busy_s + sync_s) / wall, 4),
+            "busy_seconds": round(self.busy_s, 3),
             "sync_seconds": round(sync_s, 3),
         }
 

@@ -367,6 +367,9 @@ def summarize(
         "rollout_idle_fraction": sum(rollout_idle) / len(rollout_idle)
         if rollout_idle
         else float("nan"),
+        "rollout_busy_seconds": round(
+            sum(_stat(s, "busy_seconds", 0.0) for s in finals.values()), 2
+        ),
         "replica_final_versions": replica_versions,
         "gatekeeper_pass_rate": bus.pass_rate(ledger.filtered),
         "generated_per_trained": (ledger.trained + ledger.filtered + ledger.stale) / ledger.trained
