@@ -96,7 +96,13 @@ def rows() -> list[tuple[str, str, str]]:
                 "RL seconds to +25 points",
                 f"service {t['service_seconds_to_plus25']:.0f} s vs floor "
                 f"{t['floor_seconds_to_plus25']:.0f} s (service_over_floor "
-                f"{t['service_over_floor']:.2f})",
+                f"{t['service_over_floor']:.2f}"
+                + (
+                    f"; whole run {t['service_over_floor_whole_run']:.2f}"
+                    if "service_over_floor_whole_run" in t
+                    else ""
+                )
+                + ")",
                 f"`time_to_target.py`: {t['steps']} steps each, evaluation excluded on both sides",
             )
         )

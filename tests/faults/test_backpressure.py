@@ -68,8 +68,10 @@ def test_slow_learner_keeps_queues_and_redis_memory_bounded(tmp_path: Path) -> N
     with RedisServer(tmp_path / "redis", appendonly=True) as server:
         sampler = Sampler(server.url)
         sampler.start()
+        # Six slowed steps: the queues fill to the admission limit within the first one, and
+        # the replicas then wait for the learner for the rest.
         proc = start_run(
-            tmp_path, server.url, "learner.total_steps=10", faults="learner.slowdown=10"
+            tmp_path, server.url, "learner.total_steps=6", faults="learner.slowdown=10"
         )
         summary = finish(proc, tmp_path)
         sampler.done.set()
@@ -82,7 +84,7 @@ def test_slow_learner_keeps_queues_and_redis_memory_bounded(tmp_path: Path) -> N
         f"learner idle {summary['learner_idle_fraction']:.2f}, "
         f"rollout idle {summary['rollout_idle_fraction']:.2f}"
     )
-    assert summary["steps"] == 10 and summary["restarts"] == {}
+    assert summary["steps"] == 6 and summary["restarts"] == {}
     assert not sampler.unbalanced
     assert summary["ledger"]["balanced"] and summary["ledger"]["in_flight"] == 0
     # The queues filled up to the admission limit and no further: rollout was the fast side.
