@@ -87,6 +87,7 @@ def publication_extra_mib(trainer: Any, cfg: Any, rank: int) -> dict[str, float]
             timeout_s=60,  # type: ignore[arg-type]
             bucket_mb=cfg.learner.broadcast_bucket_mb,
             dtype=cfg.model.dtype,
+            key=b"not-published",
         )
     before = current_rss_mib()
     reset_peak()

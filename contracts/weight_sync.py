@@ -13,6 +13,15 @@ about `learner.weight_bucket_mb`, so a sync is a few large broadcasts instead of
 decision); the learner's publisher (`learner.weight_publisher`) and the replica's receiver
 (`rollout.weight_receiver`) each hold one and own their side of the protocol.
 
+Only the learner can announce: every announcement and every go/abort decision carries an
+HMAC-SHA256 under the run's weight-sync key (`DAPO_WEIGHTS_KEY`, held by the learner and the
+replicas, never by the reward workers, the gatekeeper or the API), so a pod that has the Redis
+password but not the key cannot make a replica join a rendezvous of its choosing. A replica
+also checks what a signed announcement asks before it allocates anything: the version, epoch,
+port and time-out in range, the host the one it was told to expect (`DAPO_WEIGHTS_HOST`, where
+set), dtypes from `DTYPES` only, and every bucket's names and shapes those of its own model
+(`check_buckets`).
+
 `WeightStream` is what an engine receives: a small picklable description of one sync (the
 announcement and this replica's rank). Iterating it joins (or reuses) the receive group of the
 process that iterates it and yields `(name, tensor)` bucket by bucket, so the same object works
@@ -21,8 +30,12 @@ in the rollout process (transformers engine) and inside vLLM's worker process.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import math
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -33,17 +46,63 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from contracts.config import ConfigError
+
 if TYPE_CHECKING:
     from contracts.bus import StreamBus
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Every dtype weights travel in; an announcement naming another is refused."""
+
+KEY_ENV = "DAPO_WEIGHTS_KEY"
+"""The environment variable holding the weight-sync signing key (learner and replicas only)."""
+MIN_KEY_CHARS = 32
+MAX_VERSION = 2**31 - 1
+"""Policy versions and membership epochs above this are refused (a step a second for 68
+years)."""
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_REPLICAS = 4096
+MAX_NAME_CHARS = 512
+
+
+class WeightKeyError(ConfigError):
+    """The weight-sync key is missing or too short (a configuration error: exit 2)."""
+
+
+def weights_key(env: dict[str, str] | None = None) -> bytes:
+    """The signing key from `DAPO_WEIGHTS_KEY`; WeightKeyError naming the fix when it is unset or
+    shorter than MIN_KEY_CHARS (`dapo run` makes one for the services it starts)."""
+    value = (os.environ if env is None else env).get(KEY_ENV, "")
+    if len(value) < MIN_KEY_CHARS:
+        problem = "is not set" if not value else f"is {len(value)} characters"
+        raise WeightKeyError(
+            f"{KEY_ENV} {problem}: the learner signs its weight announcements with it and the "
+            f"replicas accept only those it signed; give both the same secret of at least "
+            f"{MIN_KEY_CHARS} characters (generate one: openssl rand -hex 32). `dapo run` makes "
+            "one itself."
+        )
+    return value.encode()
+
+
+def sign(key: bytes, message: bytes) -> str:
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def signature_holds(key: bytes, message: bytes, signature: bytes | str | None) -> bool:
+    """True when `signature` is `sign(key, message)` (compared in constant time)."""
+    if signature is None:
+        return False
+    text = signature.decode("ascii", "replace") if isinstance(signature, bytes) else signature
+    return hmac.compare_digest(sign(key, message), text)
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """torch dtype from its short name ("bfloat16"), as ParamSpec stores it."""
-    return DTYPES.get(name) or getattr(torch, name)
+    """torch dtype from its short name ("bfloat16"), as ParamSpec stores it; only `DTYPES`."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one weights travel in ({', '.join(DTYPES)})")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -112,20 +171,65 @@ class Announcement:
             raise ValueError(
                 f"announcement backend {data['backend']!r} / store host {data['store_host']!r}"
             )
+        if len(data["replicas"]) > MAX_REPLICAS or any(
+            len(r) > MAX_NAME_CHARS for r in data["replicas"]
+        ):
+            raise ValueError("an announcement names too many replicas, or too long an id")
         buckets = tuple(
-            tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in bucket)
+            tuple(
+                ParamSpec(str(p["name"]), tuple(_dim(d) for d in p["shape"]), str(p["dtype"]))
+                for p in bucket
+            )
             for bucket in data["buckets"]
         )
-        return cls(
-            version=int(data["version"]),
-            epoch=int(data["epoch"]),
+        for bucket in buckets:
+            if not bucket or len({p.dtype for p in bucket}) != 1:
+                raise ValueError("an announced bucket is empty or mixes dtypes")
+            dtype_of(bucket[0].dtype)  # from the table, or refused
+        ann = cls(
+            version=_bounded(data["version"], "version", 0, MAX_VERSION),
+            epoch=_bounded(data["epoch"], "epoch", 0, MAX_VERSION),
             replicas=tuple(data["replicas"]),
             store_host=data["store_host"],
-            store_port=int(data["store_port"]),
+            store_port=_bounded(data["store_port"], "store port", 1, 65535),
             backend=data["backend"],
             timeout_s=float(data["timeout_s"]),
             buckets=buckets,
             publisher=str(data.get("publisher", "")),
+        )
+        if not (0 < ann.timeout_s <= MAX_TIMEOUT_S) or not math.isfinite(ann.timeout_s):
+            raise ValueError(f"announcement time-out {ann.timeout_s!r} s is out of range")
+        return ann
+
+
+def _bounded(value: object, what: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"announcement {what} {value!r} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _dim(value: object) -> int:
+    return _bounded(value, "tensor dimension", 0, 2**40)
+
+
+def check_buckets(ann: Announcement, expected: dict[str, tuple[int, ...]]) -> None:
+    """ValueError unless the announced buckets hold exactly the parameters `expected` names (this
+    replica's own model: every weight, or every adapter), each with its own shape: checked
+    before a receive buffer is allocated, so an announcement cannot size one."""
+    announced = {p.name: p.shape for bucket in ann.buckets for p in bucket}
+    if sum(len(b) for b in ann.buckets) != len(announced):
+        raise ValueError("an announcement names a parameter twice")
+    missing, unknown = expected.keys() - announced.keys(), announced.keys() - expected.keys()
+    if missing or unknown:
+        raise ValueError(
+            f"announced parameters do not match this model's: missing {sorted(missing)[:3]}, "
+            f"unknown {sorted(unknown)[:3]}"
+        )
+    wrong = [n for n, shape in announced.items() if tuple(expected[n]) != shape]
+    if wrong:
+        name = wrong[0]
+        raise ValueError(
+            f"announced shape {announced[name]} for {name} (this model's: {expected[name]})"
         )
 
 
@@ -370,14 +474,15 @@ class WeightChannel:
     stream (`Keys.weights`), each sync's join set and its go/abort decision. Writes go through
     the bus's fence, so a learner that lost its lease cannot announce."""
 
-    def __init__(self, bus: StreamBus) -> None:
-        self.bus = bus
+    def __init__(self, bus: StreamBus, key: bytes) -> None:
+        self.bus, self.key = bus, key
         self.stream = bus.keys.weights
 
     # --- the learner's side ----------------------------------------------------------------------
     def announce(self, ann: Announcement) -> None:
+        body = json.dumps(ann.to_json()).encode()
         self.bus.write(
-            "XADD", self.stream, "MAXLEN", "~", 1000, "*", "ann", json.dumps(ann.to_json())
+            "XADD", self.stream, "MAXLEN", "~", 1000, "*", "ann", body, "sig", sign(self.key, body)
         )
 
     def joined(self, ann: Announcement) -> set[str]:
@@ -385,7 +490,8 @@ class WeightChannel:
         return {m.decode() for m in raw}
 
     def decide(self, ann: Announcement, decision: str, ttl_s: int) -> None:
-        self.bus.write("SET", self.bus.keys.weight_decision(ann.group_key), decision, "EX", ttl_s)
+        signed = f"{decision}:{sign(self.key, _decision_message(ann, decision))}"
+        self.bus.write("SET", self.bus.keys.weight_decision(ann.group_key), signed, "EX", ttl_s)
 
     # --- a replica's side ------------------------------------------------------------------------
     def newest_id(self) -> str:
@@ -405,6 +511,28 @@ class WeightChannel:
         self.bus.redis.sadd(key, replica_id)
         self.bus.redis.expire(key, int(ann.timeout_s * 4) + 60)
 
+    def verified(self, fields: dict[bytes, bytes]) -> bytes:
+        """The announcement JSON of a weights-stream entry whose signature holds; ValueError
+        otherwise (not written by the learner: the replica skips it)."""
+        body = fields.get(b"ann")
+        if body is None or not signature_holds(self.key, body, fields.get(b"sig")):
+            raise ValueError("not signed with this run's weight-sync key")
+        return body
+
     def decision(self, ann: Announcement) -> bytes | None:
+        """The learner's go/abort for `ann` once made; a value it did not sign reads as none yet
+        (counted), so a planted "go" cannot start a broadcast nobody will send."""
         value: Any = self.bus.redis.get(self.bus.keys.weight_decision(ann.group_key))
-        return value if value is None else bytes(value)
+        if value is None:
+            return None
+        decision, _, signature = bytes(value).partition(b":")
+        if decision in (b"go", b"abort") and signature_holds(
+            self.key, _decision_message(ann, decision.decode()), signature
+        ):
+            return decision
+        self.bus.skip_bad_value(self.bus.keys.weight_decision(ann.group_key), "unsigned", value)
+        return None
+
+
+def _decision_message(ann: Announcement, decision: str) -> bytes:
+    return f"{ann.group_key}|{ann.version}|{decision}".encode()

@@ -38,6 +38,7 @@ from contracts.runtime import (
     free_port,
     instance_id,
 )
+from contracts.weight_sync import weights_key
 from learner.checkpoint import Checkpoints
 from learner.collect import StreamSource
 from learner.control import RunControl
@@ -154,6 +155,7 @@ def rank0_collaborators(
         timeout_s=le.collective_timeout_s,
         bucket_mb=le.broadcast_bucket_mb,
         dtype=cfg.model.dtype,
+        key=weights_key(),
     )
     source = StreamSource(
         bus,
@@ -191,6 +193,8 @@ def main(cfg: DapoConfig) -> int:
     # An hf:// model: each rank takes the cache's snapshot (downloaded by whichever gets there
     # first), before the process group forms, so a download never runs into its timeout.
     cfg = with_local_model(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        weights_key()  # rank 0 signs the weight announcements: refuse to start without the key
     stop = StopFlag().install()
     rank, world, backend = init_distributed(cfg)
     torch.manual_seed(cfg.learner.seed + rank)

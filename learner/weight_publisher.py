@@ -68,9 +68,10 @@ class WeightPublisher:
         timeout_s: float,
         bucket_mb: int,
         dtype: str | None = None,
+        key: bytes,
     ) -> None:
         self.bus, self.host, self.backend, self.dtype = bus, host, backend, dtype
-        self.channel = WeightChannel(bus)
+        self.channel = WeightChannel(bus, key)  # signs every announcement and decision
         self.timeout_s, self.bucket_mb = timeout_s, bucket_mb
         # Listens on `host` only (the configured weights host), not on every interface.
         self.store, self._listener = bound_store(host, port, timeout_s)

@@ -6,7 +6,9 @@ engine `between_steps` to call between decode steps (in-flight updates: a broadc
 while the replica generates, not after its batch):
 
 - reads the weights stream (announcements by learner rank 0, `publisher.WeightPublisher`) and
-  acts on the newest one naming this replica;
+  acts on the newest one naming this replica that the learner signed and that asks for nothing
+  this replica's own model does not have (`_check`): any other entry is skipped, logged and
+  counted (`bad_redis_values`), and the replica goes on generating;
 - takes part in the two-phase join (README.md, "What a run survives"): registers in the join
   set, then waits for the learner's `go` before touching torch.distributed, so a sync the
   learner aborted costs nothing but the wait;
@@ -34,6 +36,7 @@ cover a file swapped between the check and the load, nor a writer who rewrites t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,10 +58,17 @@ from contracts.checkpoint_store import (
     verify_subtree,
 )
 from contracts.config import DapoConfig
+from contracts.config import LoraConfig as LoraSettings
 from contracts.keys import Counter
 from contracts.runtime import StopFlag
 from contracts.schemas import parse_json
-from contracts.weight_sync import Announcement, WeightChannel, WeightStream
+from contracts.weight_sync import (
+    Announcement,
+    WeightChannel,
+    WeightStream,
+    check_buckets,
+    weights_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +110,16 @@ class WeightReceiver:
         stop: StopFlag,
         on_change: Callable[[], None] | None = None,
         watch_also: tuple[str, ...] = (),
+        key: bytes,
+        expected: dict[str, tuple[int, ...]],
+        expected_host: str | None = None,
     ) -> None:
         self.bus, self.engine, self.replica_id, self.stop = bus, engine, replica_id, stop
-        self.channel = WeightChannel(bus)
+        self.channel = WeightChannel(bus, key)
+        self.expected = expected
+        """What a broadcast must hold: this replica's weights (or adapters), name -> shape."""
+        self.expected_host = expected_host
+        """The one host an announcement may name (`DAPO_WEIGHTS_HOST`); None: any."""
         self.checkpoint_dir, self.base_model_path = checkpoint_dir, base_model_path
         self.lost_contact_s, self.max_staleness = lost_contact_s, max_staleness
         self.on_change = on_change
@@ -155,6 +172,11 @@ class WeightReceiver:
             stop=stop,
             on_change=on_change,
             watch_also=watch_also,
+            key=weights_key(),
+            expected=model_param_shapes(
+                cfg.model.path, cfg.learner.lora if cfg.learner.lora.enabled else None
+            ),
+            expected_host=os.environ.get("DAPO_WEIGHTS_HOST") or None,
         )
 
     # --- the loop's interface ------------------------------------------------------------------
@@ -246,20 +268,33 @@ class WeightReceiver:
         newest: tuple[Announcement, float] | None = None
         for eid, fields in entries:
             try:
-                data: Any = parse_json(fields[b"ann"], "announcement")
+                data: Any = parse_json(self.channel.verified(fields), "announcement")
                 ann = Announcement.from_json(data)
+                if self.replica_id in ann.replicas:
+                    self._check(ann)
             except (
                 KeyError,
                 ValueError,
                 TypeError,
                 AttributeError,
-            ) as exc:  # not the learner's: skip it
+            ) as exc:  # not the learner's, or not for this model: skip it
+                log.error("refused weight announcement %s: %s", eid.decode(), exc)
                 self.bus.skip_bad_value(f"{self.bus.keys.weights} {eid.decode()}", exc)
                 continue
             announced_at = int(eid.decode().split("-")[0]) / 1000
             if self.replica_id in ann.replicas and time.time() - announced_at < ann.timeout_s / 2:
                 newest = ann, announced_at
         return newest
+
+    def _check(self, ann: Announcement) -> None:
+        """ValueError unless a signed announcement asks only what this replica can give: the
+        expected host, and buckets holding exactly its own parameters (before any allocation)."""
+        if self.expected_host is not None and ann.store_host != self.expected_host:
+            raise ValueError(
+                f"rendezvous host {ann.store_host!r} is not the learner's "
+                f"({self.expected_host!r}, DAPO_WEIGHTS_HOST)"
+            )
+        check_buckets(ann, self.expected)
 
     def _await_go(self, ann: Announcement) -> bool:
         """Phase one of a sync: register in the join set, then wait for the learner's go/abort
@@ -465,6 +500,28 @@ class WeightReceiver:
                 describe_problems(problems),
             )
         return None, False
+
+
+def model_param_shapes(
+    model_dir: str, lora: LoraSettings | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of what a weight sync carries for the model in `model_dir`: every parameter,
+    or with LoRA the adapters alone, named as the learner's model names them. Built on the meta
+    device from the model's config (no weights are read or allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from contracts.lora import inject_adapters, is_adapter_param
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if lora is not None:
+        model = inject_adapters(model, lora)
+    return {
+        name: tuple(p.shape)
+        for name, p in model.named_parameters()
+        if lora is None or is_adapter_param(name)
+    }
 
 
 def _version(checkpoint: CheckpointInfo) -> int:

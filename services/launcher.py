@@ -38,6 +38,8 @@ from contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
 from contracts.keys import Counter, RunField, restarts_counter
 from contracts.model_source import Download, with_local_model
 from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
+from contracts.weight_sync import KEY_ENV as WEIGHTS_KEY_ENV
+from contracts.weight_sync import weights_key
 from reward.service import check_reward_function
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
@@ -60,9 +62,12 @@ class Service:
     log_file: TextIO | None = field(default=None, repr=False)
     devices: str | None = None
     """CUDA_VISIBLE_DEVICES for this service (None: inherit; "" hides every GPU)."""
+    private_env: dict[str, str] = field(default_factory=dict, repr=False)
+    """Environment only this service gets (the weight-sync key: the learner and the replicas)."""
 
     def start(self, env: dict[str, str]) -> None:
         self.log_file = self.log_path.open("a")
+        env = {**env, **self.private_env}
         if self.devices is not None:
             env = {**env, "CUDA_VISIBLE_DEVICES": self.devices}
         self.proc = subprocess.Popen(
@@ -453,6 +458,10 @@ def run_local(
     from services.api import check_token_strength
 
     check_token_strength(cfg.api.token_env)  # before the API service would fail on it
+    # The weight-sync signing key: the caller's (replicas started by hand can then join), else
+    # a fresh one for this run.
+    weights_key_text = os.environ.get(WEIGHTS_KEY_ENV) or secrets.token_urlsafe(32)
+    weights_key({WEIGHTS_KEY_ENV: weights_key_text})  # one set too short is refused here
     started = time.monotonic()
     out = Path(cfg.output_dir)
     logs = out / "logs"
@@ -476,6 +485,7 @@ def run_local(
         ).start()
         url = server.url
     env = {**os.environ, **prepared.env, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+    env.pop(WEIGHTS_KEY_ENV, None)  # given to the learner and the replicas only, below
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
     bus.check_memory_policy()
@@ -491,6 +501,9 @@ def run_local(
 
     api_port = cfg.api.port or free_port()
     services = _services(cfg, config_path, logs, api_port)
+    for svc in services:
+        if svc.name == "learner" or svc.name.startswith("rollout"):
+            svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
     if placement.gpus:
         for svc in services:
             svc.devices = placement.visible_devices(svc.name)

@@ -18,6 +18,9 @@ from contracts.keys import Keys
 from contracts.schemas import RolloutGroup, ScoredGroup
 
 REPO = Path(__file__).resolve().parents[1]
+WEIGHTS_KEY = os.environ.get("DAPO_WEIGHTS_KEY", "").encode()
+"""The weight-sync key the test session set (tests/conftest.py), for publishers and receivers
+built in a test."""
 
 
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:

@@ -17,9 +17,10 @@ from contracts.bus import StreamBus, connect
 from contracts.bus import transport as bus_transport
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
+from contracts.weight_sync import sign
 from learner.weight_publisher import WeightPublisher
 from rollout.weight_receiver import WeightReceiver
-from tests.helpers import wait_for
+from tests.helpers import WEIGHTS_KEY, wait_for
 
 
 @pytest.fixture()
@@ -49,7 +50,9 @@ def test_malformed_heartbeats_are_skipped_and_counted(bus: StreamBus) -> None:
     live = bus.live_instances("rollout")
     assert [i["id"] for i in live] == ["r0"] and live[0]["policy_version"] == 4
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)
-    publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1)
+    publisher = WeightPublisher(
+        bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1, key=WEIGHTS_KEY
+    )
     assert publisher.replica_versions() == {"r0": 4}  # the learner's weight sync reads the same
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(
         GARBAGE_HEARTBEATS
@@ -86,6 +89,8 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
         lost_contact_s=1e9,
         max_staleness=1,
         stop=stop,
+        key=WEIGHTS_KEY,
+        expected={"w": (3,)},
     )
     sub.start()
     try:
@@ -100,11 +105,12 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
             json.dumps({"replicas": ["r0"], "backend": "x", "store_host": 1}).encode(),
             NESTED,
         ]:
-            bus.redis.xadd(bus.keys.weights, {"ann": raw})
+            # Signed, as if the learner had written them: the parsing is what is tested here.
+            bus.redis.xadd(bus.keys.weights, {"ann": raw, "sig": sign(WEIGHTS_KEY, raw)})
         bus.redis.xadd(bus.keys.weights, {"other": b"field"})
         named = [("w", torch.ones(3))]
         publisher = WeightPublisher(
-            bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1
+            bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1, key=WEIGHTS_KEY
         )
         publisher.stage(1, iter(named), named)
         assert publisher.publish()
@@ -139,7 +145,9 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def test_the_weight_sync_store_listens_on_the_configured_host_only(bus: StreamBus) -> None:
-    publisher = WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1)
+    publisher = WeightPublisher(
+        bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1, key=WEIGHTS_KEY
+    )
     assert listening_addresses(publisher.port) == {
         socket.inet_aton("127.0.0.1")[::-1].hex().upper()
     }

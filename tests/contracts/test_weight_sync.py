@@ -18,10 +18,10 @@ from contracts.bus import StreamBus, connect
 from contracts.checkpoint_store import file_digest, write_manifest
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
-from contracts.weight_sync import Announcement, WeightStream, plan_buckets
+from contracts.weight_sync import Announcement, WeightStream, plan_buckets, sign
 from learner.weight_publisher import WeightPublisher
 from rollout.weight_receiver import WeightReceiver
-from tests.helpers import wait_for
+from tests.helpers import WEIGHTS_KEY, wait_for
 
 
 def params() -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +73,9 @@ def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
 
 
 def publisher(bus: StreamBus) -> WeightPublisher:
-    return WeightPublisher(bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1)
+    return WeightPublisher(
+        bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1, key=WEIGHTS_KEY
+    )
 
 
 def subscriber(
@@ -90,6 +92,8 @@ def subscriber(
         lost_contact_s=0.0,
         max_staleness=1,
         stop=stop,
+        key=WEIGHTS_KEY,
+        expected={name: tuple(t.shape) for name, t in params()},
     )
 
 
@@ -270,3 +274,83 @@ def test_an_announcement_round_trips_without_json_too() -> None:
         1, 2, ("r0", "r1"), "h", 5, "gloo", 3.0, plan_buckets(params(), 1), publisher="p"
     )
     assert Announcement.from_json(ann.to_json()) == ann
+
+
+def forged(version: int = 10**9, **changes: object) -> dict:
+    """The probe's announcement: replica r0 told to join a rendezvous elsewhere and take 1337s."""
+    ann = Announcement(
+        version, 1, ("r0",), "10.9.9.9", 29555, "gloo", 30.0, plan_buckets(params(), 1)
+    ).to_json()
+    return {**ann, **changes}
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["foreground", "background"])
+def test_a_forged_announcement_is_refused_and_the_replica_keeps_going(
+    bus: StreamBus, tmp_path: Path, on_host: bool
+) -> None:
+    """Whoever has the Redis password but not the weight-sync key: an unsigned announcement (plus
+    a planted "go"), one signed with another key, and signed ones asking for a host other than
+    the learner's, another model's shapes, an unknown dtype, or a version past every bound.
+    The replica joins none of them, allocates nothing, keeps its weights and version, counts
+    each, and then takes the learner's real broadcast."""
+    engine = FakeEngine(on_host=on_host)
+    sub = subscriber(bus, engine, tmp_path)
+    sub.lost_contact_s = 1e9
+    sub.expected_host = "127.0.0.1"  # DAPO_WEIGHTS_HOST
+    sub.start()
+    beat(bus, "r0")
+    probe = Announcement.from_json(forged())
+    bus.redis.set(bus.keys.weight_decision(probe.group_key), "go")
+    assert sub.channel.decision(probe) is None  # a planted go is no decision
+
+    def signed(data: dict, key: bytes = WEIGHTS_KEY) -> dict[str, bytes | str]:
+        body = json.dumps(data).encode()
+        return {"ann": body, "sig": sign(key, body)}
+
+    bad_shape, bad_dtype = forged(), forged()
+    bad_shape["buckets"][0][0]["shape"] = (1337, 1337)  # "a" of another model: a larger buffer
+    for spec in bad_dtype["buckets"][0]:
+        spec["dtype"] = "int64"
+    attempts = [
+        {"ann": json.dumps(forged()).encode()},  # unsigned
+        signed(forged(), key=b"someone-else's-key-0123456789abcdef"),
+        signed(forged()),  # signed, but the host is not the learner's
+        signed({**bad_shape, "store_host": "127.0.0.1"}),
+        signed({**bad_dtype, "store_host": "127.0.0.1"}),
+        signed(forged(version=2**40, store_host="127.0.0.1")),
+    ]
+    started = time.monotonic()
+    for fields in attempts:
+        bus.redis.xadd(bus.keys.weights, fields)
+    wait_for(
+        "every forgery counted",
+        lambda: (
+            sub.between_steps() == 0
+            and bus.counters().get(Counter.BAD_REDIS_VALUES, 0) >= len(attempts) + 1
+        ),
+        timeout_s=20,
+        every_s=0.05,
+    )
+    assert time.monotonic() - started < 10  # no rendezvous was waited for
+    assert engine.weights == {} and sub.policy_version == 0
+    assert sub.group_key == "" and not bus.redis.keys(f"{bus.keys.ns}:weights:joined:*")
+    assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(attempts) + 1
+    replica = threading.Thread(target=sub.wait_for, args=(1,), name="replica", daemon=True)
+    replica.start()
+    named = params()
+    pub = publisher(bus)
+    pub.stage(1, iter(named), named)
+    assert pub.publish()
+    replica.join(30)
+    assert sub.policy_version == 1 and torch.equal(engine.weights["a"], named[0][1])
+
+
+def test_the_replica_and_the_learner_refuse_to_start_without_the_key() -> None:
+    from contracts.config import ConfigError
+    from contracts.weight_sync import KEY_ENV, weights_key
+
+    with pytest.raises(ConfigError, match=f"{KEY_ENV} is not set"):
+        weights_key({})
+    with pytest.raises(ConfigError, match=r"is 8 characters.*at least 32"):
+        weights_key({KEY_ENV: "short-ky"})
+    assert weights_key({KEY_ENV: "k" * 32}) == b"k" * 32

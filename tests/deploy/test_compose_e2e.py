@@ -285,8 +285,11 @@ def deployment(engine: Engine, tmp_path: Path) -> Deployment:
     token, password, port = secrets.token_hex(16), secrets.token_hex(16), free_port()
     text = (REPO / ".env.example").read_text(encoding="utf-8")
     assert "\nDAPO_API_TOKEN=\n" in text and "\nDAPO_REDIS_PASSWORD=\n" in text
-    text = text.replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n").replace(
-        "\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n"
+    assert "\nDAPO_WEIGHTS_KEY=\n" in text
+    text = (
+        text.replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n")
+        .replace("\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n")
+        .replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={secrets.token_hex(32)}\n")
     )
     text += (
         f"\nDAPO_CONFIG_FILE={tmp_path / 'config.yaml'}\n"

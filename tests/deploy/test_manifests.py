@@ -332,6 +332,7 @@ def _env_file(tmp_path: Path, token: str, redis_password: str = "test-password")
         "\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n"
     )
     text = text.replace(f"\n{REDIS_PASSWORD_VAR}=\n", f"\n{REDIS_PASSWORD_VAR}={redis_password}\n")
+    text = text.replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={'k' * 64}\n")
     path = tmp_path / "env"
     path.write_text(text, encoding="utf-8")
     return path

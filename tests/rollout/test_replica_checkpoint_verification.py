@@ -34,7 +34,8 @@ from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
 from rollout import weight_receiver
 from rollout.hf_engine import HFEngine
-from rollout.weight_receiver import WeightReceiver
+from rollout.weight_receiver import WeightReceiver, model_param_shapes
+from tests.helpers import WEIGHTS_KEY
 
 WEIGHTS = "model.safetensors"
 
@@ -71,6 +72,8 @@ def subscriber(bus: StreamBus, engine: RecordingEngine, store: Path, base: Path)
         lost_contact_s=0.0,
         max_staleness=1,
         stop=StopFlag(),
+        key=WEIGHTS_KEY,
+        expected=model_param_shapes(str(base)),
     )
 
 
