@@ -449,7 +449,7 @@ class LearnerConfig(_Section):
     """Data-parallel learner ranks `dapo run` launches with torchrun."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto = nccl when CUDA is available, else gloo."""
-    collective_timeout_s: float = Field(120.0, gt=0)
+    collective_timeout_s: float = Field(120.0, gt=0, le=24 * 3600)
     """Timeout on every collective (training and weight broadcast)."""
     lease_ttl_s: float = Field(30.0, gt=0)
     """The learner lease (one learner per run, `contracts/lease.py`): renewed every third

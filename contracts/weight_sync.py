@@ -94,8 +94,8 @@ def signature_holds(key: bytes, message: bytes, signature: bytes | str | None) -
     """True when `signature` is `sign(key, message)` (compared in constant time)."""
     if signature is None:
         return False
-    text = signature.decode("ascii", "replace") if isinstance(signature, bytes) else signature
-    return hmac.compare_digest(sign(key, message), text)
+    given = signature if isinstance(signature, bytes) else signature.encode("utf-8", "replace")
+    return hmac.compare_digest(sign(key, message).encode(), given)  # bytes: any value compares
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -139,6 +139,10 @@ class Announcement:
     buckets: tuple[Bucket, ...]
     publisher: str = ""
     """A token unique to the publishing learner process (see `group_key`)."""
+    issued_at: float = 0.0
+    """The learner's clock when it announced (signed with the rest, unlike the stream entry's
+    id): a replica takes an announcement only while it is fresh, so a copy added later is
+    refused."""
 
     @property
     def world_size(self) -> int:
@@ -196,6 +200,7 @@ class Announcement:
             timeout_s=float(data["timeout_s"]),
             buckets=buckets,
             publisher=str(data.get("publisher", "")),
+            issued_at=float(data.get("issued_at", 0.0)),
         )
         if not (0 < ann.timeout_s <= MAX_TIMEOUT_S) or not math.isfinite(ann.timeout_s):
             raise ValueError(f"announcement time-out {ann.timeout_s!r} s is out of range")

@@ -142,7 +142,10 @@ class StreamSource:
         recorded = self.bus.run_int(RunField.DATA_CURSOR)
         issued = self.bus.ledger().issued
         self.feeder.cursor = max(checkpoint_cursor, recorded, issued)
-        self.feeder.jobs_issued = issued
+        # Without skipping every cursor position was issued, so the checkpoint's cursor also
+        # bounds what a sample budget has spent when Redis lost the ledger.
+        checkpoint_issued = checkpoint_cursor if self.feeder.skip is None else 0
+        self.feeder.jobs_issued = max(issued, checkpoint_issued)
 
     # --- collecting -------------------------------------------------------------------------------
     @property
@@ -167,10 +170,7 @@ class StreamSource:
         while not self._ready() and time.monotonic() - start < self.budget_s:
             if self.stop.stopping:
                 break
-            cursor = self.feeder.cursor
-            self.feeder.admit(policy_version)
-            if self.feeder.cursor != cursor:  # issued or skipped: record it for a restart
-                self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
+            self.feeder.admit(policy_version)  # records the cursor for a restart
             self._receive(policy_version)
             self.catch_up()
         if not self._ready():

@@ -38,7 +38,7 @@ from typing import Any
 from contracts.bus import StreamBus
 from contracts.config import PromptSkipConfig
 from contracts.data import PromptRecord, encode_prompt
-from contracts.keys import Counter
+from contracts.keys import Counter, RunField
 from contracts.schemas import PromptJob, encode_job
 
 CANDIDATES_PER_JOB = 32
@@ -135,7 +135,8 @@ class PromptFeeder:
         """Issue the prompt jobs admission control allows now; returns how many. The cursor may
         move further than that: past the prompts skipped on the way."""
         ledger = self.bus.ledger()
-        self.jobs_issued = ledger.issued
+        # Never back: Redis restarted without persistence counts from 0 again.
+        self.jobs_issued = max(self.jobs_issued, ledger.issued)
         rate = self.bus.pass_rate(ledger.filtered)
         n = self.wanted(
             in_flight=ledger.train_in_flight,
@@ -143,10 +144,14 @@ class PromptFeeder:
             pass_rate=1.0 if rate is None else rate,
         )
         if self.max_jobs is not None:  # trim the admission that reaches the sample budget
-            n = min(n, self.max_jobs - ledger.issued)
+            n = min(n, self.max_jobs - self.jobs_issued)
         if n <= 0:
             return 0
         jobs = [encode_job(self._job(cursor, policy_version)) for cursor in self._choose(n)]
+        # Recorded before the jobs exist, for a restarted learner (`StreamSource.resume`): a
+        # position recorded but never issued is only skipped, one issued twice would be trained
+        # twice (the ledger's issued count no longer bounds the cursor once prompts are skipped).
+        self.bus.update_run_info({RunField.DATA_CURSOR: self.cursor})
         issued = self.bus.issue(jobs) if jobs else 0
         self.jobs_issued += issued
         return issued

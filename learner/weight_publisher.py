@@ -218,6 +218,7 @@ class WeightPublisher:
             timeout_s=self.timeout_s,
             buckets=self.buckets,
             publisher=self.token,
+            issued_at=time.time(),
         )
         start = time.monotonic()
         if self.group is None:  # a new group: two-phase join first

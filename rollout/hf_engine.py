@@ -191,6 +191,7 @@ class HFEngine:
             attention_mask=mask[:, :-1],
             position_ids=positions[:, :-1],
             use_cache=True,
+            logits_to_keep=1,  # only the cache is wanted: no (B, T, vocab) logits
         ).past_key_values
         cache.batch_repeat_interleave(n)
         return cache

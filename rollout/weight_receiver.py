@@ -281,7 +281,9 @@ class WeightReceiver:
                 log.error("refused weight announcement %s: %s", eid.decode(), exc)
                 self.bus.skip_bad_value(f"{self.bus.keys.weights} {eid.decode()}", exc)
                 continue
-            announced_at = int(eid.decode().split("-")[0]) / 1000
+            # Fresh by the learner's signed clock (a copy re-added later gets a new stream id,
+            # not a new signature), while its rendezvous can still be open.
+            announced_at = ann.issued_at
             if self.replica_id in ann.replicas and time.time() - announced_at < ann.timeout_s / 2:
                 newest = ann, announced_at
         return newest
@@ -289,6 +291,11 @@ class WeightReceiver:
     def _check(self, ann: Announcement) -> None:
         """ValueError unless a signed announcement asks only what this replica can give: the
         expected host, and buckets holding exactly its own parameters (before any allocation)."""
+        if ann.group_key == self.group_key and ann.version <= self.policy_version:
+            raise ValueError(
+                f"version {ann.version} over the group this replica holds version "
+                f"{self.policy_version} from: a replay"
+            )
         if self.expected_host is not None and ann.store_host != self.expected_host:
             raise ValueError(
                 f"rendezvous host {ann.store_host!r} is not the learner's "

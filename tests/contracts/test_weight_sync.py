@@ -343,6 +343,18 @@ def test_a_forged_announcement_is_refused_and_the_replica_keeps_going(
     assert pub.publish()
     replica.join(30)
     assert sub.policy_version == 1 and torch.equal(engine.weights["a"], named[0][1])
+    # The learner's own announcement, copied back into the stream later: signed, but a replay.
+    [(_, real)] = bus.redis.xrevrange(bus.keys.weights, count=1)
+    bus.redis.xadd(bus.keys.weights, real)
+    wait_for(
+        "the replay refused",
+        lambda: (
+            sub.between_steps() == 1
+            and bus.counters()[Counter.BAD_REDIS_VALUES] == len(attempts) + 2
+        ),
+        timeout_s=20,
+        every_s=0.05,
+    )
 
 
 def test_the_replica_and_the_learner_refuse_to_start_without_the_key() -> None:

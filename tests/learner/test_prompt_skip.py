@@ -12,7 +12,7 @@ import pytest
 from contracts.bus import MAX_PROMPTS, StreamBus, connect
 from contracts.config import PromptSkipConfig
 from contracts.data import PromptRecord
-from contracts.keys import Counter, Keys
+from contracts.keys import Counter, Keys, RunField
 from contracts.schemas import PromptJob, Response, ScoredGroup, decode_job, encode_group
 from gatekeeper.service import Gatekeeper
 from learner.feeder import PromptFeeder, keep_probability
@@ -139,6 +139,7 @@ def test_a_long_streak_is_skipped_with_the_floors_probability(bus: StreamBus) ->
     f = feeder(bus, skip)
     assert f.admit(0) == 10_000
     seen = f.cursor  # every position the feeder came to: issued or skipped
+    assert bus.run_int(RunField.DATA_CURSOR) == seen  # recorded for a restarted learner
     issued = bus.ledger().issued
     assert issued == 10_000 == f.jobs_issued and f.skipped == seen - issued
     assert bus.counters()[Counter.PROMPTS_SKIPPED] == f.skipped
