@@ -131,6 +131,8 @@ def _local_model(cfg: DapoConfig) -> None:
     spec, path = cfg.model.build_tiny, Path(cfg.model.path).expanduser()
     if spec is not None and not (path / "config.json").exists():
         _build_tiny(cfg, spec)
+    elif spec is not None:
+        _check_tiny_base(cfg, path)
     elif not path.is_dir():
         raise ConfigError(
             f"model.path={cfg.model.path!r}: no such model directory (a Hugging Face Hub model is "
@@ -168,13 +170,53 @@ def _prepare_data(cfg: DapoConfig) -> None:
         )
 
 
+BASE_TRAIN_ROWS = 20_000
+"""Problems the tiny base is warm-started on (at most)."""
+
+
+def _base_train_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
+    """What the tiny base learns from: with `data.synth`, its own `BASE_TRAIN_ROWS` problems of
+    the configured kind (tiny.yaml's training set), whatever the run trains on, so every preset
+    that names the same `model.path` gets the same base (a preset over 1,000 problems once
+    built a base from those 1,000, and every later run of the demo started from a weaker
+    model); without it, the first `BASE_TRAIN_ROWS` rows of `data.train_path`."""
+    from contracts.data import load_prompts, parse_row
+    from services.demo.synthetic import synth_rows
+
+    d = cfg.data
+    if d.synth is not None:
+        rows = synth_rows(
+            BASE_TRAIN_ROWS, difficulty=d.synth.difficulty, seed=d.seed, template=d.synth.template
+        )
+        return [_as_row(parse_row(r, row_number=i, source="synth")) for i, r in enumerate(rows)]
+    return [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:BASE_TRAIN_ROWS]]
+
+
+def _check_tiny_base(cfg: DapoConfig, path: Path) -> None:
+    """Refuse a cached tiny base that this config would not have built (other training rows):
+    reusing it silently would start the run from another model than the preset says."""
+    from services.demo.tiny_base import BUILD_INFO, rows_sha256
+
+    info_path = path / BUILD_INFO
+    if not info_path.exists():
+        return  # a model put there by hand: the user's choice
+    built = json.loads(info_path.read_text(encoding="utf-8")).get("train_sha256")
+    wanted = rows_sha256(_base_train_rows(cfg))
+    if built != wanted:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} holds a tiny base built from other training rows "
+            f"than this config builds it from ({BUILD_INFO}: train_sha256 {built!r}); delete "
+            "that folder to rebuild it, or set another model.path"
+        )
+
+
 def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
     from contracts.data import load_prompts
     from services.demo.tiny_base import ensure_tiny_base
 
     d = cfg.data
     log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
-    train = [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:20000]]
+    train = _base_train_rows(cfg)
     evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path, columns=d.columns)[:128]]
     info = ensure_tiny_base(
         Path(cfg.model.path),

@@ -378,6 +378,7 @@ def build_tiny_base(
         vocab_size=len(tokenizer),
         num_parameters=model.num_parameters(),
         train_rows=len(train),
+        train_sha256=rows_sha256(train_rows),
         eval_samples=len(evals),
         samples_per_problem=samples_per_problem,
         weights_sha256=weights_sha256(model),
@@ -499,6 +500,15 @@ def _save_atomically(
         raise
     report(f"tiny base: saved to {out_dir} (accuracy {info['accuracy']:.3f}, {info['seconds']} s)")
     return info
+
+
+def rows_sha256(rows: Iterable[dict[str, Any]]) -> str:
+    """A fingerprint of a build's training rows (`build_info.json`, `train_sha256`): a base is
+    only reused by a run that would build it from the same rows."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
 
 
 def ensure_tiny_base(out_dir: Path, **kwargs: Any) -> dict[str, Any]:

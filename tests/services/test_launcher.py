@@ -297,3 +297,43 @@ def test_the_prepare_step_prints_each_log_line_once(tmp_path: Path) -> None:
     repeated = {text: n for text, n in said.items() if n > 1}
     assert not repeated, proc.stderr[-3000:]
     assert any(m.startswith("tiny base: saved to") for m in said)  # the build did log its progress
+
+
+def _synth_config(tmp_path: Path, num_train: int, model_path: Path) -> Any:
+    from contracts.config import build_config
+
+    return build_config(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(model_path), "build_tiny": {}},
+            "data": {
+                "train_path": str(tmp_path / f"train-{num_train}.parquet"),
+                "synth": {"num_train": num_train, "num_eval": 4},
+            },
+            "rollout": {"max_response_len": 16},
+            "reward": {"overlong": {"buffer_len": 4}},
+        }
+    )
+
+
+def test_the_tiny_base_learns_from_the_same_rows_whatever_the_run_trains_on(
+    tmp_path: Path,
+) -> None:
+    """A preset over 1,000 problems and one over 20,000 name the same cached base: both must
+    build it from the same rows, or whichever ran first decides every later run's model."""
+    small = _synth_config(tmp_path, 1000, tmp_path / "base")
+    large = _synth_config(tmp_path, 20000, tmp_path / "base")
+    rows = launcher._base_train_rows(small)
+    assert len(rows) == launcher.BASE_TRAIN_ROWS
+    assert rows == launcher._base_train_rows(large)
+
+
+def test_a_cached_tiny_base_built_from_other_rows_is_refused(tmp_path: Path) -> None:
+    from services.demo.tiny_base import BUILD_INFO
+
+    cfg = _synth_config(tmp_path, 1000, tmp_path / "base")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    (tmp_path / "base" / BUILD_INFO).write_text(json.dumps({"train_sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match="built from other training rows"):
+        launcher._local_model(cfg)
