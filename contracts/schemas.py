@@ -33,6 +33,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 SCHEMA_VERSION = 6
@@ -98,6 +99,8 @@ MAX_PROBLEMS = 10_000_000
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 """A duration or a wall-clock time: finite and not negative (NaN would poison every mean)."""
 Tokens = Annotated[list[int], Field(max_length=MAX_TOKENS)]
+MAX_TOOL_CALLS = 64
+"""Most tool calls one response may record (`rollout.tools.max_turns` is at most 64)."""
 
 
 class EvalTag(_Msg):
@@ -162,6 +165,32 @@ class Response(_Msg):
     """(lowest, highest) policy version that sampled its tokens; they differ when the weights
     changed while it was generated (an in-flight update, or a reload of an older checkpoint after
     a failed broadcast). None: not recorded."""
+    tool_spans: list[tuple[int, int]] = Field(default_factory=list, max_length=MAX_TOOL_CALLS)
+    """[start, end) of each tool result inserted among `token_ids` (`rollout.tools`): context
+    the model did not sample, with log-prob 0; the learner gives them loss mask 0. Empty when
+    the model sampled every token."""
+    tool_calls: int = Field(0, ge=0, le=MAX_TOOL_CALLS)
+    tool_errors: int = Field(0, ge=0, le=MAX_TOOL_CALLS)
+    """Calls that returned an error text (time-outs included)."""
+    tool_timeouts: int = Field(0, ge=0, le=MAX_TOOL_CALLS)
+    tool_seconds: Seconds = 0.0
+
+    @model_validator(mode="after")
+    def _spans_inside(self) -> Response:
+        end = 0
+        for start, stop in self.tool_spans:
+            if not end <= start < stop <= len(self.token_ids):
+                raise ValueError(
+                    f"tool_spans {self.tool_spans} are not increasing, non-empty spans inside "
+                    f"the response's {len(self.token_ids)} tokens"
+                )
+            end = stop
+        return self
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model sampled: what `max_response_len` and the overlong penalty count."""
+        return len(self.token_ids) - sum(stop - start for start, stop in self.tool_spans)
 
 
 class RolloutGroup(_Msg):
@@ -326,6 +355,7 @@ def encode_group(group: RolloutGroup) -> dict[str, bytes]:
             "finish_reason": r.finish_reason,
             "text": r.text,
             "versions": r.versions,
+            **(_tool_fields(r) if r.tool_calls or r.tool_spans else {}),
         }
         for r in group.responses
     ]
@@ -348,6 +378,13 @@ def encode_group(group: RolloutGroup) -> dict[str, bytes]:
         "tokens": _pack_ints(tokens),
         "logprobs": _pack_floats(logprobs),
     }
+
+
+_TOOL_FIELDS = ("tool_spans", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
+
+
+def _tool_fields(response: Response) -> dict[str, Any]:
+    return {name: getattr(response, name) for name in _TOOL_FIELDS}
 
 
 def encode_eval_result(result: EvalResult) -> dict[str, bytes]:
@@ -435,6 +472,7 @@ def _decode_group(fields: dict[bytes, bytes], kind: str, model: type[_Group]) ->
                 "finish_reason": head.get("finish_reason"),
                 "text": head.get("text", ""),
                 "versions": head.get("versions"),
+                **{k: head[k] for k in _TOOL_FIELDS if k in head},
             }
         )
         offset += n

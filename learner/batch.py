@@ -33,7 +33,7 @@ class TrainBatch:
     attention_mask: Tensor  # (B, P + R) long
     position_ids: Tensor  # (B, P + R) long
     responses: Tensor  # (B, R) long: response tokens (pad where masked)
-    response_mask: Tensor  # (B, R) float: 1 on valid response tokens
+    response_mask: Tensor  # (B, R) float: 1 on tokens the model sampled (not padding, not tools)
     token_rewards: Tensor  # (B, R) float: the shaped reward on each response's last token
     advantages: Tensor  # (B,) float
     behaviour_log_prob: Tensor  # (B, R) float: log-probs recorded by the generating engine
@@ -81,6 +81,8 @@ def build_batch(
             behaviour[b, :n] = torch.tensor(r.logprobs)
             keep = not (overlong_filter and r.finish_reason == "length")
             response_mask[b, :n] = float(keep)
+            for start, stop in r.tool_spans:  # a tool's result: context, not the model's tokens
+                response_mask[b, start:stop] = 0.0
             token_rewards[b, n - 1] = g.rewards[ri]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     returns = token_rewards.sum(-1)  # (B,): the outcome reward sits on the last token

@@ -163,7 +163,7 @@ def score_group(
     rewards = [
         shaped_reward(
             r.score,
-            len(resp.token_ids),
+            resp.model_tokens,  # tool results inserted in the response are not the model's
             max_len=max_len,
             buffer_len=ov.buffer_len,
             factor=ov.penalty_factor,

@@ -8,7 +8,7 @@ of the model's end tokens (`rollout/end_tokens.py`), not only at the tokenizer's
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -38,11 +38,14 @@ class Engine(Protocol):
         top_p: float,
         seed: int | None = None,
         between_steps: BetweenSteps | None = None,
+        stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
         """For each prompt, n samples. Log-probs are of the temperature-scaled distribution,
         each token's under the weights that sampled it. With `between_steps`, weights may change
         between decode steps (in-flight updates): responses in flight continue under the new
-        weights, and each sample's `versions` is the (oldest, newest) version that produced it."""
+        weights, and each sample's `versions` is the (oldest, newest) version that produced it.
+        A sample whose text comes to contain one of the `stop` strings ends with the token that
+        completes it (finish reason "stop_string"): a tool call, in multi-turn generation."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -33,7 +33,7 @@ folder resets the adapters to zero (the base policy, version 0).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from transformers import (
@@ -135,6 +135,7 @@ class HFEngine:
         top_p: float,
         seed: int | None = None,
         between_steps: Callable[[], int] | None = None,
+        stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
         if seed is not None:
             torch.manual_seed(seed)
@@ -163,6 +164,7 @@ class HFEngine:
             return_dict_in_generate=True,
             output_logits=True,
             stopping_criteria=StoppingCriteriaList([hook] if hook else []),
+            **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
         )
         new = out.sequences[:, width:]  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
@@ -175,9 +177,32 @@ class HFEngine:
         for row in range(new.shape[0]):
             toks = new[row].tolist()
             end, reason = response_end(toks, self.end_ids)
+            cut = self._stop_string_end(toks[:end], stop) if stop else None
+            if cut is not None:
+                end, reason = cut, "stop_string"
             versions = _version_range(hook.versions[: max(end, 1)]) if hook else None
             samples.append(Sample(toks[:end], logp[row, :end].tolist(), reason, versions))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _stop_string_end(self, tokens: list[int], stop: Sequence[str]) -> int | None:
+        """The length of the shortest prefix of `tokens` whose text contains a `stop` string
+        (generation stopped that row there; what follows is padding), or None. Containing one
+        only grows with the prefix, so a binary search decodes log2(len) prefixes."""
+
+        def holds(k: int) -> bool:
+            text = self.tokenizer.decode(tokens[:k], skip_special_tokens=False)
+            return any(s in text for s in stop)
+
+        if not tokens or not holds(len(tokens)):
+            return None
+        low, high = 1, len(tokens)
+        while low < high:
+            mid = (low + high) // 2
+            if holds(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return low
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int) -> Cache:
         """The key/value cache of every prompt token but the last, computed once per prompt and

@@ -24,6 +24,7 @@ lowest and highest version that sampled it, and the learner's round reports that
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from contracts.schemas import (
 )
 from contracts.weight_sync import weights_key
 from rollout.engine import BetweenSteps, Engine, make_engine
+from rollout.tool_use import ToolBox, generate_with_tools
 from rollout.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,10 @@ class RolloutReplica:
         stop: StopFlag,
         *,
         beat_now: Callable[[], None] = lambda: None,
+        tools: ToolBox | None = None,
     ) -> None:
         self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
+        self.tools = tools  # `rollout.tools`: multi-turn generation (rollout/tool_use.py)
         # A new policy version is reported at once: the learner's catch-up reads it from heartbeats.
         self.weights = WeightReceiver.from_config(
             cfg,
@@ -108,6 +112,8 @@ class RolloutReplica:
         self.weights.sync()
 
     def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
         self.engine.close()
 
     @property
@@ -163,7 +169,12 @@ class RolloutReplica:
         # An evaluation measures one policy where holding costs the learner nothing (docstring).
         hold = tag is not None and self.weights.background
         between_steps = self._holding(held) if hold else self._step_hook
-        outputs = self.engine.generate(
+        generate = (
+            self.engine.generate
+            if self.tools is None
+            else functools.partial(generate_with_tools, self.engine, self.tools)
+        )
+        outputs = generate(
             [job.prompt_ids for _, job in jobs],
             n=n,
             max_tokens=ro.max_response_len,
@@ -187,6 +198,11 @@ class RolloutReplica:
                         logprobs=s.logprobs,
                         finish_reason=s.finish_reason,
                         versions=v,
+                        tool_spans=s.tool_spans,
+                        tool_calls=s.tool_calls,
+                        tool_errors=s.tool_errors,
+                        tool_timeouts=s.tool_timeouts,
+                        tool_seconds=s.tool_seconds,
                     )
                     for s, v in zip(samples, versions, strict=True)
                 ],
@@ -247,7 +263,15 @@ def main(cfg: DapoConfig) -> int:
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
     engine = make_engine(cfg, replica_id=ctx.inst)  # a seed of its own per replica
-    worker = RolloutReplica(cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now)
+    tools = None
+    if cfg.rollout.tools.enabled:
+        from transformers import AutoTokenizer
+
+        tools = ToolBox(cfg.rollout.tools, AutoTokenizer.from_pretrained(cfg.model.path))
+        log.info("tools %s in sandboxes (%s)", list(tools.sandboxes), tools.isolation)
+    worker = RolloutReplica(
+        cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now, tools=tools
+    )
     log.info("rollout replica %s ready", ctx.inst)
     serve_stage(ctx, worker, cfg.queue)
     log.info("rollout replica %s stopped after %d groups", ctx.inst, worker.groups_done)

@@ -56,7 +56,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -236,6 +236,7 @@ class VLLMEngine:
         top_p: float,
         seed: int | None = None,
         between_steps: Callable[[], int] | None = None,
+        stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -259,7 +260,10 @@ class VLLMEngine:
                 logprobs=0,
                 seed=None if seed is None else seed + i * n,
                 stop_token_ids=list(self.end_ids),
-                detokenize=False,
+                # Stop strings are matched on text: only then does vLLM detokenize.
+                stop=list(stop) or None,
+                include_stop_str_in_output=bool(stop),
+                detokenize=bool(stop),
             )
             for i in range(len(prompts))
         ]
@@ -429,4 +433,7 @@ def _to_sample(completion: Any, versions: tuple[int, int] | None = None) -> Samp
     logprobs = [float(step[tok].logprob) for step, tok in zip(steps, token_ids, strict=True)]
     if completion.finish_reason not in ("stop", "length"):
         raise EngineError(f"vLLM finished a sample with reason {completion.finish_reason!r}")
-    return Sample(token_ids, logprobs, completion.finish_reason, versions)
+    reason = completion.finish_reason
+    if reason == "stop" and isinstance(getattr(completion, "stop_reason", None), str):
+        reason = "stop_string"  # a `stop` string, not an end token (whose stop_reason is None)
+    return Sample(token_ids, logprobs, reason, versions)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("contracts", "rollout", "reward", "gatekeeper", "learner", "services")
+PACKAGES = ("sandbox", "contracts", "rollout", "reward", "gatekeeper", "learner", "services")
 LINT = Path(sys.executable).with_name("lint-imports")
 
 

@@ -1,0 +1,243 @@
+"""Multi-turn generation with tools (`rollout.tools`, docs/algorithm.md section 12).
+
+The model calls a tool by writing `<NAME>ARGS</NAME>` (NAME: `calculator`, `python`, or a user
+function's name), a plain tag format that a model without a tool-call chat format can learn
+from a few traces. Generation stops at the closing tag (the engines' `stop` strings); the call
+runs in a sandbox (`sandbox.pool`: its own process, no network, no secrets, a time and memory
+limit); its result, cut to `max_result_tokens`, goes back into the response as
+`<result>TEXT</result>`; generation goes on from there, up to `max_turns` calls. A failing,
+hanging or crashing call returns an error text to the model (`error: ...`): the response and its
+group are never lost to a tool.
+
+What a response records (a `Sample`): every token in order, the model's and the inserted
+results'; `sampled` marks which the model sampled (1) and which a tool inserted (0). Inserted
+tokens carry log-prob 0 and are context only: the learner gives them loss mask 0, computes the
+log-probs of the model's tokens over the whole trajectory, and the overlong penalty counts the
+model's tokens (`max_response_len` bounds them, not the results). Each model token keeps the
+log-prob and the policy version it was sampled with: weights may change between two turns, or
+inside one (in-flight updates), and `versions` spans all of them.
+
+Generation runs in rounds: every response of the batch generates until it ends or calls a tool;
+the calls of a round run concurrently (`rollout.tools.workers` per tool); then every response
+that called continues, batched. A response past `max_turns` calls ends at its next call,
+unanswered (finish reason "stop"); one whose model tokens reach `max_response_len` ends with
+"length".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.config import ToolsConfig, tool_name
+from rollout.engine import BetweenSteps, Engine
+from rollout.sample import Sample
+from sandbox.builtin_tools import BUILTIN_TOOLS
+from sandbox.pool import CallResult, Sandbox
+
+log = logging.getLogger(__name__)
+
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    args: str | None
+    """None: the closing tag came without its opening tag (a malformed call)."""
+
+
+class ToolBox:
+    """The configured tools, each in its own sandbox, and the tag format around them."""
+
+    def __init__(self, cfg: ToolsConfig, tokenizer: Any) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.sandboxes: dict[str, Sandbox] = {}
+        try:
+            for spec in cfg.functions:
+                self.sandboxes[tool_name(spec)] = Sandbox(
+                    BUILTIN_TOOLS.get(spec, spec),
+                    workers=cfg.workers,
+                    timeout_s=cfg.timeout_s,
+                    memory_bytes=cfg.memory_mb << 20,
+                    max_result_chars=64 * cfg.max_result_tokens,
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.stops = tuple(f"</{name}>" for name in self.sandboxes)
+        self.isolation = next(iter(self.sandboxes.values())).network_isolation
+        self._open = self._encode(RESULT_OPEN)
+        self._close = self._encode(RESULT_CLOSE)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def find_call(self, text: str) -> ToolCall:
+        """The call that ends `text` (a model span that stopped at a closing tag)."""
+        at, name = max((text.rfind(f"</{n}>"), n) for n in self.sandboxes)
+        start = text.rfind(f"<{name}>", 0, at)
+        if at < 0 or start < 0:
+            return ToolCall(name, None)
+        return ToolCall(name, text[start + len(name) + 2 : at].strip())
+
+    def run(self, calls: Sequence[ToolCall]) -> list[CallResult]:
+        """Every call, those of one tool concurrently on its workers; results in order."""
+        results: list[CallResult | None] = [None] * len(calls)
+        for name, sandbox in self.sandboxes.items():
+            mine = [i for i, c in enumerate(calls) if c.name == name and c.args is not None]
+            done = sandbox.call_many([calls[i].args or "" for i in mine])
+            for i, result in zip(mine, done, strict=True):
+                results[i] = result
+        for i, call in enumerate(calls):
+            if results[i] is None:
+                results[i] = CallResult(False, f"error: </{call.name}> without <{call.name}>")
+        return [r for r in results if r is not None]
+
+    def result_tokens(self, result: CallResult) -> list[int]:
+        """`<result>TEXT</result>` with TEXT cut to `max_result_tokens` tokens."""
+        return self._open + self._encode(result.text)[: self.cfg.max_result_tokens] + self._close
+
+    def close(self) -> None:
+        for sandbox in self.sandboxes.values():
+            sandbox.close()
+
+    def __enter__(self) -> ToolBox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _Trajectory:
+    """One response being built over several turns."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    span_start: int = 0  # where the model's current span began (after the last result)
+    finish_reason: str = "length"
+    versions: tuple[int, int] | None = None
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    tool_seconds: float = 0.0
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.sampled)
+
+    def take(self, sample: Sample, budget: int) -> None:
+        """Append a turn the model sampled, at most `budget` tokens of it."""
+        keep = sample.token_ids[:budget]
+        self.tokens += keep
+        self.logprobs += sample.logprobs[: len(keep)]
+        self.sampled += [1] * len(keep)
+        cut = len(keep) < len(sample.token_ids)
+        self.finish_reason = "length" if cut else sample.finish_reason
+        if sample.versions is not None:
+            low, high = sample.versions
+            if self.versions is not None:
+                low, high = min(low, self.versions[0]), max(high, self.versions[1])
+            self.versions = (low, high)
+
+    def insert(self, tokens: list[int], result: CallResult) -> None:
+        """Append a tool's result: context for the model, not its own tokens."""
+        self.tokens += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.sampled += [0] * len(tokens)
+        self.span_start = len(self.tokens)
+        self.calls += 1
+        self.errors += not result.ok
+        self.timeouts += result.timed_out
+        self.tool_seconds += result.seconds
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each run of inserted tokens."""
+        spans: list[tuple[int, int]] = []
+        for i, sampled in enumerate(self.sampled):
+            if sampled:
+                continue
+            if spans and spans[-1][1] == i:
+                spans[-1] = (spans[-1][0], i + 1)
+            else:
+                spans.append((i, i + 1))
+        return spans
+
+    def sample(self) -> Sample:
+        return Sample(
+            self.tokens,
+            self.logprobs,
+            self.finish_reason,
+            self.versions,
+            tool_spans=self.spans,
+            tool_calls=self.calls,
+            tool_errors=self.errors,
+            tool_timeouts=self.timeouts,
+            tool_seconds=round(self.tool_seconds, 6),
+        )
+
+
+def generate_with_tools(
+    engine: Engine,
+    tools: ToolBox,
+    prompts: list[list[int]],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    between_steps: BetweenSteps | None = None,
+    on_round: Callable[[], None] | None = None,
+) -> list[list[Sample]]:
+    """For each prompt, n responses that may call the tools (module docstring). `max_tokens`
+    bounds each response's model tokens; `on_round` runs before each continuation round (the
+    tests' hook)."""
+    rows = [_Trajectory(prompt) for prompt in prompts for _ in range(n)]
+
+    def generate(contexts: list[list[int]], n: int, max_tokens: int) -> list[list[Sample]]:
+        return engine.generate(
+            contexts,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            between_steps=between_steps,
+            stop=tools.stops,
+        )
+
+    first = generate(prompts, n, max_tokens)
+    for row, out in zip(rows, (s for group in first for s in group), strict=True):
+        row.take(out, max_tokens)
+    while True:
+        calling = [r for r in rows if r.finish_reason == "stop_string"]
+        for row in calling:
+            if row.calls >= tools.cfg.max_turns:
+                row.finish_reason = "stop"  # past max_turns: ends at the call, unanswered
+            elif row.model_tokens >= max_tokens:
+                row.finish_reason = "length"
+        calling = [r for r in calling if r.finish_reason == "stop_string"]
+        if not calling:
+            break
+        spans = tools.tokenizer.batch_decode(
+            [r.tokens[r.span_start :] for r in calling], skip_special_tokens=False
+        )
+        results = tools.run([tools.find_call(text) for text in spans])
+        for row, result in zip(calling, results, strict=True):
+            row.insert(tools.result_tokens(result), result)
+        if on_round is not None:
+            on_round()
+        budget = max(max_tokens - r.model_tokens for r in calling)
+        outs = generate([r.prompt + r.tokens for r in calling], 1, budget)
+        for row, (out,) in zip(calling, outs, strict=True):
+            row.take(out, max_tokens - row.model_tokens)
+    for row in rows:
+        if row.finish_reason == "stop_string":  # defensive: never leave the engine's reason
+            row.finish_reason = "stop"
+    done = [row.sample() for row in rows]
+    return [done[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -1,0 +1,132 @@
+"""What runs in a sandbox worker process (`sandbox.pool` starts it as a script: `python -I`, so
+neither the environment's PYTHON* variables nor the working directory reach its import path).
+
+It reads a hello frame (the function to load, the import path, the limits), applies the limits,
+loads the function and says whether it is ready; then, one frame at a time, calls the function
+on the frame's `args` string and answers with its result string or an error text. The limits,
+applied before any code of the function is imported:
+
+- an address-space cap (RLIMIT_AS), no core files, a cap on file sizes and open files;
+- an audit hook (it cannot be removed once installed) that refuses network sockets (every
+  family but AF_UNIX) and, unless allowed, starting processes (fork, exec, spawn, subprocess,
+  os.system). The sandbox also starts the worker in a network namespace of its own where the
+  host allows one; the hook is the guard where it does not (code that calls libc through ctypes
+  gets past a hook, not past a namespace).
+
+Frames go out on a private copy of the original stdout; fd 1 and 2 are pointed at /dev/null, so
+whatever the function prints never mixes with them.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # run as a script: make `sandbox` importable (the project root)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from sandbox.frames import FrameError, read_frame_blocking, write_frame
+
+PROCESS_EVENTS = frozenset(
+    {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system"}
+    | {"subprocess.Popen", "pty.spawn", "os.startfile"}
+)
+MAX_FILE_BYTES = 64 << 20
+MAX_OPEN_FILES = 256
+
+
+def apply_limits(memory_bytes: int | None) -> None:
+    for limit, value in (
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_FSIZE, MAX_FILE_BYTES),
+        (resource.RLIMIT_NOFILE, MAX_OPEN_FILES),
+        (resource.RLIMIT_AS, memory_bytes),
+    ):
+        if value is None:
+            continue
+        _, hard = resource.getrlimit(limit)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (value, value))
+
+
+def install_guard(*, allow_processes: bool) -> None:
+    def guard(event: str, args: tuple[Any, ...]) -> None:
+        if event == "socket.__new__" and args[1] != socket.AF_UNIX:  # -1: the default, AF_INET
+            raise PermissionError("network access is not allowed in the sandbox")
+        if event in ("socket.connect", "socket.bind", "socket.sendto") and isinstance(
+            args[1], tuple
+        ):
+            raise PermissionError("network access is not allowed in the sandbox")
+        if not allow_processes and event in PROCESS_EVENTS:
+            raise PermissionError(f"starting processes is not allowed in the sandbox ({event})")
+
+    sys.addaudithook(guard)
+
+
+def load_function(spec: str) -> Any:
+    module_name, _, name = spec.partition(":")
+    import importlib
+
+    function = getattr(importlib.import_module(module_name), name)
+    if not callable(function):
+        raise TypeError(f"{spec} is a {type(function).__name__}, not a function")
+    return function
+
+
+def describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 500 else text[:500] + "..."
+
+
+def serve(inbox: int, outbox: int) -> int:
+    hello = read_frame_blocking(inbox)
+    if hello is None:
+        return 0
+    sys.path[:] = [str(p) for p in hello.get("paths", [])] + sys.path
+    max_chars = int(hello.get("max_result_chars", 4096))
+    try:
+        apply_limits(hello.get("memory_bytes"))
+        install_guard(allow_processes=bool(hello.get("allow_processes", False)))
+        function = load_function(str(hello["function"]))
+    except BaseException as exc:  # anything the function's import does: say it, then exit
+        write_frame(outbox, {"ready": False, "error": describe(exc)})
+        return 1
+    write_frame(outbox, {"ready": True})
+    while True:
+        try:
+            request = read_frame_blocking(inbox)
+        except FrameError:
+            return 1
+        if request is None:
+            return 0
+        try:
+            value = function(str(request.get("args", "")))
+            if not isinstance(value, str):
+                raise TypeError(f"the function returned a {type(value).__name__}, not a str")
+            reply: dict[str, Any] = {"ok": True, "value": value[:max_chars]}
+        except MemoryError:
+            reply = {"ok": False, "error": "MemoryError: the call ran out of memory"}
+        except BaseException as exc:  # the function's failure (SystemExit too) is its result
+            reply = {"ok": False, "error": describe(exc)}
+        write_frame(outbox, reply)
+
+
+def main() -> int:
+    outbox = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        return serve(0, outbox)
+    except BaseException:  # a protocol failure: the parent sees the pipe close
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

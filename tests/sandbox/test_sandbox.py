@@ -1,0 +1,113 @@
+"""The sandbox (sandbox/pool.py) contains what its workers do: a call that hangs, crashes, sends
+half a frame, a pickle, nested JSON or an oversize header ends as an error result at its
+deadline, never blocks or runs code in the parent; the worker's process group dies with it; the
+environment carries no secret; network and new processes are refused."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox.builtin_tools import calculator
+from sandbox.pool import Sandbox, SandboxStartError
+
+HOSTILE = "tests.sandbox.hostile"
+
+
+def test_the_calculator_is_exact_and_refuses_anything_but_arithmetic() -> None:
+    assert calculator("12*34") == "408"
+    assert calculator("7/2") == "3.5"
+    assert calculator("6/3") == "2"
+    assert calculator("-(2**100)") == str(-(2**100))
+    for bad in ("__import__('os')", "2**100000", "1/0", "x+1", "[1]*9"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+@pytest.mark.parametrize(
+    ("function", "reason"),
+    [
+        ("half_frame", "ran past its 1 s limit"),
+        ("pickled", "bad reply (a frame that is not JSON"),
+        ("deep_json", "bad reply (a frame that is not JSON (RecursionError)"),
+        ("oversized", "over the 1048576-byte limit"),
+        ("not_a_string", "returned a int, not a str"),
+    ],
+)
+def test_a_hostile_reply_is_an_error_result_at_the_deadline(
+    tmp_path: Path, function: str, reason: str
+) -> None:
+    with Sandbox(f"{HOSTILE}:{function}", workers=1, timeout_s=1.0) as box:
+        started = time.monotonic()
+        result = box.call("x")
+        assert time.monotonic() - started < 5
+        assert not result.ok and reason in result.text, result.text
+        assert box.call_many(["y"])[0].ok is False  # a replacement worker answers the next call
+    assert not (Path.home() / "pwned").exists()
+
+
+def test_a_timeout_kills_what_the_worker_forked(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    with Sandbox(f"{HOSTILE}:grandchild", workers=1, timeout_s=1.0, allow_processes=True) as box:
+        result = box.call(str(pid_file))
+        assert result.timed_out and box.timeouts == 1 and box.restarts == 1
+        child = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the forked grandchild {child} survived its worker's kill")
+
+
+def test_workers_see_no_secret_and_no_network_and_start_no_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DAPO_REDIS_URL", "redis://:hunter2@redis:6379/0")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    with Sandbox(f"{HOSTILE}:environment", workers=1) as box:
+        assert box.call("").text.split() == ["HOME", "LANG", "PATH", "TMPDIR"]
+    with Sandbox(f"{HOSTILE}:working_directory", workers=1) as box:
+        cwd = box.call("").text
+        assert cwd != os.getcwd() and "dapo-sandbox-" in cwd
+    with Sandbox("sandbox.builtin_tools:python", workers=1) as box:
+        net, proc, ok = box.call_many(
+            [
+                "import socket; socket.create_connection(('127.0.0.1', 6379))",
+                "import subprocess; subprocess.run(['true'])",
+                "print(sum(range(10)))",
+            ]
+        )
+    assert "network access is not allowed" in net.text
+    assert "starting processes is not allowed" in proc.text
+    assert ok.ok and ok.text == "45\n"
+
+
+def test_memory_past_the_limit_fails_the_call_not_the_pool() -> None:
+    with Sandbox("sandbox.builtin_tools:python", workers=1, memory_bytes=256 << 20) as box:
+        big, after = box.call_many(["b = bytearray(1 << 30)", "1 + 1"])
+    assert not big.ok and "MemoryError" in big.text
+    assert after.ok and after.text == "2\n"
+
+
+def test_calls_run_concurrently_on_the_workers() -> None:
+    code = "import time; time.sleep(0.5); 'done'"
+    with Sandbox("sandbox.builtin_tools:python", workers=4) as box:
+        started = time.monotonic()
+        results = box.call_many([code] * 4)
+        took = time.monotonic() - started
+    assert [r.text for r in results] == ["'done'\n"] * 4
+    assert took < 1.5, took  # four half-second calls, side by side
+
+
+def test_a_function_that_cannot_be_loaded_fails_at_start_naming_it() -> None:
+    with pytest.raises(SandboxStartError, match="tests.sandbox.hostile:nope could not be loaded"):
+        Sandbox(f"{HOSTILE}:nope", workers=1)
+    with pytest.raises(SandboxStartError, match="No module named 'no_such_module'"):
+        Sandbox("no_such_module:fn", workers=1)
