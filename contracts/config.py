@@ -64,6 +64,8 @@ class TinyModelSpec(_Section):
     num_heads: PositiveInt = 4
     intermediate_size: PositiveInt = 512
     vocab_size: PositiveInt = 512
+    added_tokens: tuple[str, ...] = ()
+    """Strings the tokenizer keeps whole (the tool-use demo's tags), added after its merges."""
     sft_max_steps: PositiveInt = 800
     """Upper bound on supervised warm-start steps."""
     sft_lr: float = Field(1e-3, gt=0)
@@ -156,8 +158,11 @@ class SynthDataSpec(_Section):
 
     num_train: PositiveInt = 20000
     num_eval: PositiveInt = 128
-    difficulty: Annotated[int, Field(ge=0, le=6)] = 1
+    difficulty: Annotated[int, Field(ge=0, le=7)] = 1
     template: SynthTemplate = "short"
+    tool_traces: float = Field(0.0, ge=0, le=1)
+    """The share of training rows whose `solution` calls the calculator (level 7, the tool-use
+    demo): what the tiny base learns the call format from."""
     """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast;
     `one-shot` shows a chat model one worked example first (services/demo/synthetic.py)."""
 

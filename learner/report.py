@@ -83,6 +83,7 @@ def group_metrics(groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, f
         r.versions[1] - r.versions[0] for g in groups for r in g.responses if r.versions is not None
     ]
     gen = [g.gen_seconds for g in groups]
+    calls = [float(r.tool_calls) for g in groups for r in g.responses]
     return {
         "critic/rewards/mean": _mean(rewards),
         "critic/score/mean": _mean(scores),
@@ -99,6 +100,13 @@ def group_metrics(groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, f
         # A replica's generation time for the batch the group came in, per group of that batch:
         # the generation rate `dapo plan --calibrate` reads back.
         "timing_s/gen_per_group": _mean(gen),
+        # Tool use (`rollout.tools`; all 0 without it). Turns: the model's spans, calls + 1.
+        "tools/calls_per_response": _mean(calls),
+        "tools/call_rate": _mean([float(c > 0) for c in calls]),
+        "tools/turns_mean": _mean([c + 1 for c in calls]),
+        "tools/errors": float(sum(r.tool_errors for g in groups for r in g.responses)),
+        "tools/timeouts": float(sum(r.tool_timeouts for g in groups for r in g.responses)),
+        "timing_s/tools": sum(r.tool_seconds for g in groups for r in g.responses),
     }
 
 

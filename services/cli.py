@@ -160,7 +160,11 @@ def _cmd_data_synth(args: argparse.Namespace) -> int:
     write_rows(
         out / f"train.{args.format}",
         synth_rows(
-            args.num_train, difficulty=args.difficulty, seed=args.seed, template=args.template
+            args.num_train,
+            difficulty=args.difficulty,
+            seed=args.seed,
+            template=args.template,
+            tool_traces=args.tool_traces,
         ),
     )
     write_rows(
@@ -419,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--num-eval", type=int, default=128)
     synth.add_argument("--difficulty", type=int, default=1, choices=sorted(DIFFICULTY_LEVELS))
     synth.add_argument("--template", choices=TEMPLATES, default="short")
+    synth.add_argument(
+        "--tool-traces",
+        type=float,
+        default=0.0,
+        help="share of training rows whose solution calls the calculator (level 7's warm start)",
+    )
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(fn=_cmd_data_synth)

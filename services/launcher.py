@@ -155,6 +155,7 @@ def _prepare_data(cfg: DapoConfig) -> None:
                 difficulty=d.synth.difficulty,
                 seed=d.seed,
                 template=d.synth.template,
+                tool_traces=d.synth.tool_traces,
             ),
         )
     if d.eval_path and not Path(d.eval_path).exists():
@@ -186,7 +187,11 @@ def _base_train_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
     d = cfg.data
     if d.synth is not None:
         rows = synth_rows(
-            BASE_TRAIN_ROWS, difficulty=d.synth.difficulty, seed=d.seed, template=d.synth.template
+            BASE_TRAIN_ROWS,
+            difficulty=d.synth.difficulty,
+            seed=d.seed,
+            template=d.synth.template,
+            tool_traces=d.synth.tool_traces,
         )
         return [_as_row(parse_row(r, row_number=i, source="synth")) for i, r in enumerate(rows)]
     return [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:BASE_TRAIN_ROWS]]
@@ -230,6 +235,7 @@ def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
         eval_every=spec.sft_eval_every,
         samples_per_problem=spec.sft_eval_samples_per_problem,
         vocab_size=spec.vocab_size,
+        added_tokens=spec.added_tokens,
         max_new_tokens=cfg.rollout.max_response_len,
         model_kwargs={
             "hidden_size": spec.hidden_size,

@@ -33,6 +33,9 @@ DIFFICULTY_LEVELS: dict[int, str] = {
     6: "a sum of 2 to 4 two-digit numbers, solved step by step: each row has a worked `solution` "
     "(one running sum per line, then `Answer: N`), so useful responses are long (the ablation "
     "task)",
+    7: "a * b, a 3-digit and a 2-digit number: too hard for a tiny model's head, easy with the "
+    "calculator tool (the tool-use demo, configs/tiny-tools.yaml); `tool_traces` of the rows "
+    "carry a `solution` that calls it",
 }
 """What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
 in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits. Level 0
@@ -100,6 +103,11 @@ _TEMPLATES: dict[int, tuple[str, ...]] = {
         "A club orders {a} packs of {b} {item} and already owns {c} {item}. "
         "How many {item} does the club have?",
     ),
+    7: (
+        "{name} packs {b} boxes with {a} {item} in each. How many {item} does {name} pack?",
+        "A shop sells {a} {item} a day for {b} days. How many {item} does it sell?",
+        "{name} stacks {a} {item} on each of {b} shelves. How many {item} are on the shelves?",
+    ),
     6: (
         "{name} counts {item} in {count} boxes: {numbers}. How many {item} are there in total?",
         "{name} collects {item} on {count} days: {numbers}. How many {item} does {name} collect?",
@@ -122,6 +130,7 @@ def synth_rows(
     seed: int = 0,
     template: Template = "short",
     start_index: int = 0,
+    tool_traces: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Make `n` arithmetic word problems with integer answers, in the DAPO-Math-17K schema.
 
@@ -133,6 +142,8 @@ def synth_rows(
             for a tiny CPU model), "dapo" or "one-shot" (a chat conversation with one worked
             example).
         start_index: `extra_info.index` of the first row.
+        tool_traces: the share of rows whose `solution` calls the calculator
+            (`tool_solution`); the tiny base learns the call format from them.
 
     `extra_info` also holds `difficulty`, `expression` (e.g. "23 + 45") and `numbers` (the
     operands in the expression's order), so the answer can be checked independently; level 6
@@ -144,11 +155,17 @@ def synth_rows(
         raise ValueError(f"template must be one of {list(TEMPLATES)}, got {template!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if not 0.0 <= tool_traces <= 1.0:
+        raise ValueError(f"tool_traces must be a share in [0, 1], got {tool_traces}")
     rng = random.Random(f"synth_arith:{seed}:{difficulty}")
+    traces = random.Random(f"synth_arith_traces:{seed}:{difficulty}")  # the problems stay put
     rows = []
     for i in range(n):
         numbers, expression, answer = _draw_problem(rng, difficulty)
         problem = _render_problem(rng, difficulty, numbers)
+        solution = worked_solution(numbers) if difficulty == 6 else None
+        if tool_traces and traces.random() < tool_traces:
+            solution = tool_solution(expression, answer)
         rows.append(
             {
                 "data_source": SYNTH_DATA_SOURCE,
@@ -160,7 +177,7 @@ def synth_rows(
                     "difficulty": difficulty,
                     "expression": expression,
                     "numbers": numbers,
-                    **({"solution": worked_solution(numbers)} if difficulty == 6 else {}),
+                    **({"solution": solution} if solution is not None else {}),
                 },
             }
         )
@@ -203,6 +220,9 @@ def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str, 
     if difficulty == 5:
         a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(100, 999)
         return [a, b, c], f"{a} * {b} + {c}", a * b + c
+    if difficulty == 7:
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        return [a, b], f"{a} * {b}", a * b
     numbers = [rng.randint(10, 99) for _ in range(rng.choice(CHAIN_TERMS))]
     return numbers, " + ".join(map(str, numbers)), sum(numbers)
 
@@ -222,6 +242,23 @@ def worked_solution(numbers: list[int]) -> str:
     return "\n".join([*lines, f"Answer: {total}"])
 
 
+def tool_solution(expression: str, answer: int) -> str:
+    """A solution that calls the calculator (rollout/tool_use.py's tag format) and answers
+    with its result.
+
+    >>> print(tool_solution("123 * 45", 5535))
+    <calculator>123*45</calculator><result>5535</result>
+    Answer: 5535
+    """
+    call = expression.replace(" ", "")
+    return f"<calculator>{call}</calculator><result>{answer}</result>\nAnswer: {answer}"
+
+
+TOOL_TAGS = ("<calculator>", "</calculator>", "<result>", "</result>")
+"""The calculator's tags: whole tokens in the tools demo's tokenizer (`build_tiny.added_tokens`),
+so the tokens of an inserted result are those the base saw in its traces."""
+
+
 def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> str:
     sentence = rng.choice(_TEMPLATES[difficulty or 1])  # level 0 is worded as level 1
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
@@ -232,5 +269,5 @@ def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> 
         ]  # in words: the only digits are the operands
         return sentence.format(name=name, item=item, count=count, numbers=listed)
     # Placeholder names in the order `_draw_problem` lists the operands.
-    keys = {0: "ab", 1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc"}[difficulty]
+    keys = {0: "ab", 1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc", 7: "ab"}[difficulty]
     return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))

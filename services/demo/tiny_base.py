@@ -40,12 +40,21 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -65,7 +74,9 @@ _ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 # Tokenizer and model
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 512, added_tokens: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE with Qwen2's pre-tokenizer; no chat template.
 
     Qwen2's split regex isolates every digit (`\\p{N}`), so numbers are spelled digit by digit
@@ -89,6 +100,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    if added_tokens:  # whole tokens wherever they appear, and kept when decoding
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     if tok.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
         raise RuntimeError(f"{EOS_TOKEN} got id {tok.token_to_id(EOS_TOKEN)}, expected 0")
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
@@ -295,6 +308,7 @@ def build_tiny_base(
     samples_per_problem: int = 4,
     progress: Callable[[str], None] | None = None,
     vocab_size: int = 512,
+    added_tokens: Sequence[str] = (),
     model_kwargs: dict[str, int] | None = None,
     max_new_tokens: int = 12,
 ) -> dict[str, Any]:
@@ -344,7 +358,7 @@ def build_tiny_base(
         # No chat template yet, so render_prompt's plain join is the prompt text.
         corpus = [render_prompt(None, r.messages) for r in train]
         corpus += [_completion_text(r) for r in train]
-        tokenizer = train_tokenizer(corpus, vocab_size=vocab_size)
+        tokenizer = train_tokenizer(corpus, vocab_size=vocab_size, added_tokens=added_tokens)
         config = tiny_qwen2_config(len(tokenizer), **(model_kwargs or {}))
         model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
         input_ids, labels, lengths = _encode_sft(tokenizer, train, config.max_position_embeddings)

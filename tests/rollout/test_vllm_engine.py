@@ -15,6 +15,7 @@ import importlib.util
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -218,6 +219,26 @@ def test_seeded_generate_is_reproducible(engine: VLLMEngine) -> None:
     assert [[s.token_ids for s in g] for g in a] == [[s.token_ids for s in g] for g in b]
     tokens = [tuple(s.token_ids) for g in a for s in g]
     assert len(set(tokens)) > 1  # distinct seeds per sample, not one stream repeated
+
+
+def test_a_stop_string_ends_the_sample_with_the_tokens_that_complete_it(
+    engine: VLLMEngine, model_dir: Path
+) -> None:
+    """Multi-turn tool calls stop at a closing tag: with the same seed, the stopped sample is the
+    shortest prefix of the free one whose text holds the stop string."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(4, (8,))
+    kw: dict[str, Any] = dict(n=1, max_tokens=24, temperature=1.0, top_p=1.0, seed=5)
+    (free,) = engine.generate(prompts, **kw)[0]
+    text = tokenizer.decode(free.token_ids)
+    stop = next(c for c in text[len(text) // 3 :] if c.strip())
+    (cut,) = engine.generate(prompts, stop=[stop], **kw)[0]
+    assert cut.finish_reason == "stop_string"
+    assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
+    assert stop in tokenizer.decode(cut.token_ids)
+    assert stop not in tokenizer.decode(cut.token_ids[:-1])
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.7)])

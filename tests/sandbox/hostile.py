@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import stat
@@ -13,20 +14,16 @@ def _frame_pipes() -> list[int]:
     """The worker's pipes above stderr: its private copy of stdout, where replies go."""
     fds = []
     for fd in range(3, 64):
-        try:
+        with contextlib.suppress(OSError):
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
                 fds.append(fd)
-        except OSError:
-            pass
     return fds
 
 
 def _send_raw(data: bytes) -> None:
     for fd in _frame_pipes():
-        try:
+        with contextlib.suppress(OSError):
             os.write(fd, data)
-        except OSError:
-            pass
 
 
 def half_frame(args: str) -> str:

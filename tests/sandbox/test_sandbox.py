@@ -107,7 +107,8 @@ def test_calls_run_concurrently_on_the_workers() -> None:
 
 
 def test_a_function_that_cannot_be_loaded_fails_at_start_naming_it() -> None:
-    with pytest.raises(SandboxStartError, match="tests.sandbox.hostile:nope could not be loaded"):
+    loaded = r"tests\.sandbox\.hostile:nope could not be loaded"
+    with pytest.raises(SandboxStartError, match=loaded):
         Sandbox(f"{HOSTILE}:nope", workers=1)
     with pytest.raises(SandboxStartError, match="No module named 'no_such_module'"):
         Sandbox("no_such_module:fn", workers=1)
