@@ -5,13 +5,18 @@ writes is plain text that no result follows.
 
 Per run: the evaluation accuracy before and after (avg@k on the eval problems, with the tool
 when the run has it), the training responses' tool-call rate over the steps (from the run's
-metrics.jsonl, `tools/call_rate`, the mean of each block of 20 steps), tool errors and
+metrics.jsonl, `tools/call_rate`, the mean of each block of 10 steps), tool errors and
 time-outs, and wall seconds. Prints each run, the medians per side and the call-rate curve of
 the first seed with the tool; saves everything to bench/results/. Nothing is asserted.
 
     .venv/bin/python bench/tools.py [--seeds 3] [overrides...]
 
 Last line: `final_acc_with_tools=<median>`.
+
+`--real` instead runs the real model with the `python` tool (`configs/smollm2-135m-tools.yaml`)
+once for `--steps` steps (no evaluation): per step, the share of training responses that called
+the tool, tool errors and the training accuracy, and the step's sampled completions that called
+it (from the run's TensorBoard text). Last line: `real_model_call_rate=<mean over the steps>`.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from bench.results_file import save_result  # noqa: E402  (a module beside this script)
 
 CONFIG = "configs/tiny-tools.yaml"
-BLOCK = 20
+BLOCK = 10
 FIGURES = ("base_acc", "final_acc", "call_rate_first", "call_rate_last", "wall_s")
 
 
@@ -73,6 +78,75 @@ def run_once(seed: int, tools: bool, overrides: list[str]) -> dict[str, Any]:
     }
 
 
+REAL_CONFIG = "configs/smollm2-135m-tools.yaml"
+
+
+def tensorboard_completions(tb_dir: Path) -> list[str]:
+    """Every completions table the learner wrote to TensorBoard, as markdown text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tables = []
+    for events in sorted(tb_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent), size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("tensors", []):
+            if "completions" in tag:
+                tables += [t.tensor_proto.string_val[0].decode() for t in acc.Tensors(tag)]
+    return tables
+
+
+def run_real(steps: int, overrides: list[str], out_dir: str) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "services.cli", "run", "--config", REAL_CONFIG]
+        cmd += ["--output-dir", str(out), "--quiet", f"learner.total_steps={steps}"]
+        cmd += ["eval.every_steps=0", "tracking.log_completions_every=1"]
+        cmd += ["tracking.completions_per_log=8", *overrides]
+        subprocess.run(cmd, cwd=REPO, check=True, timeout=7200)
+        summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines if line.strip()]
+        tables = tensorboard_completions(out / "tensorboard")
+    per_step = [
+        {
+            "step": int(m["step"]),
+            "call_rate": float(m.get("tools/call_rate", 0.0)),
+            "calls_per_response": float(m.get("tools/calls_per_response", 0.0)),
+            "tool_errors": float(m.get("tools/errors", 0.0)),
+            "acc": float(m.get("rollout/acc_mean", 0.0)),
+        }
+        for m in metrics
+        if "step" in m
+    ]
+    rows = [row for table in tables for row in table.splitlines()]
+    calling = [row for row in rows if "python&gt;" in row or "<python>" in row]
+    for row in per_step:
+        print(
+            f"step {row['step']}: call rate {row['call_rate']:.2f}, "
+            f"{row['calls_per_response']:.2f} calls a response, "
+            f"tool errors {row['tool_errors']:.0f}, acc {row['acc']:.3f}"
+        )
+    print(f"\n{len(calling)} sampled completions called the tool; the first ones:")
+    for row in calling[:3]:
+        print("  " + row[:400])
+    rate = statistics.mean(r["call_rate"] for r in per_step) if per_step else math.nan
+    save_result(
+        "tools_real",
+        {
+            "config": REAL_CONFIG,
+            "steps": steps,
+            "overrides": overrides,
+            "ledger": summary["ledger"],
+            "per_step": per_step,
+            "completions_calling": calling[:8],
+            "mean_call_rate": rate,
+        },
+        out_dir,
+    )
+    print(f"real_model_call_rate={rate:.3f}")
+    return 0
+
+
 def median(runs: list[dict[str, Any]], figure: str) -> float:
     values = [r[figure] for r in runs if not math.isnan(r[figure])]
     return statistics.median(values) if values else math.nan
@@ -82,8 +156,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--real", action="store_true", help=f"one run of {REAL_CONFIG}")
+    parser.add_argument("--steps", type=int, default=4, help="--real: training steps")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
+    if args.real:
+        return run_real(args.steps, args.overrides, args.out)
 
     runs = []
     for seed in range(args.seeds):
@@ -106,7 +184,7 @@ def main() -> int:
         row = "".join(f"{medians[tools][f]:18.3f}" for f in FIGURES)
         print(f"{'with tools' if tools else 'without':12s}{row}")
     first = sides[True][0]
-    print("\ntool-call rate of the training responses (seed 0, with tools), per 20 steps:")
+    print("\ntool-call rate of the training responses (seed 0, with tools), per 10 steps:")
     print("  " + "  ".join(f"{step}:{rate:.2f}" for step, rate in first["call_rate_curve"]))
     save_result(
         "tools",

@@ -36,7 +36,7 @@ LossAgg = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
-SynthTemplate = Literal["short", "dapo", "one-shot"]
+SynthTemplate = Literal["short", "dapo", "one-shot", "one-shot-python"]
 """How the synthetic task puts a problem to the model (services/demo/synthetic.py `TEMPLATES`)."""
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -164,7 +164,8 @@ class SynthDataSpec(_Section):
     """The share of training rows whose `solution` calls the calculator (level 7, the tool-use
     demo): what the tiny base learns the call format from."""
     """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast;
-    `one-shot` shows a chat model one worked example first (services/demo/synthetic.py)."""
+    `one-shot` shows a chat model one worked example first, `one-shot-python` one that runs
+    Python with the `python` tool (`rollout.tools`) (services/demo/synthetic.py)."""
 
 
 class DataConfig(_Section):
@@ -257,6 +258,12 @@ class ToolsConfig(_Section):
     """A result longer than this many tokens is cut to it (the tags excepted)."""
     workers: int = Field(2, ge=1, le=256)
     """Sandbox workers per tool in each replica: calls of one round run this many at a time."""
+
+    @property
+    def inserted_tokens_max(self) -> int:
+        """The most tokens the tools can insert into one response (a context-length bound):
+        `max_turns` results of `max_result_tokens`, each with its tags (16 tokens at most)."""
+        return self.max_turns * (self.max_result_tokens + 16) if self.enabled else 0
 
     @field_validator("functions")
     @classmethod

@@ -124,7 +124,7 @@ class RewardWorker:
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
                 continue
-            longest = max(len(r.token_ids) for r in group.responses)
+            longest = max(r.model_tokens for r in group.responses)  # tool results excepted
             # No sampler produces this; the overlong penalty is unbounded past it.
             if longest > max_len:
                 self.bus.dead_letter(

@@ -71,6 +71,8 @@ class ToolBox:
         self.isolation = next(iter(self.sandboxes.values())).network_isolation
         self._open = self._encode(RESULT_OPEN)
         self._close = self._encode(RESULT_CLOSE)
+        if len(self._open) + len(self._close) > 16:
+            raise ValueError(f"the tokenizer spells {RESULT_OPEN}{RESULT_CLOSE} in over 16 tokens")
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -97,7 +99,8 @@ class ToolBox:
         return [r for r in results if r is not None]
 
     def result_tokens(self, result: CallResult) -> list[int]:
-        """`<result>TEXT</result>` with TEXT cut to `max_result_tokens` tokens."""
+        """`<result>TEXT</result>` with TEXT cut to `max_result_tokens` tokens; the tags' tokens
+        (16 at most, `ToolsConfig.inserted_tokens_max`) come on top."""
         return self._open + self._encode(result.text)[: self.cfg.max_result_tokens] + self._close
 
     def close(self) -> None:

@@ -205,7 +205,9 @@ class VLLMEngine:
                 tensor_parallel_size=ro.tensor_parallel_size,
                 enforce_eager=ro.enforce_eager,
                 seed=ro.seed if seed is None else seed,
-                max_model_len=cfg.data.max_prompt_len + ro.max_response_len,
+                max_model_len=(
+                    cfg.data.max_prompt_len + ro.max_response_len + ro.tools.inserted_tokens_max
+                ),
                 worker_extension_cls=WORKER_EXTENSION,
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # the model's sampling defaults never apply

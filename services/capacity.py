@@ -192,7 +192,8 @@ def budget(cfg: DapoConfig, shape: ModelShape, gpu_gib: float) -> Budget:
     le, ro = cfg.learner, cfg.rollout
     n, ranks = shape.params, le.nproc
     compute = 2 if le.mixed_precision != "none" else 4  # bf16 on GPU under "auto"
-    tokens = le.micro_batch_size * (cfg.data.max_prompt_len + ro.max_response_len)
+    response = ro.max_response_len + ro.tools.inserted_tokens_max  # tool results are context
+    tokens = le.micro_batch_size * (cfg.data.max_prompt_len + response)
     per_layer = shape.activation_bytes(compute)
     if (
         le.activation_checkpointing
@@ -208,14 +209,12 @@ def budget(cfg: DapoConfig, shape: ModelShape, gpu_gib: float) -> Budget:
         "optimizer": 8 * trained / ranks / GIB,
         "gathered": compute * (2 * shape.layer_params + shape.root_params) / GIB,
         "activations": activations / GIB,
-        "logits": 2 * 4 * le.micro_batch_size * ro.max_response_len * shape.vocab / GIB,
+        "logits": 2 * 4 * le.micro_batch_size * response * shape.vocab / GIB,
     }
     weights = DTYPE_BYTES[cfg.model.dtype] * n / ro.tensor_parallel_size / GIB
     kv_per_token = shape.kv_bytes_per_token(DTYPE_BYTES[cfg.model.dtype]) / ro.tensor_parallel_size
     kv_gib = max(ro.gpu_memory_utilization * gpu_gib - weights, 0.0)
-    sequences = int(
-        kv_gib * GIB // (kv_per_token * (cfg.data.max_prompt_len + ro.max_response_len))
-    )
+    sequences = int(kv_gib * GIB // (kv_per_token * (cfg.data.max_prompt_len + response)))
     return Budget(
         learner,
         {"weights": weights, "kv cache": kv_gib},

@@ -52,6 +52,14 @@ ONE_SHOT_EXAMPLE = (
     "Jo starts with 12 hats and gets 7 more, so 12 + 7 = 19.\nAnswer: 19",
 )
 
+PYTHON_INSTRUCTION = (
+    "You may run Python: write <python>code</python> and its output comes back as "
+    "<result>output</result>."
+)
+"""The extra line of every `one-shot-python` user turn: the `python` tool's call format."""
+ONE_SHOT_PYTHON_SOLUTION = "<python>print(12 + 7)</python><result>19\n</result>\nAnswer: 19"
+"""The `one-shot-python` example's reply: a call, the output the tool returned, the answer."""
+
 TEMPLATES: tuple[Template, ...] = get_args(Template)
 """How `synth_rows` puts a problem to the model:
 
@@ -60,7 +68,9 @@ TEMPLATES: tuple[Template, ...] = get_args(Template)
 - one-shot: a chat conversation, one worked example (user, assistant) and then the problem, each
   user turn ending in `ANSWER_INSTRUCTION`. A small instruct model writes the `Answer:` line in
   24-31% of replies when only told to and in 78-96% after one example (200 problems x 4 samples,
-  bench/results/2026-12-03-real-model.md), so its reward measures arithmetic, not format luck.
+  bench/results/2026-12-03-real-model.md), so its reward measures arithmetic, not format luck;
+- one-shot-python: the same, each user turn also saying how to run Python (`PYTHON_INSTRUCTION`)
+  and the example's reply calling it (`ONE_SHOT_PYTHON_SOLUTION`): the real model's tool run.
 """
 
 _NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines", "Kofi", "Lena")
@@ -191,10 +201,13 @@ def _messages(problem: str, template: Template) -> list[dict[str, str]]:
     if template == "short":
         return [{"role": "user", "content": problem + "\n"}]
     example, solution = ONE_SHOT_EXAMPLE
+    instruction = ANSWER_INSTRUCTION
+    if template == "one-shot-python":
+        solution, instruction = ONE_SHOT_PYTHON_SOLUTION, f"{PYTHON_INSTRUCTION}\n{instruction}"
     return [
-        {"role": "user", "content": f"{example}\n{ANSWER_INSTRUCTION}"},
+        {"role": "user", "content": f"{example}\n{instruction}"},
         {"role": "assistant", "content": solution},
-        {"role": "user", "content": f"{problem}\n{ANSWER_INSTRUCTION}"},
+        {"role": "user", "content": f"{problem}\n{instruction}"},
     ]
 
 
