@@ -235,6 +235,9 @@ class DataConfig(_Section):
 # rollout
 
 
+RESULT_TAG_TOKENS = 32
+"""The most tokens a tokenizer may spell `<result></result>` in (a byte-level tokenizer that never
+saw the tags: one a character)."""
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -262,8 +265,8 @@ class ToolsConfig(_Section):
     @property
     def inserted_tokens_max(self) -> int:
         """The most tokens the tools can insert into one response (a context-length bound):
-        `max_turns` results of `max_result_tokens`, each with its tags (16 tokens at most)."""
-        return self.max_turns * (self.max_result_tokens + 16) if self.enabled else 0
+        `max_turns` results of `max_result_tokens`, each with its tags (`RESULT_TAG_TOKENS`)."""
+        return self.max_turns * (self.max_result_tokens + RESULT_TAG_TOKENS) if self.enabled else 0
 
     @field_validator("functions")
     @classmethod

@@ -17,21 +17,25 @@ model's tokens (`max_response_len` bounds them, not the results). Each model tok
 log-prob and the policy version it was sampled with: weights may change between two turns, or
 inside one (in-flight updates), and `versions` spans all of them.
 
-Generation runs in rounds: every response of the batch generates until it ends or calls a tool;
-the calls of a round run concurrently (`rollout.tools.workers` per tool); then every response
-that called continues, batched. A response past `max_turns` calls ends at its next call,
-unanswered (finish reason "stop"); one whose model tokens reach `max_response_len` ends with
-"length".
+With vLLM (`VLLMEngine.generate_turns`) every response is a request of its own: when one stops at
+a call, the call runs on a thread (up to `rollout.tools.workers` per tool at once) while the
+engine goes on generating the others, and its next turn is enqueued as soon as the call returns.
+The transformers engine generates a batch in one `generate` call, so there generation runs in
+rounds: every response generates until it ends or calls a tool, the round's calls run
+concurrently, then every response that called continues, batched. A response past
+`max_turns` calls ends at its next call, unanswered (finish reason "stop"); one whose model
+tokens reach `max_response_len` ends with "length".
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.config import ToolsConfig, tool_name
+from contracts.config import RESULT_TAG_TOKENS, ToolsConfig, tool_name
 from rollout.engine import BetweenSteps, Engine
 from rollout.sample import Sample
 from sandbox.builtin_tools import BUILTIN_TOOLS
@@ -68,11 +72,16 @@ class ToolBox:
             self.close()
             raise
         self.stops = tuple(f"</{name}>" for name in self.sandboxes)
+        self.threads = cfg.workers * len(self.sandboxes)
+        """Calls that may run at once: every tool's every worker."""
         self.isolation = next(iter(self.sandboxes.values())).network_isolation
         self._open = self._encode(RESULT_OPEN)
         self._close = self._encode(RESULT_CLOSE)
-        if len(self._open) + len(self._close) > 16:
-            raise ValueError(f"the tokenizer spells {RESULT_OPEN}{RESULT_CLOSE} in over 16 tokens")
+        if len(self._open) + len(self._close) > RESULT_TAG_TOKENS:
+            raise ValueError(
+                f"the tokenizer spells {RESULT_OPEN}{RESULT_CLOSE} in over {RESULT_TAG_TOKENS} "
+                "tokens"
+            )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -100,7 +109,7 @@ class ToolBox:
 
     def result_tokens(self, result: CallResult) -> list[int]:
         """`<result>TEXT</result>` with TEXT cut to `max_result_tokens` tokens; the tags' tokens
-        (16 at most, `ToolsConfig.inserted_tokens_max`) come on top."""
+        (`RESULT_TAG_TOKENS` at most) come on top."""
         return self._open + self._encode(result.text)[: self.cfg.max_result_tokens] + self._close
 
     def close(self) -> None:
@@ -199,8 +208,102 @@ def generate_with_tools(
     on_round: Callable[[], None] | None = None,
 ) -> list[list[Sample]]:
     """For each prompt, n responses that may call the tools (module docstring). `max_tokens`
-    bounds each response's model tokens; `on_round` runs before each continuation round (the
-    tests' hook)."""
+    bounds each response's model tokens. An engine that can continue one response while others
+    generate (`generate_turns`: vLLM) runs each call as soon as its response stops at it, and
+    that response's next turn as soon as the call returns; otherwise generation runs in rounds
+    (`on_round` runs before each continuation round: the tests' hook)."""
+    if hasattr(engine, "generate_turns") and on_round is None:
+        return _generate_overlapped(
+            engine,
+            tools,
+            prompts,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            between_steps=between_steps,
+        )
+    return _generate_in_rounds(
+        engine,
+        tools,
+        prompts,
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        between_steps=between_steps,
+        on_round=on_round,
+    )
+
+
+def _wants_call(row: _Trajectory, tools: ToolBox, max_tokens: int) -> bool:
+    """Whether `row`, which just finished a turn, stops at a call that should run; if not, its
+    finish reason is settled."""
+    if row.finish_reason != "stop_string":
+        return False
+    if row.calls >= tools.cfg.max_turns:
+        row.finish_reason = "stop"  # past max_turns: ends at the call, unanswered
+        return False
+    if row.model_tokens >= max_tokens:
+        row.finish_reason = "length"
+        return False
+    return True
+
+
+def _generate_overlapped(
+    engine: Any,
+    tools: ToolBox,
+    prompts: list[list[int]],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    between_steps: BetweenSteps | None,
+) -> list[list[Sample]]:
+    rows = [_Trajectory(prompt) for prompt in prompts for _ in range(n)]
+
+    def call_and_continue(row: _Trajectory) -> tuple[list[int], int]:
+        span = tools.tokenizer.decode(row.tokens[row.span_start :], skip_special_tokens=False)
+        (result,) = tools.run([tools.find_call(span)])
+        row.insert(tools.result_tokens(result), result)
+        return row.prompt + row.tokens, max_tokens - row.model_tokens
+
+    with ThreadPoolExecutor(tools.threads, thread_name_prefix="tool-call") as calls:
+
+        def on_finish(key: int, sample: Sample) -> Future[tuple[list[int], int]] | None:
+            row = rows[key]
+            row.take(sample, max_tokens - row.model_tokens)
+            if not _wants_call(row, tools, max_tokens):
+                return None
+            return calls.submit(call_and_continue, row)
+
+        engine.generate_turns(
+            prompts,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=tools.stops,
+            on_finish=on_finish,
+            between_steps=between_steps,
+        )
+    done = [row.sample() for row in rows]
+    return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def _generate_in_rounds(
+    engine: Engine,
+    tools: ToolBox,
+    prompts: list[list[int]],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    between_steps: BetweenSteps | None = None,
+    on_round: Callable[[], None] | None = None,
+) -> list[list[Sample]]:
     rows = [_Trajectory(prompt) for prompt in prompts for _ in range(n)]
 
     def generate(contexts: list[list[int]], n: int, max_tokens: int) -> list[list[Sample]]:
@@ -218,13 +321,7 @@ def generate_with_tools(
     for row, out in zip(rows, (s for group in first for s in group), strict=True):
         row.take(out, max_tokens)
     while True:
-        calling = [r for r in rows if r.finish_reason == "stop_string"]
-        for row in calling:
-            if row.calls >= tools.cfg.max_turns:
-                row.finish_reason = "stop"  # past max_turns: ends at the call, unanswered
-            elif row.model_tokens >= max_tokens:
-                row.finish_reason = "length"
-        calling = [r for r in calling if r.finish_reason == "stop_string"]
+        calling = [r for r in rows if _wants_call(r, tools, max_tokens)]
         if not calling:
             break
         spans = tools.tokenizer.batch_decode(

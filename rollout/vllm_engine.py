@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -302,6 +304,94 @@ class VLLMEngine:
             for out, versions in (finished[rid] for rid in sorted(finished))
         ]
 
+    def generate_turns(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        on_finish: OnFinish,
+        between_steps: Callable[[], int] | None = None,
+    ) -> None:
+        """Multi-turn generation (`rollout/tool_use.py`): each of the n samples of each prompt is a
+        request of its own, keyed `i * n + j`. When one finishes, `on_finish(key, sample)` gets
+        it and returns None (the response is done) or a future; the engine keeps stepping the
+        other requests while the future runs (a tool call), and once it resolves to (context
+        tokens, max tokens) it enqueues the next turn under the same key, or ends the key on
+        None. Returns once every key is done. A sample's `versions` span the versions held
+        while its own request ran."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._engine()
+        if self.inconsistent is not None:
+            raise WeightSyncError(
+                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
+                "call load_weights_from_dir first"
+            )
+        version = between_steps() if between_steps is not None else -1
+        numbers = itertools.count()
+        keys: dict[str, int] = {}  # request id -> key
+        seen: dict[str, tuple[int, int]] = {}  # request id -> versions held while it ran
+
+        def enqueue(key: int, context: list[int], budget: int) -> None:
+            params = SamplingParams(
+                n=1,
+                max_tokens=budget,
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=0,
+                stop_token_ids=list(self.end_ids),
+                stop=list(stop) or None,
+                include_stop_str_in_output=bool(stop),
+                detokenize=bool(stop),
+            )
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.enqueue sets it
+            rid = f"turn-{key}-{next(numbers)}"  # our own ids: outputs carry them back
+            llm.llm_engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=list(context)), params, lora_request=self.adapter
+            )
+            keys[rid], seen[rid] = key, (version, version)
+
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                enqueue(i * n + j, prompt, max_tokens)
+        waiting: dict[Future[tuple[list[int], int] | None], int] = {}
+        self.generating = True
+        try:
+            while llm.llm_engine.has_unfinished_requests() or waiting:
+                if llm.llm_engine.has_unfinished_requests():
+                    for out in llm.llm_engine.step():
+                        if not out.finished:
+                            continue
+                        rid = str(out.request_id)
+                        versions = seen.pop(rid) if between_steps is not None else None
+                        key = keys.pop(rid)
+                        nxt = on_finish(key, _to_sample(out.outputs[0], versions))  # type: ignore[index]
+                        if nxt is not None:
+                            waiting[nxt] = key
+                elif waiting:  # only tool calls in flight: wait for the first to return
+                    wait(list(waiting), return_when=FIRST_COMPLETED)
+                for future in [f for f in waiting if f.done()]:
+                    key = waiting.pop(future)
+                    turn = future.result()
+                    if turn is not None:
+                        enqueue(key, *turn)
+                if between_steps is not None and llm.llm_engine.has_unfinished_requests():
+                    version = between_steps()  # may swap weights in before the next step
+                    if self.lora is None:  # a new adapter only serves the next requests
+                        for rid, (low, high) in seen.items():
+                            seen[rid] = (min(low, version), max(high, version))
+        finally:
+            self.generating = False
+            if self.prefix_cache_stale:
+                self._reset_prefix_cache()
+            self._release_replaced()
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Swap in new weights inside the worker(s); a `WeightStream` is received there."""
         start = time.monotonic()
@@ -417,6 +507,10 @@ class VLLMEngine:
                 )
         del llm, client
         gc.collect()
+
+
+OnFinish = Callable[[int, Sample], "Future[tuple[list[int], int] | None] | None"]
+"""`VLLMEngine.generate_turns`' callback: a finished turn in, None or the next turn's future out."""
 
 
 def _to_wire(name: str, tensor: torch.Tensor) -> list[Any]:

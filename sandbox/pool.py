@@ -2,9 +2,9 @@
 
 `Sandbox("pkg.mod:fn", workers=2, timeout_s=5)` starts the workers (`sandbox.worker`) and waits
 until each has loaded the function: a function that cannot be loaded is a `SandboxStartError`
-at start, naming it, not an error per call later. `call_many(args)` runs the calls on the
-workers concurrently and returns one `CallResult` per call, in order; nothing a call does can
-make it raise or hang:
+at start, naming it, not an error per call later. `call(args)` runs one call on the next free
+worker (from any thread) and `call_many(args)` runs many, as many at once as there are workers,
+each returning a `CallResult`; nothing a call does can make it raise or hang:
 
 - past `timeout_s` the worker's whole process group is killed (SIGKILL: what the function forked
   goes with it) and replaced; the call's result says it timed out;
@@ -28,13 +28,15 @@ import contextlib
 import functools
 import logging
 import os
-import select
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -60,6 +62,16 @@ class CallResult:
     """The function's result, or why the call failed (what a tool call returns to the model)."""
     timed_out: bool = False
     seconds: float = 0.0
+
+
+def _result(reply: dict[str, Any]) -> CallResult:
+    """A worker's reply frame as a result: its value, or its error text."""
+    if reply.get("ok") is True and isinstance(reply.get("value"), str):
+        return CallResult(True, reply["value"])
+    error = reply.get("error")
+    if reply.get("ok") is False and isinstance(error, str):
+        return CallResult(False, f"error: {error[:500]}")
+    return CallResult(False, "error: the sandbox worker sent a bad reply")
 
 
 @functools.cache
@@ -161,6 +173,11 @@ class Sandbox:
             "allow_processes": allow_processes,
         }
         self.calls = self.errors = self.timeouts = self.restarts = 0
+        self._count = threading.Lock()
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(workers):
+            self._free.put(slot)
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
         self._workers: list[_Worker | None] = [None] * workers
         try:
             for slot in range(workers):
@@ -192,7 +209,8 @@ class Sandbox:
         if old is not None:
             old.kill()
         self._workers[slot] = None
-        self.restarts += 1
+        with self._count:
+            self.restarts += 1
 
     def _worker(self, slot: int) -> _Worker:
         """The live worker of `slot`, started anew if it is gone."""
@@ -205,111 +223,74 @@ class Sandbox:
 
     # --- calls -----------------------------------------------------------------------------
     def call(self, args: str) -> CallResult:
-        return self.call_many([args])[0]
+        """One call on the next free worker (waits for one); safe from several threads."""
+        slot = self._free.get()
+        try:
+            result = self._call_on(slot, args)
+        finally:
+            self._free.put(slot)
+        with self._count:
+            self.calls += 1
+            self.errors += not result.ok
+            self.timeouts += result.timed_out
+        return result
 
     def call_many(self, args: list[str]) -> list[CallResult]:
-        """Run every call, up to one per worker at a time; results in the order of `args`."""
-        results: list[CallResult | None] = [None] * len(args)
-        queue = list(range(len(args)))[::-1]
-        busy: dict[int, tuple[int, float, float]] = {}  # slot -> (call, started, deadline)
-        while queue or busy:
-            for slot in range(len(self._workers)):
-                if not queue:
-                    break
-                if slot in busy:
-                    continue
-                index = queue.pop()
-                started = self._dispatch(slot, args[index], results, index)
-                if started is not None:
-                    busy[slot] = (index, started, started + self.timeout_s)
-            if busy:
-                self._collect(busy, results)
-        self.calls += len(args)
-        done = [r for r in results if r is not None]
-        self.errors += sum(not r.ok for r in done)
-        self.timeouts += sum(r.timed_out for r in done)
-        return done
+        """Every call, as many at once as there are workers; results in the order of `args`."""
+        return list(self._threads.map(self.call, args))
 
-    def _dispatch(
-        self, slot: int, args: str, results: list[CallResult | None], index: int
-    ) -> float | None:
-        """Send one call to the worker of `slot`; its start time, or None if it ended unsent."""
+    def _call_on(self, slot: int, args: str) -> CallResult:
         if len(args) > MAX_ARGS_CHARS:
-            results[index] = CallResult(False, f"error: the call is over {MAX_ARGS_CHARS} chars")
-            return None
-        for attempt in range(2):  # a worker found dead before it read the call: once more
+            return CallResult(False, f"error: the call is over {MAX_ARGS_CHARS} characters")
+        worker: _Worker | None = None
+        for _attempt in range(2):  # a worker found dead before it read the call: once more
             try:
                 worker = self._worker(slot)
                 worker.send({"args": args})
-                worker.calls += 1
-                return time.monotonic()
+                break
             except SandboxStartError as exc:
-                results[index] = CallResult(False, f"error: {exc}")
-                return None
+                return CallResult(False, f"error: {exc}")
             except (OSError, FrameError):
                 self._replace(slot)
-                if attempt:
-                    results[index] = CallResult(False, "error: the sandbox worker was not ready")
-        return None
-
-    def _collect(
-        self, busy: dict[int, tuple[int, float, float]], results: list[CallResult | None]
-    ) -> None:
-        """Wait for the first reply or deadline among the busy workers and settle what is due."""
-        now = time.monotonic()
-        wait = max(0.0, min(deadline for _, _, deadline in busy.values()) - now)
-        readers = {self._workers[slot].reader.fd: slot for slot in busy}  # type: ignore[union-attr]
-        readable, _, _ = select.select(list(readers), [], [], wait)
-        now = time.monotonic()
-        for fd in readable:
-            slot = readers[fd]
-            index, started, _ = busy[slot]
-            worker = self._workers[slot]
-            assert worker is not None
-            result = self._reply(worker)
-            if result is None:
-                continue  # part of a frame: wait for the rest until the deadline
-            result.seconds = now - started
-            results[index] = result
-            del busy[slot]
-            broken = not result.ok and result.text.startswith("error: the sandbox worker")
-            spent = bool(self.calls_per_worker) and worker.calls >= (self.calls_per_worker or 0)
-            if broken or spent:
-                self._replace(slot)
-        for slot, (index, started, deadline) in list(busy.items()):
-            if now >= deadline:
-                results[index] = CallResult(
-                    False,
-                    f"error: the call ran past its {self.timeout_s:g} s limit and was stopped",
-                    timed_out=True,
-                    seconds=now - started,
-                )
-                del busy[slot]
-                self._replace(slot)
-
-    @staticmethod
-    def _reply(worker: _Worker) -> CallResult | None:
-        """The worker's answer if a whole frame is there, None if only part of one is."""
+                worker = None
+        if worker is None:
+            return CallResult(False, "error: the sandbox worker was not ready")
+        worker.calls += 1
+        started = time.monotonic()
         try:
-            alive = worker.reader.feed()
-            if not worker.reader.pending():
-                if alive:
-                    return None
-                return CallResult(False, "error: the sandbox worker crashed during the call")
-            reply = worker.reader.take()
+            reply = worker.reader.read(started + self.timeout_s)
+        except FrameTimeout:
+            self._replace(slot)
+            return CallResult(
+                False,
+                f"error: the call ran past its {self.timeout_s:g} s limit and was stopped",
+                timed_out=True,
+                seconds=time.monotonic() - started,
+            )
+        except (EOFError, OSError):
+            self._replace(slot)
+            return CallResult(
+                False,
+                "error: the sandbox worker crashed during the call",
+                seconds=time.monotonic() - started,
+            )
         except FrameError as exc:
-            return CallResult(False, f"error: the sandbox worker sent a bad reply ({exc})")
-        except OSError:
-            return CallResult(False, "error: the sandbox worker crashed during the call")
-        if reply.get("ok") is True and isinstance(reply.get("value"), str):
-            return CallResult(True, reply["value"])
-        error = reply.get("error")
-        if reply.get("ok") is False and isinstance(error, str):
-            return CallResult(False, f"error: {error[:500]}")
-        return CallResult(False, "error: the sandbox worker sent a bad reply")
+            self._replace(slot)
+            return CallResult(
+                False,
+                f"error: the sandbox worker sent a bad reply ({exc})",
+                seconds=time.monotonic() - started,
+            )
+        result = _result(reply)
+        result.seconds = time.monotonic() - started
+        spent = self.calls_per_worker is not None and worker.calls >= self.calls_per_worker
+        if spent or result.text.startswith("error: the sandbox worker"):
+            self._replace(slot)
+        return result
 
     # --- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
+        self._threads.shutdown(wait=True)
         for slot, worker in enumerate(self._workers):
             if worker is not None:
                 worker.kill()

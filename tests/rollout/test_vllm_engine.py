@@ -233,12 +233,51 @@ def test_a_stop_string_ends_the_sample_with_the_tokens_that_complete_it(
     kw: dict[str, Any] = dict(n=1, max_tokens=24, temperature=1.0, top_p=1.0, seed=5)
     (free,) = engine.generate(prompts, **kw)[0]
     text = tokenizer.decode(free.token_ids)
-    stop = next(c for c in text[len(text) // 3 :] if c.strip())
+    stop = next(c for c in text[len(text) // 3 :] if c.isascii() and c.strip())
     (cut,) = engine.generate(prompts, stop=[stop], **kw)[0]
     assert cut.finish_reason == "stop_string"
     assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
     assert stop in tokenizer.decode(cut.token_ids)
     assert stop not in tokenizer.decode(cut.token_ids[:-1])
+
+
+def test_tool_turns_continue_on_vllm_with_each_model_tokens_own_logprob(
+    engine: VLLMEngine, model_dir: Path
+) -> None:
+    """vLLM's overlapped multi-turn path: a response that stops at a call gets the result
+    inserted and goes on in a request of its own; the model's tokens keep the log-probs of the
+    whole trajectory they were sampled in (results included), the inserted ones carry 0."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from contracts.config import ToolsConfig
+    from rollout.tool_use import ToolBox, generate_with_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(5, (8, 12))
+    kw: dict[str, Any] = dict(n=4, max_tokens=24, temperature=1.0, top_p=1.0)
+    free = engine.generate(prompts, **kw)
+    texts = [tokenizer.decode(s.token_ids) for g in free for s in g]
+    chars = Counter(c for text in texts for c in text if c.isascii() and c.strip())
+    cfg = ToolsConfig(enabled=True, functions=("calculator",), max_turns=2)
+    with ToolBox(cfg, tokenizer) as box:
+        box.stops = (chars.most_common(1)[0][0],)  # a call ends wherever the model writes it
+        groups = generate_with_tools(engine, box, prompts, **kw)
+    called = [(p, s) for p, g in zip(prompts, groups, strict=True) for s in g if s.tool_calls]
+    assert called, "no response stopped at the stop string"
+    hf = _hf(model_dir)
+    for prompt, s in called:
+        assert len(s.tool_spans) == s.tool_calls and s.tool_errors == s.tool_calls
+        inserted = torch.zeros(len(s.token_ids), dtype=torch.bool)
+        for start, stop in s.tool_spans:
+            inserted[start:stop] = True
+            assert "without" in tokenizer.decode(s.token_ids[start:stop])  # no call in the text
+        assert int((~inserted).sum()) <= 24
+        assert all(s.logprobs[i] == 0.0 for i in range(len(s.token_ids)) if inserted[i])
+        ref = _hf_logprobs(hf, prompt, s, 1.0, 1.0)
+        error = (ref - torch.tensor(s.logprobs))[~inserted].abs().max().item()
+        assert error < LOGPROB_ATOL
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.7)])
