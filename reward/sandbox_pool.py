@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections import deque
@@ -57,9 +59,11 @@ from reward.sandbox_worker import (
     Ready,
     Started,
     StartFailed,
+    message_of,
     worker_main,
 )
 from reward.text import GroundTruthTooLong
+from sandbox.frames import FrameError, FrameReader
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -90,6 +94,7 @@ class _Worker:
     process: BaseProcess
     conn: Connection
     started_at: float
+    reader: FrameReader  # what the worker sends: JSON frames, read with a deadline
     ready: bool = False
     in_flight: deque[int] = field(default_factory=deque)  # item indices, in send order
     head_started: bool = False  # the worker said ``Started`` for the first in-flight item
@@ -98,7 +103,10 @@ class _Worker:
 
 def _kill(worker: _Worker) -> None:
     if worker.process.is_alive():
-        # SIGKILL: code stuck in a check (SymPy, a loop) ignores anything gentler
+        # SIGKILL: code stuck in a check (SymPy, a loop) ignores anything gentler. The worker
+        # leads its own process group (``sandbox_worker._contain``): what it forked dies too.
+        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+            os.killpg(worker.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
         worker.process.kill()
     worker.process.join(timeout=5.0)
     worker.conn.close()
@@ -178,7 +186,12 @@ class SandboxPool:
         )
         process.start()
         child_conn.close()
-        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+        return _Worker(
+            process=process,
+            conn=parent_conn,
+            started_at=time.monotonic(),
+            reader=FrameReader(parent_conn.fileno()),
+        )
 
     def close(self) -> None:
         """Stop every worker (politely, then with SIGKILL). Idempotent."""
@@ -354,13 +367,16 @@ class _Batch:
         ``Started`` or ``Outcome`` is never lost to a death that follows it.
         """
         worker = self.workers[position]
-        while True:
+        try:
+            alive = worker.reader.feed()
+        except OSError:
+            alive = False
+        while worker.reader.pending():
             try:
-                if not worker.conn.poll():
-                    return
-                message = worker.conn.recv()
-            except (EOFError, OSError):
-                self._on_worker_death(position)
+                message = message_of(worker.reader.take())
+            except (FrameError, ValueError) as exc:
+                # The checked code wrote on the pipe: the worker can no longer be believed.
+                self._on_bad_message(position, str(exc))
                 return
             if isinstance(message, Ready):
                 worker.ready = True
@@ -373,6 +389,25 @@ class _Batch:
                 self.results[worker.in_flight.popleft()] = self._to_result(message)
                 worker.head_started = False
                 worker.head_deadline = time.monotonic() + self.pool.timeout_s
+        if not alive:
+            self._on_worker_death(position)
+
+    def _on_bad_message(self, position: int, why: str) -> None:
+        """A frame that is not one of ours: the item in hand scores ``[ERROR]``, the worker is
+        replaced, the items queued behind it go back."""
+        worker = self.workers[position]
+        in_flight = list(worker.in_flight)
+        if in_flight:
+            self.pool.errors += 1
+            self.results[in_flight[0]] = error_result(
+                f"the {self.pool.label} worker sent a malformed message ({why[:200]})"
+            )
+            self._requeue(in_flight[1:])
+        worker.in_flight.clear()
+        logger.warning(
+            "%s worker sent a malformed message (%s); replacing it", self.pool.label, why
+        )
+        self._replace(position)
 
     def _to_result(self, outcome: Outcome) -> VerifyResult:
         if outcome.error is not None:
@@ -481,7 +516,7 @@ class _Batch:
                 )
             if not worker.in_flight or now < worker.head_deadline:
                 continue
-            if worker.conn.poll():
+            if worker.reader.pending():
                 continue  # the answer arrived just in time; the next pass reads it
             self.pool.timeouts += 1
             self.results[worker.in_flight[0]] = self.pool.timeout_result

@@ -8,20 +8,31 @@ its pipe closes. ``Started`` tells the parent whether a worker that died had rea
 hand (the job is then charged with the death) or not (the job is sent to another worker). The
 parent owns the clock: nothing here times a check.
 
-The messages are small frozen dataclasses pickled over a private pipe between two processes
-of the same program; nothing from outside ever reaches ``recv``. A checker turns whatever it
-computed into plain ``str``, ``bool`` and ``float`` values before they are sent, so no object
-of the checked code (a SymPy value, a user's class) is ever unpickled in the parent.
+Jobs come from the parent pickled (the parent is trusted); everything the worker sends is a
+length-prefixed JSON frame (``sandbox.frames``), never a pickle: the checked code runs in this
+process and may write anything on the pipe, so the parent reads bytes with a deadline and a
+size bound, and builds its own values from plain JSON (``message_of`` / ``outcome_of``).
+
+Before it loads the checker the worker contains it as ``sandbox.worker`` contains a tool (the
+same code): a session of its own (the parent kills the whole process group, so what the check
+forks dies with it), an environment of PATH, HOME, TMPDIR and LANG only (no Redis URL, no
+tracker key), an address-space cap, no core files, bounded file sizes and open files, and an
+audit hook that refuses network sockets and new processes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
+
+from sandbox.frames import write_frame
+from sandbox.worker import apply_limits, install_guard
 
 logger = logging.getLogger(__name__)
 
@@ -107,38 +118,90 @@ class CheckerSpec(Protocol):
         ...
 
 
-def _limit_memory(limit_bytes: int) -> None:
-    """Cap this process's address space so a memory bomb raises ``MemoryError``.
+SAFE_ENV = ("PATH", "HOME", "TMPDIR", "LANG")
+"""The only environment variables a worker keeps."""
 
-    Best effort: ``RLIMIT_AS`` bounds virtual memory, not resident memory, and not every OS
-    enforces it; a failure to set it is logged, not fatal.
-    """
+
+def _contain(memory_limit_bytes: int | None) -> None:
+    """Everything the module docstring promises, before any checked code is imported."""
+    os.setsid()
+    kept = {k: os.environ[k] for k in SAFE_ENV if k in os.environ}
+    os.environ.clear()
+    os.environ.update(kept)
     try:
-        import resource
+        apply_limits(memory_limit_bytes)
+    except (ValueError, OSError):  # best effort where the OS refuses a limit
+        logger.warning("could not apply every resource limit to the worker")
+    install_guard(allow_processes=False)
 
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            limit_bytes = min(limit_bytes, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, hard))
-    except (ImportError, ValueError, OSError):
-        logger.warning("could not cap worker memory at %d bytes", limit_bytes)
+
+def encode_message(message: Ready | StartFailed | Started | Outcome) -> dict[str, Any]:
+    if isinstance(message, Outcome):
+        return {"type": "outcome", **asdict(message)}
+    if isinstance(message, StartFailed):
+        return {"type": "start_failed", "reason": message.reason}
+    return {"type": "ready" if isinstance(message, Ready) else "started"}
+
+
+def message_of(frame: dict[str, Any]) -> Ready | StartFailed | Started | Outcome:
+    """The parent's reading of a worker's frame; ValueError if it is not one of ours."""
+    kind = frame.get("type")
+    if kind == "ready":
+        return Ready()
+    if kind == "started":
+        return Started()
+    if kind == "start_failed":
+        return StartFailed(str(frame.get("reason", ""))[:1000])
+    if kind == "outcome":
+        return outcome_of(frame)
+    raise ValueError(f"a frame of unknown type {str(kind)[:40]!r}")
+
+
+def outcome_of(frame: dict[str, Any]) -> Outcome:
+    acc, pred, error, score, metrics = (
+        frame.get(k) for k in ("acc", "pred", "error", "score", "metrics")
+    )
+    if not isinstance(acc, bool) or not isinstance(pred, str):
+        raise ValueError("an outcome without a bool acc and a str pred")
+    if error is not None and not isinstance(error, str):
+        raise ValueError("an outcome whose error is not a str")
+    if score is not None and (
+        isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score)
+    ):
+        raise ValueError("an outcome whose score is not a finite number")
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
+        for k, v in metrics.items()
+    ):
+        raise ValueError("an outcome whose metrics are not finite numbers by name")
+    return Outcome(
+        acc=acc,
+        pred=pred[:1000],
+        error=None if error is None else error[:1000],
+        score=None if score is None else float(score),
+        metrics={k[:100]: float(v) for k, v in list(metrics.items())[:64]},
+    )
 
 
 def worker_main(conn: Connection, memory_limit_bytes: int | None, spec: CheckerSpec) -> None:
     """Entry point of a worker process: load the checker, then answer jobs until ``None``."""
     # Ctrl-C goes to the parent, which kills the workers; tracebacks from each are noise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if memory_limit_bytes is not None:
-        _limit_memory(memory_limit_bytes)
+    out = conn.fileno()
+
+    def send(message: Ready | StartFailed | Started | Outcome) -> None:
+        write_frame(out, encode_message(message))
+
+    _contain(memory_limit_bytes)
     try:
         check = spec.load()
     except CheckerLoadError as exc:
-        conn.send(StartFailed(str(exc)))
+        send(StartFailed(str(exc)))
         return
     except Exception as exc:  # worker boundary: tell the parent why, then stop
-        conn.send(StartFailed(f"loading the checker raised {type(exc).__name__}: {exc}"[:1000]))
+        send(StartFailed(f"loading the checker raised {type(exc).__name__}: {exc}"[:1000]))
         return
-    conn.send(Ready())
+    send(Ready())
     while True:
         try:
             job = conn.recv()
@@ -146,5 +209,5 @@ def worker_main(conn: Connection, memory_limit_bytes: int | None, spec: CheckerS
             return
         if job is None:
             return
-        conn.send(Started())
-        conn.send(check(job))
+        send(Started())
+        send(check(job))

@@ -88,3 +88,63 @@ async def asynchronous(
 
 
 NOT_CALLABLE = 42
+
+
+# -- hostile: code that attacks the reward service from inside its worker --
+
+
+def _write_on_pipes(data: bytes) -> None:
+    """Write raw bytes on every socket above stderr: the worker's pipe to the reward service."""
+    import contextlib
+    import os
+    import stat
+
+    for fd in range(3, 64):
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.write(fd, data)
+
+
+class _RunsACommand:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {os.environ.get('DAPO_PWNED_MARKER', '/tmp/dapo-pwned')}",))
+
+
+def sends_a_pickle(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    """A whole message whose body is a pickle that runs a command if the parent unpickles it."""
+    import pickle
+    import struct
+    import time
+
+    body = pickle.dumps(_RunsACommand())
+    _write_on_pipes(struct.pack(">I", len(body)) + body)
+    time.sleep(60)
+    return RewardOutput(score=1.0, acc=True)
+
+
+def sends_half_a_message(
+    response: str, ground_truth: str, extra_info: dict[str, Any]
+) -> RewardOutput:
+    """A header promising 1,000 bytes, then nothing: the parent must not wait for the rest."""
+    import struct
+    import time
+
+    _write_on_pipes(struct.pack(">I", 1000))
+    time.sleep(60)
+    return RewardOutput(score=1.0, acc=True)
+
+
+def forks(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    import os
+
+    os.fork()
+    return RewardOutput(score=1.0, acc=True)
+
+
+def reads_secrets(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    import os
+
+    leaked = sorted(k for k in os.environ if k not in ("PATH", "HOME", "TMPDIR", "LANG"))
+    return RewardOutput(score=1.0, acc=not leaked, pred=",".join(leaked))

@@ -320,3 +320,39 @@ def test_score_group_hands_the_job_extra_info_to_the_function() -> None:
     with one_item_pool(f"{MODULE}:weighted_by_extra_info") as scorer:
         scored, _ = score_group(group, CharTokenizer(), scorer, cfg)
     assert (scored.scores, scored.acc) == ([2.5, 0.0], [True, False])
+
+
+# -- a hostile function is contained --
+
+
+def test_a_pickle_written_on_the_pipe_is_never_unpickled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("DAPO_PWNED_MARKER", str(marker))
+    with one_item_pool(f"{MODULE}:sends_a_pickle") as scorer:
+        result = scorer.verify("x", "1")
+    assert result.pred == "[ERROR]" and "malformed message" in (result.reason or "")
+    assert not marker.exists()
+
+
+def test_half_a_message_times_out_instead_of_blocking_the_service() -> None:
+    with one_item_pool(f"{MODULE}:sends_half_a_message") as scorer:
+        scorer.wait_ready()
+        start = time.monotonic()
+        result = scorer.verify("x", "1")
+        assert time.monotonic() - start < TIMEOUT_S + 10.0
+    assert result.timeout and scorer.timeouts == 1
+
+
+def test_a_function_cannot_fork_or_read_the_services_secrets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DAPO_REDIS_URL", "redis://:hunter2@redis:6379/0")
+    monkeypatch.setenv("WANDB_API_KEY", "w" * 40)
+    with one_item_pool(f"{MODULE}:forks") as scorer:
+        forked = scorer.verify("x", "1")
+    assert "starting processes is not allowed" in (forked.reason or "")
+    with one_item_pool(f"{MODULE}:reads_secrets") as scorer:
+        secrets = scorer.verify("x", "1")
+    assert secrets.acc and secrets.pred == "", secrets
