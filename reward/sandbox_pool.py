@@ -21,9 +21,18 @@ worker process (``reward.sandbox_worker``) that loads the checker once, with:
   worker, up to ``MAX_ITEM_RETRIES`` times. After that it scores ``[ERROR]`` with a reason
   saying so, so a pool whose workers keep dying ends every call instead of looping.
 
-What the isolation does NOT give: the checked code runs with this user's permissions, so it can
-read and write files and open sockets; the pool bounds its time and memory, not its reach. A
-``reward.function`` is trusted code, isolated only from the reward service's failure.
+* what a worker sends is read as length-prefixed JSON frames (``sandbox.frames``) with the
+  item's deadline and a size bound, never unpickled: bytes the checked code writes on the pipe
+  are a malformed message (the item scores ``[ERROR]``, the worker is replaced), and half a
+  message ends at the deadline;
+* each worker leads its own process group (a kill takes what it forked), keeps only PATH, HOME,
+  TMPDIR and LANG of the environment, and runs under ``sandbox.worker``'s limits and audit hook:
+  no network sockets, no new processes, bounded file sizes and open files.
+
+What the isolation does NOT give: the checked code runs with this user's file permissions, so it
+can read and write the files this user can; code that calls libc through ctypes gets past the
+audit hook (the tool sandbox adds a network namespace; these workers, started by
+multiprocessing, do not).
 
 Each worker is sent up to ``PIPELINE_DEPTH`` items at once and answers them in order, so it
 never idles waiting for the parent; an item's clock starts when the worker finishes the item

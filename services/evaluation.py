@@ -9,6 +9,7 @@ eval sampling settings, so their numbers compare.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -20,6 +21,7 @@ from contracts.data import PromptRecord, encode_prompt, load_eval_problems
 from contracts.model_source import with_local_model
 from reward.service import open_scorer
 from rollout.engine import Engine
+from rollout.tool_use import ToolBox, generate_with_tools
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +43,21 @@ def evaluate(
     cfg: DapoConfig,
     *,
     batch: int = 64,
+    tools: ToolBox | None = None,
 ) -> dict[str, float]:
-    """avg@k accuracy and mean response length over the eval set."""
+    """avg@k accuracy and mean response length over the eval set (with `tools`, responses may
+    call them, as the replicas' evaluation does under `rollout.tools`)."""
     if not records:
         return {}
     k, start = cfg.eval.samples_per_problem, time.monotonic()
     scorer = open_scorer(cfg.reward)  # the verifier, or reward.function
     correct = lengths = total = 0
+    generate = (
+        engine.generate if tools is None else functools.partial(generate_with_tools, engine, tools)
+    )
     try:
         for lo in range(0, len(prompts), batch):
-            outs = engine.generate(
+            outs = generate(
                 prompts[lo : lo + batch],
                 n=k,
                 max_tokens=cfg.rollout.max_response_len,
@@ -90,9 +97,12 @@ def main(cfg: DapoConfig, model_dir: str | None = None) -> int:
     if not records:
         raise SystemExit("dapo eval: data.eval_path is not set")
     engine = make_engine(cfg, path)
+    tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
     try:
-        result = evaluate(engine, tokenizer, records, prompts, cfg)
+        result = evaluate(engine, tokenizer, records, prompts, cfg, tools=tools)
     finally:
         engine.close()
+        if tools is not None:
+            tools.close()
     sys.stdout.write(json.dumps({"model": path, **result}) + "\n")
     return 0

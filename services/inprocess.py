@@ -7,7 +7,9 @@ them; `dapo run` runs the same calls in separate processes joined by Redis strea
     this loop calls                         `dapo run` runs it in
     contracts.data.encode_prompt            learner/feeder.py (learner rank 0): a prompt job
     engine.generate (rollout.hf_engine)     rollout/service.py: a replica, G responses with
-                                            their behaviour log-probs
+                                            their behaviour log-probs (with `rollout.tools`:
+                                            rollout.tool_use.generate_with_tools, the calls in
+                                            sandboxes)
     reward.service.score_group              reward/service.py: a reward worker (±1 verifier,
                                             overlong shaping)
     gatekeeper.service.keep_group           gatekeeper/service.py: dynamic sampling
@@ -28,6 +30,7 @@ handling. Generation uses the transformers engine whatever `rollout.engine` says
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -49,6 +52,7 @@ from learner.service import init_distributed
 from learner.trainer import Trainer
 from reward.service import open_scorer, score_group
 from rollout.hf_engine import HFEngine
+from rollout.tool_use import ToolBox, generate_with_tools
 from services.evaluation import eval_prompts, evaluate
 from services.launcher import prepare
 
@@ -100,6 +104,7 @@ def run_in_process(
     engine = HFEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, lora=lora)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     scorer = open_scorer(cfg.reward)
+    tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
     records = load_prompts(cfg.data.train_path, columns=cfg.data.columns)
     order = list(range(len(records)))
     random.Random(cfg.data.seed).shuffle(order)
@@ -110,7 +115,7 @@ def run_in_process(
     def evaluate_now(step: int) -> None:
         if not eval_records:
             return
-        acc = evaluate(engine, tokenizer, eval_records, eval_ids, cfg)["eval/acc"]
+        acc = evaluate(engine, tokenizer, eval_records, eval_ids, cfg, tools=tools)["eval/acc"]
         result.eval_history.append([step, acc, round(result.rl_seconds, 2)])
         if on_eval is not None:
             on_eval(step, acc, result.rl_seconds)
@@ -121,7 +126,11 @@ def run_in_process(
         batch = [records[order[(cursor + i) % len(records)]] for i in range(ro.prompts_per_batch)]
         cursor += ro.prompts_per_batch
         prompts = [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in batch]
-        outs = engine.generate(
+        outs = (
+            engine.generate
+            if tools is None
+            else functools.partial(generate_with_tools, engine, tools)  # rollout.tools
+        )(
             prompts,
             n=ro.group_size,
             max_tokens=ro.max_response_len,
@@ -142,7 +151,16 @@ def run_in_process(
             )
             result.groups_generated += 1
             responses = [
-                Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
+                Response(
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    finish_reason=s.finish_reason,
+                    tool_spans=s.tool_spans,
+                    tool_calls=s.tool_calls,
+                    tool_errors=s.tool_errors,
+                    tool_timeouts=s.tool_timeouts,
+                    tool_seconds=s.tool_seconds,
+                )
                 for s in samples
             ]
             group = RolloutGroup(
@@ -185,6 +203,8 @@ def run_in_process(
             HFExporter(cfg.model.path, lora=lora).export(trainer.named_full_params(), export_to)
     finally:
         scorer.close()
+        if tools is not None:
+            tools.close()
     return result
 
 
