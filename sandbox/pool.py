@@ -171,6 +171,7 @@ class Sandbox:
             "memory_bytes": memory_bytes,
             "max_result_chars": max_result_chars,
             "allow_processes": allow_processes,
+            "cpu_seconds": timeout_s,  # a call cannot burn more CPU than its wall-clock limit
         }
         self.calls = self.errors = self.timeouts = self.restarts = 0
         self._count = threading.Lock()

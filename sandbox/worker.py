@@ -6,7 +6,8 @@ loads the function and says whether it is ready; then, one frame at a time, call
 on the frame's `args` string and answers with its result string or an error text. The limits,
 applied before any code of the function is imported:
 
-- an address-space cap (RLIMIT_AS), no core files, a cap on file sizes and open files;
+- an address-space cap (RLIMIT_AS), a CPU-time budget per call (RLIMIT_CPU), no core files,
+  a cap on file sizes and open files;
 - an audit hook (it cannot be removed once installed) that refuses network sockets (every
   family but AF_UNIX) and, unless allowed, starting processes (fork, exec, spawn, subprocess,
   os.system). The sandbox also starts the worker in a network namespace of its own where the
@@ -52,6 +53,19 @@ def apply_limits(memory_bytes: int | None) -> None:
         _, hard = resource.getrlimit(limit)
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (value, value))
+
+
+def limit_cpu(seconds: float | None) -> None:
+    """Let the next call use `seconds` of CPU time more than this process has used so far
+    (RLIMIT_CPU; past it the kernel ends the process, which the parent sees as a crash)."""
+    if seconds is None:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
 def install_guard(*, allow_processes: bool) -> None:
@@ -105,6 +119,7 @@ def serve(inbox: int, outbox: int) -> int:
         if request is None:
             return 0
         try:
+            limit_cpu(hello.get("cpu_seconds"))
             value = function(str(request.get("args", "")))
             if not isinstance(value, str):
                 raise TypeError(f"the function returned a {type(value).__name__}, not a str")

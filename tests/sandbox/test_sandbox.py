@@ -112,3 +112,19 @@ def test_a_function_that_cannot_be_loaded_fails_at_start_naming_it() -> None:
         Sandbox(f"{HOSTILE}:nope", workers=1)
     with pytest.raises(SandboxStartError, match="No module named 'no_such_module'"):
         Sandbox("no_such_module:fn", workers=1)
+
+
+def test_each_call_has_a_cpu_time_budget_of_its_wall_clock_limit() -> None:
+    """RLIMIT_CPU is moved before every call to what the worker used so far plus the call's
+    limit: CPU burnt past it ends the worker (the kernel's SIGXCPU), whatever the wall clock."""
+    probe = (
+        "import resource\n"
+        "u = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "soft = resource.getrlimit(resource.RLIMIT_CPU)[0]\n"
+        "soft - (u.ru_utime + u.ru_stime)"
+    )
+    with Sandbox("sandbox.builtin_tools:python", workers=1, timeout_s=3.0) as box:
+        first, second = box.call_many([probe, "sum(i * i for i in range(10**6))\n" + probe])
+    for result in (first, second):
+        assert result.ok, result
+        assert 3.0 <= float(result.text) <= 4.5  # the budget left: 3 s, rounded up to a second
