@@ -118,8 +118,9 @@ def run_real(steps: int, overrides: list[str], out_dir: str) -> int:
         for m in metrics
         if "step" in m
     ]
-    rows = [row for table in tables for row in table.splitlines()]
-    calling = [row for row in rows if "python&gt;" in row or "<python>" in row]
+    rows = [row.split(" | ") for table in tables for row in table.splitlines()]
+    # The prompt shows the call format too: look for a call in the response cell only.
+    calling = [r[1] for r in rows if len(r) > 2 and ("python&gt;" in r[1] or "<python>" in r[1])]
     for row in per_step:
         print(
             f"step {row['step']}: call rate {row['call_rate']:.2f}, "
