@@ -35,11 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.config import RESULT_TAG_TOKENS, ToolsConfig, tool_name
+from contracts.config import RESULT_TAG_TOKENS, ConfigError, ToolsConfig, tool_name
 from rollout.engine import BetweenSteps, Engine
 from rollout.sample import Sample
 from sandbox.builtin_tools import BUILTIN_TOOLS
-from sandbox.pool import CallResult, Sandbox
+from sandbox.pool import CallResult, Sandbox, SandboxStartError
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,22 @@ class ToolBox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_tools(cfg: ToolsConfig) -> None:
+    """Load every tool once in a throw-away sandbox worker (nothing when tools are off), so a
+    function that cannot be loaded stops `dapo run` before any replica starts.
+
+    Raises:
+        ConfigError: the message names `rollout.tools.functions`, the tool and why.
+    """
+    if not cfg.enabled:
+        return
+    for spec in cfg.functions:
+        try:
+            Sandbox(BUILTIN_TOOLS.get(spec, spec), workers=1, timeout_s=cfg.timeout_s).close()
+        except SandboxStartError as exc:
+            raise ConfigError(f"rollout.tools.functions: {spec!r} cannot be used: {exc}") from None
 
 
 @dataclass

@@ -41,6 +41,7 @@ from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
 from contracts.weight_sync import KEY_ENV as WEIGHTS_KEY_ENV
 from contracts.weight_sync import weights_key
 from reward.service import check_reward_function
+from rollout.tool_use import check_tools
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
@@ -500,9 +501,9 @@ def run_local(
             placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n"
         )
         return 0
-    check_reward_function(
-        cfg
-    )  # a reward.function that cannot be loaded fails before anything starts
+    # A reward.function or a tool that cannot be loaded fails before anything starts.
+    check_reward_function(cfg)
+    check_tools(cfg.rollout.tools)
     from services.api import check_token_strength
 
     check_token_strength(cfg.api.token_env)  # before the API service would fail on it

@@ -227,3 +227,13 @@ def test_the_transformers_engine_stops_at_a_stop_string_and_keeps_its_tokens(
     assert stop in engine.tokenizer.decode(cut.token_ids)
     assert stop not in engine.tokenizer.decode(cut.token_ids[:-1])
     assert cut.logprobs == pytest.approx(free.logprobs[: len(cut.logprobs)], abs=1e-5)
+
+
+def test_a_tool_that_cannot_be_loaded_fails_at_start_naming_the_setting() -> None:
+    from contracts.config import ConfigError
+    from rollout.tool_use import check_tools
+
+    check_tools(ToolsConfig(enabled=True, functions=("calculator", "python")))
+    with pytest.raises(ConfigError, match=r"rollout\.tools\.functions: 'no_such_mod:fn'"):
+        check_tools(ToolsConfig(enabled=True, functions=("no_such_mod:fn",)))
+    check_tools(ToolsConfig(enabled=False, functions=("no_such_mod:fn",)))  # off: not loaded
