@@ -330,7 +330,10 @@ def test_a_pickle_written_on_the_pipe_is_never_unpickled(
 ) -> None:
     marker = tmp_path / "pwned"
     monkeypatch.setenv("DAPO_PWNED_MARKER", str(marker))
-    with one_item_pool(f"{MODULE}:sends_a_pickle") as scorer:
+    # A roomy limit: the frame must be read as malformed, not outlived by a loaded machine.
+    scorer = make_scorer("dapo", timeout_s=10.0, workers=1, function=f"{MODULE}:sends_a_pickle")
+    assert isinstance(scorer, SandboxPool)
+    with scorer:
         result = scorer.verify("x", "1")
     assert result.pred == "[ERROR]" and "malformed message" in (result.reason or "")
     assert not marker.exists()
