@@ -58,6 +58,13 @@ class ToolBox:
 
     def __init__(self, cfg: ToolsConfig, tokenizer: Any) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
+        self._open = self._encode(RESULT_OPEN)
+        self._close = self._encode(RESULT_CLOSE)
+        if len(self._open) + len(self._close) > RESULT_TAG_TOKENS:
+            raise ValueError(
+                f"the tokenizer spells {RESULT_OPEN}{RESULT_CLOSE} in over {RESULT_TAG_TOKENS} "
+                "tokens"
+            )
         self.sandboxes: dict[str, Sandbox] = {}
         try:
             for spec in cfg.functions:
@@ -75,13 +82,6 @@ class ToolBox:
         self.threads = cfg.workers * len(self.sandboxes)
         """Calls that may run at once: every tool's every worker."""
         self.isolation = next(iter(self.sandboxes.values())).network_isolation
-        self._open = self._encode(RESULT_OPEN)
-        self._close = self._encode(RESULT_CLOSE)
-        if len(self._open) + len(self._close) > RESULT_TAG_TOKENS:
-            raise ValueError(
-                f"the tokenizer spells {RESULT_OPEN}{RESULT_CLOSE} in over {RESULT_TAG_TOKENS} "
-                "tokens"
-            )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
