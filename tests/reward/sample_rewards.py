@@ -94,12 +94,13 @@ NOT_CALLABLE = 42
 
 
 def _write_on_pipes(data: bytes) -> None:
-    """Write raw bytes on every socket above stderr: the worker's pipe to the reward service."""
+    """Write raw bytes on every socket above stderr: the worker's pipe to the reward service
+    (whatever its number: a spawned worker keeps the fd number its parent had)."""
     import contextlib
     import os
     import stat
 
-    for fd in range(3, 64):
+    for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if int(name) > 2):
         with contextlib.suppress(OSError):
             if stat.S_ISSOCK(os.fstat(fd).st_mode):
                 os.write(fd, data)

@@ -13,7 +13,7 @@ import time
 def _frame_pipes() -> list[int]:
     """The worker's pipes above stderr: its private copy of stdout, where replies go."""
     fds = []
-    for fd in range(3, 64):
+    for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if int(name) > 2):
         with contextlib.suppress(OSError):
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
                 fds.append(fd)
