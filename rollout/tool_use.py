@@ -10,8 +10,8 @@ hanging or crashing call returns an error text to the model (`error: ...`): the 
 group are never lost to a tool.
 
 What a response records (a `Sample`): every token in order, the model's and the inserted
-results'; `sampled` marks which the model sampled (1) and which a tool inserted (0). Inserted
-tokens carry log-prob 0 and are context only: the learner gives them loss mask 0, computes the
+results'; `tool_spans` mark the [start, end) of each inserted result. Inserted tokens carry
+log-prob 0 and are context only: the learner gives them loss mask 0, computes the
 log-probs of the model's tokens over the whole trajectory, and the overlong penalty counts the
 model's tokens (`max_response_len` bounds them, not the results). Each model token keeps the
 log-prob and the policy version it was sampled with: weights may change between two turns, or
@@ -146,7 +146,7 @@ class _Trajectory:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each result
     span_start: int = 0  # where the model's current span began (after the last result)
     finish_reason: str = "length"
     versions: tuple[int, int] | None = None
@@ -157,14 +157,13 @@ class _Trajectory:
 
     @property
     def model_tokens(self) -> int:
-        return sum(self.sampled)
+        return len(self.tokens) - sum(end - start for start, end in self.spans)
 
     def take(self, sample: Sample, budget: int) -> None:
         """Append a turn the model sampled, at most `budget` tokens of it."""
         keep = sample.token_ids[:budget]
         self.tokens += keep
         self.logprobs += sample.logprobs[: len(keep)]
-        self.sampled += [1] * len(keep)
         cut = len(keep) < len(sample.token_ids)
         self.finish_reason = "length" if cut else sample.finish_reason
         if sample.versions is not None:
@@ -175,27 +174,14 @@ class _Trajectory:
 
     def insert(self, tokens: list[int], result: CallResult) -> None:
         """Append a tool's result: context for the model, not its own tokens."""
+        self.spans.append((len(self.tokens), len(self.tokens) + len(tokens)))
         self.tokens += tokens
         self.logprobs += [0.0] * len(tokens)
-        self.sampled += [0] * len(tokens)
         self.span_start = len(self.tokens)
         self.calls += 1
         self.errors += not result.ok
         self.timeouts += result.timed_out
         self.tool_seconds += result.seconds
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """[start, end) of each run of inserted tokens."""
-        spans: list[tuple[int, int]] = []
-        for i, sampled in enumerate(self.sampled):
-            if sampled:
-                continue
-            if spans and spans[-1][1] == i:
-                spans[-1] = (spans[-1][0], i + 1)
-            else:
-                spans.append((i, i + 1))
-        return spans
 
     def sample(self) -> Sample:
         return Sample(
@@ -352,8 +338,5 @@ def _generate_in_rounds(
         outs = generate([r.prompt + r.tokens for r in calling], 1, budget)
         for row, (out,) in zip(calling, outs, strict=True):
             row.take(out, max_tokens - row.model_tokens)
-    for row in rows:
-        if row.finish_reason == "stop_string":  # defensive: never leave the engine's reason
-            row.finish_reason = "stop"
     done = [row.sample() for row in rows]
     return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
