@@ -230,6 +230,54 @@ class VLLMEngine:
             raise EngineError("the vLLM engine is closed")
         return self.llm
 
+    def _consistent_engine(self) -> LLM:
+        """The engine, refusing to generate while a failed broadcast left the weights mixed."""
+        llm = self._engine()
+        if self.inconsistent is not None:
+            raise WeightSyncError(
+                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
+                "call load_weights_from_dir first"
+            )
+        return llm
+
+    def _params(
+        self,
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        seed: int | None = None,
+    ) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            logprobs=0,
+            seed=seed,
+            stop_token_ids=list(self.end_ids),
+            # Stop strings are matched on text: only then does vLLM detokenize.
+            stop=list(stop) or None,
+            include_stop_str_in_output=bool(stop),
+            detokenize=bool(stop),
+        )
+
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """While requests run: weight swaps wait (`generating`); after, stale state is cleared."""
+        self.generating = True
+        try:
+            yield
+        finally:
+            self.generating = False
+            if self.prefix_cache_stale:
+                self._reset_prefix_cache()
+            self._release_replaced()
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -242,32 +290,21 @@ class VLLMEngine:
         between_steps: Callable[[], int] | None = None,
         stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = self._engine()
-        if self.inconsistent is not None:
-            raise WeightSyncError(
-                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
-                "call load_weights_from_dir first"
-            )
+        llm = self._consistent_engine()
         if not prompts:
             return []
         # vLLM gives the i-th of a request's n samples the seed `seed + i`; spacing requests by n
         # keeps every sample's seed distinct, so equal prompts in a batch still differ.
         params = [
-            SamplingParams(
+            self._params(
                 n=n,
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
-                logprobs=0,
+                stop=stop,
                 seed=None if seed is None else seed + i * n,
-                stop_token_ids=list(self.end_ids),
-                # Stop strings are matched on text: only then does vLLM detokenize.
-                stop=list(stop) or None,
-                include_stop_str_in_output=bool(stop),
-                detokenize=bool(stop),
             )
             for i in range(len(prompts))
         ]
@@ -277,8 +314,7 @@ class VLLMEngine:
         llm.enqueue(inputs, params, lora_request=self.adapter, use_tqdm=False)
         # request number -> (output, versions seen until it finished)
         finished: dict[int, tuple[Any, tuple[int, int]]] = {}
-        self.generating = True
-        try:
+        with self._generating():
             while llm.llm_engine.has_unfinished_requests():
                 for out in llm.llm_engine.step():
                     if (
@@ -291,11 +327,6 @@ class VLLMEngine:
                     )  # may swap weights in (update_weights) before the next step
                     if self.lora is None:  # a new adapter only serves the next requests
                         seen = (min(seen[0], version), max(seen[1], version))
-        finally:
-            self.generating = False
-            if self.prefix_cache_stale:
-                self._reset_prefix_cache()
-            self._release_replaced()
         return [
             [
                 _to_sample(c, None if between_steps is None else versions)
@@ -323,32 +354,18 @@ class VLLMEngine:
         tokens, max tokens) it enqueues the next turn under the same key, or ends the key on
         None. Returns once every key is done. A sample's `versions` span the versions held
         while its own request ran."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        llm = self._engine()
-        if self.inconsistent is not None:
-            raise WeightSyncError(
-                f"refusing to generate with inconsistent weights ({self.inconsistent}); "
-                "call load_weights_from_dir first"
-            )
+        llm = self._consistent_engine()
         version = between_steps() if between_steps is not None else -1
         numbers = itertools.count()
         keys: dict[str, int] = {}  # request id -> key
         seen: dict[str, tuple[int, int]] = {}  # request id -> versions held while it ran
 
         def enqueue(key: int, context: list[int], budget: int) -> None:
-            params = SamplingParams(
-                n=1,
-                max_tokens=budget,
-                temperature=temperature,
-                top_p=top_p,
-                logprobs=0,
-                stop_token_ids=list(self.end_ids),
-                stop=list(stop) or None,
-                include_stop_str_in_output=bool(stop),
-                detokenize=bool(stop),
+            params = self._params(
+                n=1, max_tokens=budget, temperature=temperature, top_p=top_p, stop=stop
             )
             params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.enqueue sets it
             rid = f"turn-{key}-{next(numbers)}"  # our own ids: outputs carry them back
@@ -361,8 +378,7 @@ class VLLMEngine:
             for j in range(n):
                 enqueue(i * n + j, prompt, max_tokens)
         waiting: dict[Future[tuple[list[int], int] | None], int] = {}
-        self.generating = True
-        try:
+        with self._generating():
             while llm.llm_engine.has_unfinished_requests() or waiting:
                 if llm.llm_engine.has_unfinished_requests():
                     for out in llm.llm_engine.step():
@@ -386,11 +402,6 @@ class VLLMEngine:
                     if self.lora is None:  # a new adapter only serves the next requests
                         for rid, (low, high) in seen.items():
                             seen[rid] = (min(low, version), max(high, version))
-        finally:
-            self.generating = False
-            if self.prefix_cache_stale:
-                self._reset_prefix_cache()
-            self._release_replaced()
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Swap in new weights inside the worker(s); a `WeightStream` is received there."""
