@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from sandbox.frames import write_frame
-from sandbox.worker import apply_limits, install_guard
+from sandbox.worker import SAFE_ENV, apply_limits, install_guard
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +116,6 @@ class CheckerSpec(Protocol):
             reward.text.GroundTruthTooLong: the item is refused unsent (an ``[ERROR]`` result).
         """
         ...
-
-
-SAFE_ENV = ("PATH", "HOME", "TMPDIR", "LANG")
-"""The only environment variables a worker keeps."""
 
 
 def _contain(memory_limit_bytes: int | None) -> None:

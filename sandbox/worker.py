@@ -37,6 +37,8 @@ PROCESS_EVENTS = frozenset(
     {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system"}
     | {"subprocess.Popen", "pty.spawn", "os.startfile"}
 )
+SAFE_ENV = ("PATH", "HOME", "TMPDIR", "LANG")
+"""The only environment variables a sandboxed process sees (none carries a credential)."""
 MAX_FILE_BYTES = 64 << 20
 MAX_OPEN_FILES = 256
 

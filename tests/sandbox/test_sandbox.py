@@ -45,7 +45,8 @@ def test_a_hostile_reply_is_an_error_result_at_the_deadline(
         result = box.call("x")
         assert time.monotonic() - started < 5
         assert not result.ok and reason in result.text, result.text
-        assert box.call_many(["y"])[0].ok is False  # a replacement worker answers the next call
+        # A worker that broke the protocol was replaced; one that merely failed its call stays.
+        assert box.restarts == (0 if function == "not_a_string" else 1)
     assert not (Path.home() / "pwned").exists()
 
 
@@ -97,13 +98,13 @@ def test_memory_past_the_limit_fails_the_call_not_the_pool() -> None:
 
 
 def test_calls_run_concurrently_on_the_workers() -> None:
-    code = "import time; time.sleep(0.5); 'done'"
+    """Each call reports when it ran: all four intervals overlap, on four different workers."""
+    code = "import os, time; a = time.time(); time.sleep(0.5); (os.getpid(), a, time.time())"
     with Sandbox("sandbox.builtin_tools:python", workers=4) as box:
-        started = time.monotonic()
         results = box.call_many([code] * 4)
-        took = time.monotonic() - started
-    assert [r.text for r in results] == ["'done'\n"] * 4
-    assert took < 1.5, took  # four half-second calls, side by side
+    spans = [tuple(float(x) for x in r.text.strip("()\n").split(", ")) for r in results]
+    assert len({pid for pid, _, _ in spans}) == 4
+    assert max(start for _, start, _ in spans) < min(end for _, _, end in spans)
 
 
 def test_a_function_that_cannot_be_loaded_fails_at_start_naming_it() -> None:
