@@ -684,6 +684,12 @@ class DapoConfig(_Section):
     def redis_url(self) -> str | None:
         return self.queue.redis_url or os.environ.get(REDIS_URL_ENV) or None
 
+    def redis_url_for(self, role: str) -> str | None:
+        """The URL a service of `role` connects with: `DAPO_REDIS_URL_<ROLE>` where a process
+        hosts several roles' services (a Ray worker node hosts rollout and reward replicas, each
+        its own Redis user), else `redis_url`."""
+        return os.environ.get(f"{REDIS_URL_ENV}_{role.upper()}") or self.redis_url
+
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir or Path(self.output_dir) / "checkpoints")

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import redis
 
 from contracts.bus import Entry, StreamBus, is_oom, open_bus
+from contracts.bus.roles import consumed_stages
 from contracts.config import ConfigError, DapoConfig, QueueConfig
 from contracts.keys import Stage
 
@@ -340,7 +341,7 @@ def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True)
 
     `install_signals=False` where the process's main thread belongs to a host (Ray Serve).
     """
-    url = cfg.redis_url
+    url = cfg.redis_url_for(kind)
     if not url:
         raise ConfigError(f"{kind}: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
     stop = StopFlag()
@@ -349,5 +350,5 @@ def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True)
     inst = instance_id(kind)
     bus = open_bus(url, cfg.queue.namespace, inst, stop=stop.event)
     bus.check_memory_policy()
-    bus.ensure_groups()
+    bus.ensure_groups(consumed_stages(kind, bus.keys))
     return ServiceContext(kind, inst, bus, stop)

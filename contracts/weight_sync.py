@@ -38,7 +38,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -59,6 +59,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KEY_ENV = "DAPO_WEIGHTS_KEY"
 """The environment variable holding the weight-sync signing key (learner and replicas only)."""
 MIN_KEY_CHARS = 32
+PORT_ENV = "DAPO_WEIGHTS_PORT"
+"""The port of the learner's weight-sync store (unset or 0: any free port). Kubernetes fixes it,
+so a NetworkPolicy can open it, and only it beside the collectives' ports, to the replicas."""
 MAX_VERSION = 2**31 - 1
 """Policy versions and membership epochs above this are refused (a step a second for 68
 years)."""
@@ -84,6 +87,15 @@ def weights_key(env: dict[str, str] | None = None) -> bytes:
             "one itself."
         )
     return value.encode()
+
+
+def weights_port(environ: Mapping[str, str] | None = None) -> int:
+    """The weight-sync store's port from `DAPO_WEIGHTS_PORT` (0 when unset); ConfigError naming
+    the variable when it is not a port number."""
+    raw = (os.environ if environ is None else environ).get(PORT_ENV, "").strip() or "0"
+    if not raw.isdigit() or not 0 <= int(raw) <= 65535:
+        raise ConfigError(f"{PORT_ENV}={raw!r} is not a port number (0-65535; 0: any free port)")
+    return int(raw)
 
 
 def sign(key: bytes, message: bytes) -> str:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from contracts.bus import FencedError, StreamBus, open_bus
+from contracts.bus.roles import Role, consumed_stages
 from contracts.checkpoint_store import CheckpointRefused
 from contracts.config import ConfigError, DapoConfig
 from contracts.data import load_prompts
@@ -38,7 +39,7 @@ from contracts.runtime import (
     free_port,
     instance_id,
 )
-from contracts.weight_sync import weights_key
+from contracts.weight_sync import weights_key, weights_port
 from learner.checkpoint import Checkpoints
 from learner.collect import StreamSource
 from learner.control import RunControl
@@ -129,7 +130,7 @@ def rank0_collaborators(
 
     bus, lease, inst = claim.bus, claim.lease, claim.instance
     bus.check_memory_policy()
-    bus.ensure_groups()
+    bus.ensure_groups(consumed_stages(Role.LEARNER, bus.keys))
     alg, le = cfg.algorithm, cfg.learner
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     feeder = PromptFeeder(
@@ -150,7 +151,7 @@ def rank0_collaborators(
     publisher = WeightPublisher(
         bus,
         host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"),
-        port=0,
+        port=weights_port(),
         backend=backend if le.weights_backend == "auto" else le.weights_backend,
         timeout_s=le.collective_timeout_s,
         bucket_mb=le.broadcast_bucket_mb,

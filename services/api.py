@@ -30,7 +30,9 @@ and scripts from a CDN.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Callable
 from importlib import resources
@@ -105,6 +107,28 @@ def check_token_strength(token_env: str) -> None:
             f"{token_env} is {len(token)} characters; an API token needs at least "
             f"{MIN_TOKEN_CHARS} (generate one: openssl rand -hex 32)"
         )
+
+
+AUDIT = logging.getLogger("dapo.audit")
+"""One line per accepted mutation: who (the client's address and which token) and what."""
+
+
+def token_id(authorization: str | None) -> str:
+    """A short fingerprint of the bearer token a request presented (never the token itself):
+    after a rotation the audit log tells the old token's requests from the new one's."""
+    token = (authorization or "").partition(" ")[2]
+    return hashlib.sha256(token.encode()).hexdigest()[:12] if token else "none"
+
+
+def audit(request: Request, what: str) -> None:
+    client = request.client
+    who = f"{client.host}:{client.port}" if client else "unknown client"
+    AUDIT.info(
+        "mutation by %s (token %s): %s",
+        who,
+        token_id(request.headers.get("authorization")),
+        what,
+    )
 
 
 def token_refusal(authorization: str | None, token_env: str) -> HTTPException | None:
@@ -345,30 +369,35 @@ def create_app(cfg: DapoConfig) -> FastAPI:
         return info.as_dict()
 
     @app.post("/checkpoints", status_code=202, dependencies=auth)
-    def save_checkpoint(body: CheckpointRequest | None = None) -> Accepted:
-        bus.post_control(CheckpointControl(keep=bool(body and body.keep)))
+    def save_checkpoint(request: Request, body: CheckpointRequest | None = None) -> Accepted:
+        keep = bool(body and body.keep)
+        bus.post_control(CheckpointControl(keep=keep))
+        audit(request, f"checkpoint requested (keep={keep})")
         return Accepted(
             request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints"
         )
 
     @app.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
-    def restore(step: Annotated[int, Path(ge=0)]) -> Accepted:
+    def restore(request: Request, step: Annotated[int, Path(ge=0)]) -> Accepted:
         if get_checkpoint(store, step) is None:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
         bus.post_control(RestoreRequest(step=step))
+        audit(request, f"restore of step {step} requested")
         return Accepted(
             request="restore",
             detail=f"the learner restarts from step {step} at its next step boundary",
         )
 
     @app.post("/pause", status_code=202, dependencies=auth)
-    def pause() -> Accepted:
+    def pause(request: Request) -> Accepted:
         bus.post_control(PauseRequest())
+        audit(request, "pause requested")
         return Accepted(request="pause", detail="training pauses at the next step boundary")
 
     @app.post("/resume", status_code=202, dependencies=auth)
-    def resume() -> Accepted:
+    def resume(request: Request) -> Accepted:
         bus.clear_control("pause")
+        audit(request, "resume requested")
         return Accepted(request="resume", detail="training resumes")
 
     @app.get("/", response_class=HTMLResponse)

@@ -15,6 +15,8 @@
   dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
   dapo model list                                                    the catalogue
   dapo lora merge ADAPTER --out DIR [--base DIR]                     adapter + base -> one model
+  dapo redis-users [--namespace NS]                                  the Redis users by role
+  dapo secrets [--k8s]                                               fresh secrets for a deployment
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
 config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
@@ -263,6 +265,43 @@ def _cmd_lora_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_redis_users(args: argparse.Namespace) -> int:
+    from contracts.bus.roles import acl_file_text
+
+    sys.stdout.write(acl_file_text(args.namespace))
+    return 0
+
+
+def _cmd_secrets(args: argparse.Namespace) -> int:
+    """Fresh secrets for docker-compose's .env, or the kubectl commands that create them."""
+    import secrets
+
+    from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
+
+    def fresh() -> str:
+        return secrets.token_hex(32)  # letters and digits: safe unescaped in URLs and configs
+
+    redis_passwords = {"password": fresh(), **{role.value: fresh() for role in Role}}
+    if args.k8s:
+        literals = " ".join(f"--from-literal={k}={v}" for k, v in redis_passwords.items())
+        sys.stdout.write(
+            f"kubectl create secret generic dapo-redis --namespace dapo {literals}\n"
+            f"kubectl create secret generic dapo-weights --namespace dapo "
+            f"--from-literal=key={fresh()}\n"
+            f"(umask 077; printf %s {fresh()} > api-token.txt)  # the API token, for your "
+            "overlay's dapo-api-token secretGenerator (deploy/README.md)\n"
+        )
+        return 0
+    lines = [
+        f"DAPO_API_TOKEN={fresh()}",
+        f"DAPO_WEIGHTS_KEY={fresh()}",
+        f"DAPO_REDIS_PASSWORD={redis_passwords['password']}",
+        *(f"{PASSWORD_ENV_PREFIX}{role.name}={redis_passwords[role.value]}" for role in Role),
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def _service_parser(
     sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -480,6 +519,26 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", required=True, help="where to write the merged model")
     merge.add_argument("--base", help="the base model folder (default: the adapter's own)")
     merge.set_defaults(fn=_cmd_lora_merge)
+
+    users = sub.add_parser(
+        "redis-users",
+        help="the Redis users by role (ACL rules), as the deployments' Redis loads them",
+        description="Print one line per role, ROLE RULES, for a Redis 7 server: the file "
+        "deploy/k8s/base/redis-users.acl is this output for namespace dapo. The Redis start "
+        "script of docker-compose.yml and Kubernetes adds each role's password.",
+    )
+    users.add_argument("--namespace", default="dapo", help="queue.namespace of the run")
+    users.set_defaults(fn=_cmd_redis_users)
+    secrets_ = sub.add_parser(
+        "secrets",
+        help="fresh secrets for a deployment: .env lines, or kubectl commands with --k8s",
+        description="Print fresh random secrets: the API token, the weight-sync key, the Redis "
+        "administrator password and one Redis password per role. Without --k8s as .env lines "
+        "for docker-compose (`dapo secrets >> .env`); with --k8s as the kubectl commands that "
+        "create the Secrets deploy/k8s reads. Nothing is written anywhere else.",
+    )
+    secrets_.add_argument("--k8s", action="store_true", help="kubectl create secret commands")
+    secrets_.set_defaults(fn=_cmd_secrets)
     return parser
 
 

@@ -34,7 +34,8 @@ import redis
 from tqdm import tqdm
 
 from contracts.bus import StreamBus, open_bus
-from contracts.config import ConfigError, DapoConfig, TinyModelSpec, dump_config
+from contracts.bus.roles import Role
+from contracts.config import REDIS_URL_ENV, ConfigError, DapoConfig, TinyModelSpec, dump_config
 from contracts.keys import Counter, RunField, restarts_counter
 from contracts.model_source import Download, with_local_model
 from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
@@ -352,6 +353,11 @@ class Progress:
             self.stream.write("\n")
 
 
+def service_role(name: str) -> Role:
+    """The Redis user of a service `dapo run` starts: `rollout-1` is a rollout replica."""
+    return Role(name.split("-", 1)[0])
+
+
 def _services(cfg: DapoConfig, config_path: Path, logs: Path, api_port: int) -> list[Service]:
     py = sys.executable
     cli = [py, "-m", "services.cli"]
@@ -529,11 +535,17 @@ def run_local(
     server = None
     url = cfg.redis_url
     if url is None:
+        # The embedded server declares a Redis user per role (contracts.bus.roles); each service
+        # gets its own role's URL below, and the supervisor connects as the operator.
         server = RedisServer(
-            out / "redis", appendonly=True, password=secrets.token_urlsafe(24)
+            out / "redis",
+            appendonly=True,
+            password=secrets.token_urlsafe(24),
+            roles={role: secrets.token_urlsafe(24) for role in Role},
+            namespace=cfg.queue.namespace,
         ).start()
-        url = server.url
-    env = {**os.environ, **prepared.env, "DAPO_REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+        url = server.role_url(Role.OPERATOR)
+    env = {**os.environ, **prepared.env, REDIS_URL_ENV: url, "PYTHONUNBUFFERED": "1"}
     env.pop(WEIGHTS_KEY_ENV, None)  # given to the learner and the replicas only, below
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
@@ -553,6 +565,8 @@ def run_local(
     for svc in services:
         if svc.name == "learner" or svc.name.startswith("rollout"):
             svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
+        if server is not None:
+            svc.private_env[REDIS_URL_ENV] = server.role_url(service_role(svc.name))
     if placement.gpus:
         for svc in services:
             svc.devices = placement.visible_devices(svc.name)

@@ -150,7 +150,8 @@ class RolloutHost(_StageHost):
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For `BacklogPolicy`: jobs waiting or being generated (acked entries are deleted, so
         XLEN is exactly that). Every replica reports the same stream."""
-        return {BACKLOG_METRIC: float(self.bus.depths()[self.bus.keys.prompts.group])}
+        prompts = self.bus.keys.prompts  # the one stream this role reads besides its own
+        return {BACKLOG_METRIC: float(self.bus.depths((prompts,))[prompts.group])}
 
 
 class RewardHost(_StageHost):

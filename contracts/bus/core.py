@@ -4,13 +4,14 @@ learner lease)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Self
 
 import redis
 
 from contracts.bus import scripts
 from contracts.bus.connection import check_memory_policy, memory_report
-from contracts.keys import Keys
+from contracts.keys import Keys, Stage
 
 Fields = dict[bytes, bytes]
 Entry = tuple[str, Fields]
@@ -51,10 +52,15 @@ class BusCore:
         """Write only while the learner lease holds `token` (the learner, after taking it)."""
         self.fence = (self.keys.learner_lease, token, int(ttl_s * 1000))
 
+    @staticmethod
+    def _run(script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """Run one of `scripts`, its keys passed in ARGV (`scripts.KEYS_FROM_ARGV` says why)."""
+        return script(keys=[], args=[len(keys), *keys, *args])
+
     def _fenced(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
         lease, token, ttl_ms = self.fence
         try:
-            return script(keys=[lease, *keys], args=[token, ttl_ms, *args])
+            return self._run(script, [lease, *keys], [token, ttl_ms, *args])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise FencedError(
@@ -68,9 +74,11 @@ class BusCore:
             return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
         return self._fenced(self._call, [], list(command))
 
-    def ensure_groups(self) -> None:
-        """Create every stage's consumer group (idempotent; MKSTREAM creates the stream)."""
-        for stage in self.keys.stages:
+    def ensure_groups(self, stages: Iterable[Stage] | None = None) -> None:
+        """Create the consumer groups of `stages`, default every stage's (idempotent; MKSTREAM
+        creates the stream). A service creates only those it reads (`roles.consumed_stages`):
+        its Redis user may not write the other streams."""
+        for stage in self.keys.stages if stages is None else stages:
             try:
                 self.redis.xgroup_create(stage.stream, stage.group, id="0", mkstream=True)
             except redis.ResponseError as exc:

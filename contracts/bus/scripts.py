@@ -12,13 +12,26 @@ from __future__ import annotations
 
 from contracts.keys import LEDGER_DAMAGED
 
+# Every script reads its keys from ARGV (a count, then the keys), never from Redis's KEYS: Redis 7
+# demands write permission on each key a script declares, whatever the script does with it, so a
+# read-only role (the API) could not take a ledger snapshot, and a placeholder '' key (an unfenced
+# writer's lease, a hop with no downstream) would be refused to everyone. Each command a script
+# runs is still checked against the caller's Redis user, key by key, read or write
+# (`contracts.bus.roles`). Declared keys only matter to Redis Cluster, which this system does not
+# use (one run's streams and ledger live on one server). `BusCore._run` passes them this way.
+KEYS_FROM_ARGV = """
+for i = 1, tonumber(table.remove(ARGV, 1)) do KEYS[i] = table.remove(ARGV, 1) end
+"""
+
 # Every writing script starts with the fence: KEYS[1] is the learner lease key ("" = unfenced),
 # ARGV[1] the token the writer holds and ARGV[2] the lease TTL in ms; they are removed before
 # the script's own arguments. A writer whose token is no longer the lease's (another learner
 # took over after it lost the lease) writes nothing. A vacant lease (Redis lost its data, or
 # the holder was paused past the TTL and nobody took over) is taken back: nobody else wrote
 # meanwhile, so the holder may go on. Checked inside Redis, in the same atomic step as the write.
-FENCE = """
+FENCE = (
+    KEYS_FROM_ARGV
+    + """
 local lease = table.remove(KEYS, 1)
 local token = table.remove(ARGV, 1)
 local ttl_ms = table.remove(ARGV, 1)
@@ -31,6 +44,7 @@ if lease ~= '' then
   end
 end
 """
+)
 
 # One fenced command: ARGV (after the fence) is the command and its arguments.
 CALL = FENCE + "return redis.call(unpack(ARGV))\n"
@@ -142,7 +156,9 @@ return {appended, repair}
 # KEYS: stream. ARGV: group, consumer, entry ids. Resets the idle time of each entry still
 # pending under this consumer (XCLAIM JUSTID does not count a delivery); one another consumer
 # took over meanwhile is left alone.
-RENEW_CLAIMS = """
+RENEW_CLAIMS = (
+    KEYS_FROM_ARGV
+    + """
 local renewed = 0
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -153,11 +169,14 @@ for i = 3, #ARGV do
 end
 return renewed
 """
+)
 
 # Read-only, so Redis runs it even at maxmemory (a MULTI/EXEC would be refused there).
 # KEYS: ledger, then every stage stream. Returns [the ledger key's type, HGETALL ledger (empty
 # unless a hash), XLEN stream...].
-LEDGER = """
+LEDGER = (
+    KEYS_FROM_ARGV
+    + """
 local kind = redis.call('TYPE', KEYS[1]).ok
 local fields = {}
 if kind == 'hash' then fields = redis.call('HGETALL', KEYS[1]) end
@@ -165,3 +184,4 @@ local out = {kind, fields}
 for i = 2, #KEYS do out[#out + 1] = redis.call('XLEN', KEYS[i]) end
 return out
 """
+)

@@ -136,7 +136,7 @@ class Transport(RedisHygiene):
             # Redis came back empty (restarted without persistence): recreate the groups. The
             # learner detects the loss and reports it; here we just keep working.
             log.error("consumer group %s is gone (Redis lost its data?); recreating", stage.group)
-            self.ensure_groups()
+            self.ensure_groups((stage,))
             return []
         return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
 
@@ -146,7 +146,7 @@ class Transport(RedisHygiene):
         if not entry_ids:
             return 0
         return int(
-            self._renew_claims(keys=[stage.stream], args=[stage.group, self.consumer, *entry_ids])
+            self._run(self._renew_claims, [stage.stream], [stage.group, self.consumer, *entry_ids])
         )
 
     @contextlib.contextmanager
@@ -390,8 +390,8 @@ class Transport(RedisHygiene):
         and counted, and reads as 0: the services go on, and the next count replaces it. The
         counts it held are lost, so the snapshot is `damaged` (never balanced) from then on, for
         the rest of the run (`LEDGER_DAMAGED`), which the run summary and /status report."""
-        kind, flat, *lengths = self._ledger(
-            keys=[self.keys.ledger, *(stage.stream for stage in self.keys.stages)]
+        kind, flat, *lengths = self._run(
+            self._ledger, [self.keys.ledger, *(stage.stream for stage in self.keys.stages)], []
         )
         damaged = kind not in (b"hash", b"none")
         if damaged:  # planted: the next count replaces it
@@ -417,12 +417,14 @@ class Transport(RedisHygiene):
             damaged=damaged,
         )
 
-    def depths(self) -> dict[str, int]:
+    def depths(self, stages: tuple[Stage, ...] | None = None) -> dict[str, int]:
+        """Entries waiting or in progress per stage (by consumer group), default every stage."""
+        stages = self.keys.stages if stages is None else stages
         with self.redis.pipeline(transaction=False) as pipe:
-            for stage in self.keys.stages:
+            for stage in stages:
                 pipe.xlen(stage.stream)
             lengths = pipe.execute()
-        return {stage.group: int(n) for stage, n in zip(self.keys.stages, lengths, strict=True)}
+        return {stage.group: int(n) for stage, n in zip(stages, lengths, strict=True)}
 
     def pass_rate(self, filtered: int | None = None) -> float | None:
         """The run's gatekeeper pass rate so far (`filtered` from a ledger snapshot, if at hand)."""

@@ -95,14 +95,14 @@ def test_a_heartbeat_at_maxmemory_keeps_the_instance_visible(
         StreamBus(connect(redis_url), keys, "t"),
         "rollout",
         "r-1",
-        ttl_s=2,
+        ttl_s=4,
         status=lambda: {"policy_version": 7},
     )
     hb.beat()
     full_redis.config_set("maxmemory", int(full_redis.info("memory")["used_memory"]) // 2)
-    time.sleep(1.5)
+    time.sleep(2.5)  # well inside the TTL, even on a loaded machine
     hb.beat()  # SET refused: the TTL is refreshed instead, and it neither raises nor waits
-    time.sleep(1.0)
+    time.sleep(2.5)  # past the first beat's TTL, well inside the refreshed one
     [info] = StreamBus(full_redis, keys, "t").live_instances("rollout")
     assert info["policy_version"] == 7
 

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
+from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
 from contracts.runtime import free_port
 from tests.helpers import wait_for
 
@@ -291,6 +292,11 @@ def deployment(engine: Engine, tmp_path: Path) -> Deployment:
         .replace("\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n")
         .replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={secrets.token_hex(32)}\n")
     )
+    # One Redis user per role, each with its own password (contracts/bus/roles.py).
+    for role in Role:
+        var = f"{PASSWORD_ENV_PREFIX}{role.name}"
+        assert f"\n{var}=\n" in text, var
+        text = text.replace(f"\n{var}=\n", f"\n{var}={secrets.token_hex(16)}\n")
     text += (
         f"\nDAPO_CONFIG_FILE={tmp_path / 'config.yaml'}\n"
         f"DAPO_DATA_ROOT={data_root}\nDAPO_API_PORT={port}\n"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
 import importlib
 import importlib.util
 import json
@@ -302,7 +303,7 @@ def test_compose_secrets_fail_fast_and_env_example_covers_every_variable() -> No
     text = COMPOSE_FILE.read_text(encoding="utf-8")
     token = compose()["services"]["api"]["environment"]["DAPO_API_TOKEN"]
     assert token.startswith("${DAPO_API_TOKEN:?"), token
-    used = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", text))
+    used = set(re.findall(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)", text))
     example = ENV_EXAMPLE.read_text(encoding="utf-8")
     listed = set(re.findall(r"^#?([A-Z_][A-Z0-9_]*)=", example, flags=re.M))
     assert used <= listed, f".env.example lacks {sorted(used - listed)}"
@@ -332,6 +333,9 @@ def _env_file(tmp_path: Path, token: str, redis_password: str = "test-password")
         "\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n"
     )
     text = text.replace(f"\n{REDIS_PASSWORD_VAR}=\n", f"\n{REDIS_PASSWORD_VAR}={redis_password}\n")
+    for role in ROLES:
+        var = f"{REDIS_PASSWORD_VAR}_{role.upper()}"
+        text = text.replace(f"\n{var}=\n", f"\n{var}=test-{role}-password\n")
     text = text.replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={'k' * 64}\n")
     path = tmp_path / "env"
     path.write_text(text, encoding="utf-8")
@@ -996,7 +1000,9 @@ def test_redis_statefulset_is_durable_and_capped(overlay: str) -> None:
         if doc["kind"] in WORKLOAD_KINDS and doc is not sts:
             for cc in containers(doc, init=False):
                 check_redis_client_env(
-                    cc.get("env", []), f"{overlay}: {doc['metadata']['name']}/{cc['name']}"
+                    cc.get("env", []),
+                    f"{overlay}: {doc['metadata']['name']}/{cc['name']}",
+                    {"DAPO_REDIS_URL": ROLE_OF_WORKLOAD[doc["metadata"]["name"]]},
                 )
 
 
@@ -1011,7 +1017,7 @@ def test_shared_volume_and_config_are_mounted(overlay: str, tmp_path: Path) -> N
     docs = render(overlay)
     (pvc,) = by_kind(docs, "PersistentVolumeClaim").values()
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    (cm,) = by_kind(docs, "ConfigMap").values()
+    (cm,) = (d for n, d in by_kind(docs, "ConfigMap").items() if n.startswith("dapo-config"))
     config = tmp_path / "config.yaml"
     config.write_text(cm["data"]["config.yaml"], encoding="utf-8")
     assert load_config(config) == load_config(OVERLAY_PRESET[overlay])
@@ -1110,14 +1116,34 @@ def test_cpu_demo_init_snippets_run(tmp_path: Path) -> None:
 
 REDIS_PASSWORD_VAR = "DAPO_REDIS_PASSWORD"  # compose: from .env
 REDIS_SECRET = {"name": "dapo-redis", "key": "password"}  # Kubernetes: created at deploy time
+# Each service connects as its role's Redis user (contracts/bus/roles.py), with that role's
+# password: compose from .env, Kubernetes from the Secret's key named after the role.
+ROLES = ("learner", "rollout", "reward", "gatekeeper", "api", "autoscaler", "operator")
+ROLE_OF_WORKLOAD = {
+    "dapo-learner": "learner",
+    "dapo-rollout": "rollout",
+    "dapo-reward": "reward",
+    "dapo-gatekeeper": "gatekeeper",
+    "dapo-api": "api",
+}
+ROLE_OF_COMPOSE_SERVICE = {
+    "api": "api",
+    "gatekeeper": "gatekeeper",
+    "reward": "reward",
+    "learner": "learner",
+    "learner-gpu": "learner",
+    "rollout": "rollout",
+    "rollout-gpu": "rollout",
+}
 # Both the Redis start script (`requirepass`) and redis-cli (the health checks) read this one.
 REDIS_AUTH_ENV = "REDISCLI_AUTH"
-K8S_REDIS_URL = "redis://:$(REDIS_PASSWORD)@dapo-redis:6379/0"
-COMPOSE_REDIS_URL = re.compile(rf"redis://:\$\{{{REDIS_PASSWORD_VAR}:\?[^}}]+\}}@redis:6379/0")
+K8S_REDIS_URL = "redis://{role}:$(REDIS_PASSWORD)@dapo-redis:6379/0"
+COMPOSE_REDIS_URL = r"redis://{role}:\$\{{DAPO_REDIS_PASSWORD_{ROLE}:\?[^}}]+\}}@redis:6379/0"
 SHARED_MOUNT = "/var/lib/dapo"
 COMPOSE_WRITERS = {"prepare", "learner", "learner-gpu"}  # prepare is the learner's first step
 REDIS_CLIENT_LABEL = {"dapo-services/redis-client": "true"}
 WEIGHT_SYNC_LABEL = {"dapo-services/weight-sync": "true"}
+EPHEMERAL = "40000-44999"  # the learner and rollout pods' ip_local_port_range
 API_CLIENT_LABEL = {"dapo-services/api-client": "true"}
 KEDA_OPERATOR = {
     "namespaceSelector": {},
@@ -1175,30 +1201,41 @@ def redis_options(argv: list[str]) -> dict[str, str]:
     return dict(zip(argv[2::2], argv[3::2], strict=True))
 
 
-def check_redis_password_source(argv: list[str], config: list[str], where: str) -> None:
-    """The password is read from the environment at start, on stdin: never a literal, never in
-    redis-server's argv."""
-    assert config == [f"requirepass ${REDIS_AUTH_ENV}"], f"{where}: Redis config on stdin: {config}"
-    assert not any(REDIS_AUTH_ENV in a or "requirepass" in a for a in argv), (
+def check_redis_password_source(
+    argv: list[str], config: list[str], script: str, where: str
+) -> None:
+    """The passwords are read from the environment at start, on stdin: never a literal, never in
+    redis-server's argv; the roles' `user` lines come from the rules file."""
+    assert config == ["$conf"], f"{where}: Redis config on stdin: {config}"
+    assert f'conf="requirepass ${REDIS_AUTH_ENV}"' in script, f"{where}: {script}"
+    assert "user $role on >$pw $rules" in script, f"{where}: no user line per role: {script}"
+    assert not any(REDIS_AUTH_ENV in a or "requirepass" in a or "$pw" in a for a in argv), (
         f"{where}: password in argv {argv}"
     )
 
 
-def check_redis_client_env(env: list[dict[str, Any]], where: str) -> None:
-    """DAPO_REDIS_URL carries the password from the Secret, through REDIS_PASSWORD defined before
-    it (Kubernetes expands `$(VAR)` only from variables defined earlier in the list)."""
+def check_redis_client_env(env: list[dict[str, Any]], where: str, urls: dict[str, str]) -> None:
+    """Each URL variable of `urls` (name -> role) names its role's Redis user and carries that
+    role's password from the Secret, through a variable defined before it (Kubernetes expands
+    `$(VAR)` only from variables defined earlier in the list); no other Redis password is there."""
     names = [e["name"] for e in env]
-    assert "DAPO_REDIS_URL" in names and "REDIS_PASSWORD" in names, f"{where}: env {names}"
     values = {e["name"]: e for e in env}
-    assert values["DAPO_REDIS_URL"].get("value") == K8S_REDIS_URL, (
-        f"{where}: {values['DAPO_REDIS_URL']}"
-    )
-    assert values["REDIS_PASSWORD"].get("valueFrom") == {"secretKeyRef": REDIS_SECRET}, (
-        f"{where}: {values['REDIS_PASSWORD']}"
-    )
-    assert names.index("REDIS_PASSWORD") < names.index("DAPO_REDIS_URL"), (
-        f"{where}: REDIS_PASSWORD after DAPO_REDIS_URL"
-    )
+    for url_var, role in urls.items():
+        assert url_var in names, f"{where}: env {names}"
+        value = values[url_var].get("value", "")
+        m = re.fullmatch(r"redis://(\w+):\$\((\w+)\)@dapo-redis:6379/0", value)
+        assert m and m.group(1) == role, f"{where}: {url_var}={value} is not role {role}'s"
+        secret = values[m.group(2)].get("valueFrom")
+        assert secret == {"secretKeyRef": {"name": REDIS_SECRET["name"], "key": role}}, (
+            f"{where}: {values[m.group(2)]}"
+        )
+        assert names.index(m.group(2)) < names.index(url_var), f"{where}: {m.group(2)} after"
+    held = {
+        e["valueFrom"]["secretKeyRef"]["key"]
+        for e in env
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == REDIS_SECRET["name"]
+    }
+    assert held == set(urls.values()), f"{where}: holds the Redis passwords of {sorted(held)}"
 
 
 def test_compose_redis_requires_the_password_from_the_env_file() -> None:
@@ -1210,7 +1247,12 @@ def test_compose_redis_requires_the_password_from_the_env_file() -> None:
     argv, config = parse_redis_script(
         compose_interpolate(redis_script(redis["command"], "compose redis"), {})
     )
-    check_redis_password_source(argv, config, "compose redis")
+    check_redis_password_source(
+        argv,
+        config,
+        compose_interpolate(redis_script(redis["command"], "compose redis"), {}),
+        "compose redis",
+    )
     health = " ".join(redis["healthcheck"]["test"])
     assert "redis-cli" in health and not re.search(r"\s-a\s|AUTH|PASSWORD", health), (
         f"redis-cli reads {REDIS_AUTH_ENV}: {health}"
@@ -1224,11 +1266,13 @@ def test_compose_redis_requires_the_password_from_the_env_file() -> None:
 
 def test_compose_every_service_reaches_redis_with_the_password() -> None:
     for name, svc in compose()["services"].items():
-        if is_dapo_service(svc):
+        if is_dapo_service(svc) and name != "prepare":  # prepare never connects to Redis
+            role = ROLE_OF_COMPOSE_SERVICE[name]
             url = svc["environment"]["DAPO_REDIS_URL"]
-            assert COMPOSE_REDIS_URL.fullmatch(url), (
-                f"{name}: DAPO_REDIS_URL {url} lacks the password"
-            )
+            pattern = COMPOSE_REDIS_URL.format(role=role, ROLE=role.upper())
+            assert re.fullmatch(pattern, url), f"{name}: DAPO_REDIS_URL {url} is not {role}'s"
+            others = re.findall(r"DAPO_REDIS_PASSWORD\w*", str(svc["environment"]))
+            assert set(others) == {f"DAPO_REDIS_PASSWORD_{role.upper()}"}, (name, others)
 
 
 def test_docker_compose_refuses_to_start_without_redis_password(tmp_path: Path) -> None:
@@ -1257,10 +1301,9 @@ def test_k8s_redis_requires_the_password_from_the_secret(overlay: str) -> None:
         "name": REDIS_AUTH_ENV,
         "valueFrom": {"secretKeyRef": REDIS_SECRET},
     }
-    argv, config = parse_redis_script(
-        redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis")
-    )
-    check_redis_password_source(argv, config, f"{overlay} redis")
+    script = redis_script([*c.get("command", []), *c["args"]], f"{overlay} redis")
+    argv, config = parse_redis_script(script)
+    check_redis_password_source(argv, config, script, f"{overlay} redis")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         cmd = " ".join(c[probe]["exec"]["command"])
         assert "redis-cli" in cmd and not re.search(r"\s-a\s|AUTH|PASSWORD", cmd), f"{probe}: {cmd}"
@@ -1316,7 +1359,9 @@ def test_every_pod_reaches_redis_with_the_secret_password(overlay: str) -> None:
         if doc["kind"] in WORKLOAD_KINDS and doc["metadata"]["name"] != "dapo-redis":
             for c in containers(doc, init=False):
                 check_redis_client_env(
-                    c.get("env", []), f"{overlay}: {doc['metadata']['name']}/{c['name']}"
+                    c.get("env", []),
+                    f"{overlay}: {doc['metadata']['name']}/{c['name']}",
+                    {"DAPO_REDIS_URL": ROLE_OF_WORKLOAD[doc["metadata"]["name"]]},
                 )
                 clients += 1
     assert clients == 5
@@ -1336,7 +1381,17 @@ def test_keda_authenticates_to_redis_with_the_secret(overlay: str) -> None:
     assert auth["metadata"]["namespace"] == so["metadata"]["namespace"], (
         "a TriggerAuthentication is namespaced"
     )
-    assert auth["spec"] == {"secretTargetRef": [{"parameter": "password", **REDIS_SECRET}]}
+    # As the Redis user `autoscaler`, which may only read the prompts backlog.
+    assert auth["spec"] == {
+        "secretTargetRef": [
+            {"parameter": "username", "name": "dapo-redis-autoscaler-user", "key": "username"},
+            {"parameter": "password", "name": REDIS_SECRET["name"], "key": "autoscaler"},
+        ]
+    }
+    (user,) = (
+        d for name, d in by_kind(docs, "Secret").items() if name.startswith("dapo-redis-autoscaler")
+    )
+    assert base64.b64decode(user["data"]["username"]) == b"autoscaler"
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -1353,11 +1408,14 @@ def pod_labels(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, str]]:
     }
 
 
-def ingress_map(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str, int | None], set[str]]:
-    """(target workload, protocol, port or None = every port) -> the sources the policies admit
-    there: workload names, or (as JSON) a peer outside the namespace."""
+def ingress_map(
+    docs: tuple[dict[str, Any], ...],
+) -> dict[tuple[str, str, int | str | None], set[str]]:
+    """(target workload, protocol, port, "FIRST-LAST" for a range, or None = every port) -> the
+    sources the policies admit there: workload names, or (as JSON) a peer outside the
+    namespace."""
     pods = pod_labels(docs)
-    opened: dict[tuple[str, str, int | None], set[str]] = {}
+    opened: dict[tuple[str, str, int | str | None], set[str]] = {}
     for policy in by_kind(docs, "NetworkPolicy").values():
         for target, labels in pods.items():
             if not selects(policy["spec"]["podSelector"], labels):
@@ -1367,8 +1425,11 @@ def ingress_map(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str, int | 
                     f"{policy['metadata']['name']}: open to every source or port"
                 )
                 for port in rule["ports"]:
+                    number = port.get("port")
+                    if "endPort" in port:
+                        number = f"{number}-{port['endPort']}"
                     sources = opened.setdefault(
-                        (target, port.get("protocol", "TCP"), port.get("port")), set()
+                        (target, port.get("protocol", "TCP"), number), set()
                     )
                     for peer in rule["from"]:
                         assert "ipBlock" not in peer, peer
@@ -1405,11 +1466,21 @@ def test_network_policies_deny_ingress_and_admit_only_redis_weight_sync_and_api(
     opened = ingress_map(docs)
     assert {k: v for k, v in opened.items() if k[0] != "dapo-api"} == {
         ("dapo-redis", "TCP", 6379): redis_clients | {json.dumps(KEDA_OPERATOR, sort_keys=True)},
-        # Every TCP port: the weight-sync store binds port 0 and gloo/NCCL connect on
-        # ephemeral ports in both directions (deploy/k8s/base/network-policy.yaml).
-        ("dapo-learner", "TCP", None): weight_sync,
-        ("dapo-rollout", "TCP", None): weight_sync,
+        # The weight-sync store and the collectives' range (gloo and NCCL listen on ephemeral
+        # ports, pinned to it by a sysctl); torchrun's unauthenticated store to learner pods only.
+        ("dapo-learner", "TCP", 29600): weight_sync,
+        ("dapo-learner", "TCP", EPHEMERAL): weight_sync,
+        ("dapo-learner", "TCP", 29500): {"dapo-learner"},
+        ("dapo-rollout", "TCP", 29600): weight_sync,
+        ("dapo-rollout", "TCP", EPHEMERAL): weight_sync,
     }
+    for name in weight_sync:
+        pod = workload(docs, name)["spec"]["template"]["spec"]
+        assert {"name": "net.ipv4.ip_local_port_range", "value": EPHEMERAL.replace("-", " ")} in (
+            pod["securityContext"].get("sysctls", [])
+        ), f"{name}: the collectives listen outside the range the policy opens"
+    (learner,) = containers(workload(docs, "dapo-learner"), init=False)
+    assert env_of(learner)["DAPO_WEIGHTS_PORT"] == "29600"
     # No pipeline pod calls the API; pods labelled as API clients may (port-forward needs none).
     assert opened[("dapo-api", "TCP", 8000)] == set()
     (api_rule,) = by_kind(docs, "NetworkPolicy")["dapo-allow-api"]["spec"]["ingress"]
@@ -1455,15 +1526,19 @@ def _redis_shims(bin_dir: Path, port: int) -> None:
         shim.chmod(0o755)
 
 
+def role_password(role: str) -> str:
+    return f"{role}-0123456789abcdef"
+
+
 def _redis_start(variant: str, password: str) -> tuple[str, dict[str, str], list[list[str]]]:
     """(start script, container environment, health-check commands) of Redis in `variant`, with
     what compose or Kubernetes would substitute."""
     if variant == "compose":
         svc = compose()["services"]["redis"]
-        env = {
-            k: compose_interpolate(str(v), {REDIS_PASSWORD_VAR: password})
-            for k, v in svc["environment"].items()
+        dotenv = {REDIS_PASSWORD_VAR: password} | {
+            f"{REDIS_PASSWORD_VAR}_{role.upper()}": role_password(role) for role in ROLES
         }
+        env = {k: compose_interpolate(str(v), dotenv) for k, v in svc["environment"].items()}
         test = svc["healthcheck"]["test"]
         assert test[0] == "CMD-SHELL"
         return (
@@ -1473,6 +1548,7 @@ def _redis_start(variant: str, password: str) -> tuple[str, dict[str, str], list
         )
     (c,) = containers(workload(render("base"), "dapo-redis"), init=False)
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e} | {REDIS_AUTH_ENV: password}
+    env |= {f"{REDIS_PASSWORD_VAR}_{role.upper()}": role_password(role) for role in ROLES}
     probes = [c[p]["exec"]["command"] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
     return redis_script([*c.get("command", []), *c["args"]], variant), env, probes
 
@@ -1489,6 +1565,7 @@ def test_redis_start_script_refuses_clients_without_the_password(
     port = free_port()
     _redis_shims(tmp_path / "bin", port)
     env["PATH"] = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    env["DAPO_REDIS_USERS"] = str(K8S / "base" / "redis-users.acl")  # mounted there
     log = tmp_path / "redis.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -1511,6 +1588,15 @@ def test_redis_start_script_refuses_clients_without_the_password(
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text(errors="replace")
+        # Every role's user, with its own password and its own rights only.
+        for role in ROLES:
+            user = redis.Redis(port=port, username=role, password=role_password(role))
+            assert user.ping(), role
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(port=port, username=role, password=password).ping()
+        replica = redis.Redis(port=port, username="rollout", password=role_password("rollout"))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            replica.xadd("dapo:stream:weights", {"ann": "{}"})
         for check in checks:
             ok = subprocess.run(check, env=env, capture_output=True, timeout=10, check=False)
             assert ok.returncode == 0, f"{check}: {ok.stdout!r} {ok.stderr!r}"
@@ -1526,3 +1612,63 @@ def test_redis_start_script_refuses_clients_without_the_password(
         client.close()
         proc.terminate()
         proc.wait(timeout=20)
+
+
+# --------------------------------------------------------------------------------------------
+# Containers that give an intruder little: nothing to write outside their volumes, no way to
+# gain privileges, no Kubernetes API token, bounded memory and processes.
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_every_pod_runs_locked_down(overlay: str) -> None:
+    for doc in render(overlay):
+        if doc["kind"] not in WORKLOAD_KINDS:
+            continue
+        name = doc["metadata"]["name"]
+        pod = doc["spec"]["template"]["spec"]
+        assert pod.get("automountServiceAccountToken") is False, f"{name}: SA token mounted"
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in containers(doc):
+            where = f"{overlay}: {name}/{c['name']}"
+            sc = c.get("securityContext", {})
+            assert sc.get("readOnlyRootFilesystem") is True, f"{where}: writable root filesystem"
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert "memory" in c.get("resources", {}).get("limits", {}), f"{where}: no limit"
+            tmp = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+            assert tmp and "emptyDir" in volumes[tmp[0]["name"]], f"{where}: no writable /tmp"
+
+
+def test_compose_containers_run_locked_down() -> None:
+    for name, svc in compose()["services"].items():
+        assert svc.get("read_only") is True, f"{name}: writable root filesystem"
+        assert any(str(t).split(":")[0] == "/tmp" for t in svc.get("tmpfs", [])), name
+        assert svc.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in svc.get("security_opt", []), name
+        assert svc.get("mem_limit") and svc.get("pids_limit"), f"{name}: no memory/pid limit"
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_images_never_import_from_the_working_directory(variant: str) -> None:
+    """The working directory is the shared volume: with PYTHONSAFEPATH, `python -m` and
+    `torchrun -m` do not put it first on the import path, so a file planted there is not run."""
+    assert re.search(r"\bPYTHONSAFEPATH=1\b", dockerfile(variant)), variant
+
+
+def test_dapo_secrets_alone_is_an_env_file_compose_starts_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main as dapo
+
+    assert dapo(["secrets"]) == 0
+    first = capsys.readouterr().out
+    assert dapo(["secrets"]) == 0
+    values = [line.split("=", 1)[1] for line in first.splitlines()]
+    assert len(set(values)) == len(values) and all(re.fullmatch(r"[0-9a-f]{64}", v) for v in values)
+    assert not set(values) & {
+        line.split("=", 1)[1] for line in capsys.readouterr().out.splitlines()
+    }
+    env = tmp_path / "env"
+    env.write_text(first, encoding="utf-8")
+    proc = _docker_compose(env, "config", "-q")
+    assert proc.returncode == 0, proc.stderr

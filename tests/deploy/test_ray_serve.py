@@ -186,7 +186,11 @@ def test_rayservice_pods_reach_redis_with_the_secret_password() -> None:
 
     for group, template in _groups().items():
         for c in template["spec"]["containers"]:
-            check_redis_client_env(c["env"], f"rayservice {group}")
+            check_redis_client_env(
+                c["env"],
+                f"rayservice {group}",
+                {"DAPO_REDIS_URL_ROLLOUT": "rollout", "DAPO_REDIS_URL_REWARD": "reward"},
+            )
 
 
 def test_ray_pods_are_admitted_by_the_base_policies_they_need() -> None:

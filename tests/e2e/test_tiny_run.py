@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from contracts.bus.roles import Role
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
@@ -76,15 +78,23 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     assert changed == len(base)
     assert 0 <= summary["learner_idle_fraction"] < 1 and 0 <= summary["rollout_idle_fraction"] < 1
     assert (out / "tensorboard").is_dir() and any((out / "tensorboard").iterdir())
-    # The embedded Redis had a generated password, kept in one 0600 file and nowhere else.
-    password = (out / "redis" / "redis.conf").read_text().split()[1]
-    assert len(password) >= 24
+    # The embedded Redis had generated passwords (the administrator's and one per role), kept in
+    # one 0600 file and nowhere else; every service ran as its own role's user and was refused
+    # nothing it needed.
+    conf = (out / "redis" / "redis.conf").read_text().splitlines()
+    passwords = [conf[0].split()[1]] + [line.split()[3][1:] for line in conf[1:]]
+    assert [line.split()[1] for line in conf[1:]] == [role.value for role in Role]
+    assert all(len(p) >= 24 for p in passwords)
     leaked = [
-        p
-        for p in out.rglob("*")
-        if p.is_file() and p.name != "redis.conf" and password.encode() in p.read_bytes()
+        path
+        for path in out.rglob("*")
+        if path.is_file()
+        and path.name != "redis.conf"
+        and any(p.encode() in path.read_bytes() for p in passwords)
     ]
     assert not leaked, leaked
+    refusals = [p.name for p in (out / "logs").iterdir() if "NOPERM" in p.read_text()]
+    assert not refusals, refusals
 
 
 # A marker, not a skip in the body: it is decided before the module's tiny_cache fixture builds

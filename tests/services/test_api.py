@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -189,6 +191,25 @@ def test_mutating_routes_need_the_token(
     monkeypatch.delenv("DAPO_API_TOKEN")
     r = client.post("/pause", headers=auth)
     assert r.status_code == 403 and "disabled" in r.json()["detail"]
+
+
+def test_each_accepted_mutation_is_logged_with_who_and_what(
+    setup: tuple[TestClient, StreamBus, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    client, _, store = setup
+    commit_checkpoint(store, 5)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with caplog.at_level(logging.INFO, logger="dapo.audit"):
+        assert client.post("/pause", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert client.post("/pause", headers=auth).status_code == 202
+        assert client.post("/checkpoints/5/restore", headers=auth).status_code == 202
+    lines = [r.getMessage() for r in caplog.records if r.name == "dapo.audit"]
+    fingerprint = hashlib.sha256(TOKEN.encode()).hexdigest()[:12]
+    assert lines == [
+        f"mutation by testclient:50000 (token {fingerprint}): pause requested",
+        f"mutation by testclient:50000 (token {fingerprint}): restore of step 5 requested",
+    ]
+    assert not any(TOKEN in line for line in lines)
 
 
 def test_dashboard_is_self_contained_and_builds_no_html_from_data(
