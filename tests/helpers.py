@@ -24,9 +24,9 @@ built in a test."""
 
 
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
-    """`dapo run` on the tiny preset against the test's Redis, output in tmp_path/dapo-run.log
-    (a pipe nobody reads could fill and block the launcher). No evals, no checkpoints unless
-    the overrides ask for them. `faults` is passed as DAPO_FAULTS (contracts/faults.py)."""
+    """`dapo run` on the tiny preset with two rollout replicas against the test's Redis, output in
+    tmp_path/dapo-run.log (a pipe nobody reads could fill and block the launcher). No evals, no
+    checkpoints unless the overrides ask for them. `faults` is passed as DAPO_FAULTS (contracts/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
         [
@@ -42,6 +42,7 @@ def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> su
             f"queue.redis_url={url}",
             "eval.every_steps=0",
             "checkpoint.every_steps=0",
+            "rollout.replicas=2",  # the fault tests kill, hang and restart one of two
             *overrides,
         ],
         cwd=REPO,

@@ -47,7 +47,11 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     out = tmp_path / "run"
     steps = 120
     summary = run_dapo(
-        out, f"learner.total_steps={steps}", "eval.every_steps=40", "checkpoint.every_steps=60"
+        out,
+        f"learner.total_steps={steps}",
+        "eval.every_steps=40",
+        "checkpoint.every_steps=60",
+        "rollout.replicas=2",  # the main job's one, and a second: both end on the final version
     )
     assert summary["steps"] == steps
     rise = summary["final_eval_acc"] - summary["base_eval_acc"]
