@@ -26,7 +26,8 @@ built in a test."""
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
     """`dapo run` on the tiny preset with two rollout replicas against the test's Redis, output in
     tmp_path/dapo-run.log (a pipe nobody reads could fill and block the launcher). No evals, no
-    checkpoints unless the overrides ask for them. `faults` is passed as DAPO_FAULTS (contracts/faults.py)."""
+    checkpoints unless the overrides ask for them. `faults` is passed as DAPO_FAULTS
+    (contracts/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
         [

@@ -6,6 +6,7 @@ broadcast, and the catch-up from the checkpoint store."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -16,9 +17,17 @@ import torch
 
 from contracts.bus import StreamBus, connect
 from contracts.checkpoint_store import file_digest, write_manifest
+from contracts.config import ConfigError
 from contracts.keys import Counter, Keys
-from contracts.runtime import StopFlag
-from contracts.weight_sync import Announcement, WeightStream, plan_buckets, sign
+from contracts.runtime import StopFlag, free_port
+from contracts.weight_sync import (
+    PORT_ENV,
+    Announcement,
+    WeightStream,
+    plan_buckets,
+    sign,
+    weights_port,
+)
 from learner.weight_publisher import WeightPublisher
 from rollout.weight_receiver import WeightReceiver
 from tests.helpers import WEIGHTS_KEY, wait_for
@@ -366,3 +375,21 @@ def test_the_replica_and_the_learner_refuse_to_start_without_the_key() -> None:
     with pytest.raises(ConfigError, match=r"is 8 characters.*at least 32"):
         weights_key({KEY_ENV: "short-ky"})
     assert weights_key({KEY_ENV: "k" * 32}) == b"k" * 32
+
+
+def test_the_weight_sync_store_listens_on_the_port_a_network_policy_opens(
+    bus: StreamBus,
+) -> None:
+    """Kubernetes fixes DAPO_WEIGHTS_PORT so its NetworkPolicy can open that port alone (beside
+    the collectives' range) to the replicas; a value that is no port fails naming the variable."""
+    assert weights_port({}) == 0 and weights_port({PORT_ENV: " 29600 "}) == 29600
+    for bad in ("http", "-1", "70000"):
+        with pytest.raises(ConfigError, match=PORT_ENV):
+            weights_port({PORT_ENV: bad})
+    port = free_port()
+    publisher = WeightPublisher(
+        bus, host="127.0.0.1", port=port, backend="gloo", timeout_s=5, bucket_mb=1, key=WEIGHTS_KEY
+    )
+    assert publisher.port == port
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # the store accepts connections there

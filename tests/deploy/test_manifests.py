@@ -691,7 +691,8 @@ def test_scaledobject_scales_rollout_on_the_prompt_backlog(overlay: str) -> None
     )
     assert "rollout" in target["name"]
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
-    assert spec["maxReplicaCount"] == load_config(OVERLAY_PRESET[overlay]).rollout.replicas
+    # At least what the preset runs on one machine (pods bring their own cores).
+    assert spec["maxReplicaCount"] >= load_config(OVERLAY_PRESET[overlay]).rollout.replicas
     (trigger,) = spec["triggers"]
     assert trigger["type"] == "redis-streams"
     meta = trigger["metadata"]
