@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
+import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -1673,3 +1675,56 @@ def test_dapo_secrets_alone_is_an_env_file_compose_starts_with(
     env.write_text(first, encoding="utf-8")
     proc = _docker_compose(env, "config", "-q")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_pinned_by_digest_runs_exactly_the_pushed_images(
+    overlay: str, tmp_path: Path
+) -> None:
+    """deploy/k8s/pin_images.py: after a push, a new overlay names every image by digest (the
+    GPU overlay's two tags of one name each their own) and changes nothing else; `--check` tells
+    a pinned overlay from an unpinned one."""
+    _kubectl()
+    resolver = tmp_path / "digest"
+    resolver.write_text(  # a stand-in registry: the digest of a reference is its hash
+        '#!/bin/sh\nprintf "sha256:%s\\n" "$(printf %s "$1" | sha256sum | cut -c1-64)"\n'
+    )
+    resolver.chmod(0o755)
+    script = K8S / "pin_images.py"
+    out = tmp_path / "pinned"
+    run = functools.partial(
+        subprocess.run,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DIGEST_COMMAND": str(resolver)},
+        check=False,
+    )
+    assert run([sys.executable, script, "--check", K8S / "overlays" / overlay]).returncode == 1
+    made = run(
+        [
+            sys.executable,
+            script,
+            K8S / "overlays" / overlay,
+            "--out",
+            out,
+            "--image",
+            "dapo-services=registry.example/dapo-services",
+        ]
+    )
+    assert made.returncode == 0, made.stderr
+    assert run([sys.executable, script, "--check", out]).returncode == 0
+
+    def digest_of(reference: str) -> str:
+        return "sha256:" + hashlib.sha256(reference.encode()).hexdigest()
+
+    before, after = render(overlay), _render(str(out))
+    assert len(before) == len(after)
+    for old, new in zip(before, after, strict=True):
+        if old["kind"] not in WORKLOAD_KINDS:
+            assert old == new
+            continue
+        for c_old, c_new in zip(containers(old), containers(new), strict=True):
+            repo, _, tag = c_old["image"].rpartition(":")
+            pushed = "registry.example/dapo-services" if repo == "dapo-services" else repo
+            assert c_new["image"] == f"{pushed}@{digest_of(f'{pushed}:{tag}')}", c_old["image"]
+            assert {**c_new, "image": None} == {**c_old, "image": None}
