@@ -64,7 +64,7 @@ def test_one_gpu_is_shared_only_with_gloo_weights_and_room_for_the_learner() -> 
 
 def test_no_gpu_runs_everything_on_the_cpu() -> None:
     p = plan(load_config(TINY), 0)
-    assert p.gpus == 0 and p.replicas == ((), ())
+    assert p.gpus == 0 and p.replicas == ((),)  # the preset's one replica, on no GPU
     with pytest.raises(PlacementError, match="tensor_parallel_size=2 needs GPUs"):
         plan(load_config(TINY, ["rollout.tensor_parallel_size=2"]), 0)
 
