@@ -577,8 +577,10 @@ class QueueConfig(_Section):
     def _without_password(self, url: str | None) -> str | None:
         return None if url is None else redact_url(url)
 
-    namespace: str = "dapo"
-    """Prefix of every Redis key, so several runs can share a server."""
+    namespace: str = Field("dapo", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    """Prefix of every Redis key, so several runs can share a server. Letters, digits, `_`, `.`
+    and `-` only: it goes into Redis ACL key patterns and SCAN patterns, where `*`, `?` or `[`
+    would reach another run's keys (a fresh run deletes `<namespace>:*`)."""
     block_ms: PositiveInt = 1000
     """How long a consumer blocks on an empty stream before checking for shutdown."""
     claim_idle_s: float = Field(300.0, gt=0)

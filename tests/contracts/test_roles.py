@@ -28,6 +28,7 @@ from contracts.bus.roles import (
     role_url,
     rules,
 )
+from contracts.config import ConfigError, build_config
 from contracts.keys import Keys
 from services.redis_server import RedisServer, server_major_version
 
@@ -209,7 +210,18 @@ def test_a_role_url_carries_the_role_and_only_its_password() -> None:
     assert "admin-secret" not in url
 
 
-def test_key_patterns_that_would_escape_a_rule_are_refused() -> None:
+def test_a_namespace_that_would_reach_other_runs_keys_is_refused() -> None:
+    """`run*` in an ACL or SCAN pattern would match `run2:...` too: refused at start, naming the
+    key, and never turned into a rule."""
+    for namespace in ("run*", "a?b", "[ab]", "my run", ""):
+        with pytest.raises(ConfigError, match=r"queue\.namespace"):
+            build_config(
+                {
+                    "model": {"path": "m"},
+                    "data": {"train_path": "t"},
+                    "queue": {"namespace": namespace},
+                }
+            )
     with pytest.raises(ValueError, match="characters"):
         rules(grants(Keys("my run"))[Role.API])
     assert re.fullmatch(r"[a-z]+", Role.AUTOSCALER.value)
