@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"dapo-healthcheck: {exc}\n")
         return 1
-    url = cfg.redis_url
+    url = cfg.redis_url_for(args.kind)
     if not url:
         sys.stderr.write("dapo-healthcheck: no Redis URL (queue.redis_url or DAPO_REDIS_URL)\n")
         return 1

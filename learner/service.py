@@ -101,7 +101,8 @@ class RunClaim:
 def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
     """Rank 0 connects to Redis and takes the learner lease (raises LeaseHeldError after
     `learner.lease_wait_s` when another learner holds it)."""
-    if not cfg.redis_url:
+    url = cfg.redis_url_for(Role.LEARNER)
+    if not url:
         raise ConfigError("dapo learner: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
     if cfg.learner.lease_wait_s <= cfg.learner.lease_ttl_s:
         log.warning(
@@ -116,7 +117,7 @@ def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
     # way through a step could record groups as trained in Redis but not in a checkpoint; if
     # the pause outlasts the grace period, SIGKILL and a restart lose nothing. With several
     # ranks, a pause longer than learner.collective_timeout_s times the others out (a restart).
-    bus = open_bus(cfg.redis_url, cfg.queue.namespace, inst)
+    bus = open_bus(url, cfg.queue.namespace, inst)
     lease = LearnerLease(bus, holder=inst, ttl_s=cfg.learner.lease_ttl_s)
     lease.acquire(cfg.learner.lease_wait_s, stop.event)  # before any write: one learner per run
     return RunClaim(bus, lease, inst)

@@ -296,7 +296,7 @@ def _asset(name: str) -> str:
 
 def create_app(cfg: DapoConfig) -> FastAPI:
     check_token_strength(cfg.api.token_env)
-    url = cfg.redis_url
+    url = cfg.redis_url_for("api")
     if not url:
         raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
     bus = open_bus(

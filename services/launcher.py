@@ -546,6 +546,8 @@ def run_local(
         ).start()
         url = server.role_url(Role.OPERATOR)
     env = {**os.environ, **prepared.env, REDIS_URL_ENV: url, "PYTHONUNBUFFERED": "1"}
+    for name in [n for n in env if n.startswith(f"{REDIS_URL_ENV}_")]:
+        del env[name]  # a role's URL left in the caller's shell would outrank the run's own
     env.pop(WEIGHTS_KEY_ENV, None)  # given to the learner and the replicas only, below
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)

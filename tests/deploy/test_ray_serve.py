@@ -428,3 +428,16 @@ def test_serve_replicas_score_prompt_jobs(
     }
     assert finals == {"rollout", "reward"}
     assert bus.ledger().balanced
+
+
+def test_ray_pods_run_locked_down_with_a_writable_tmp() -> None:
+    """Read-only root filesystems: Ray's session directory and the caches go to an emptyDir
+    /tmp; no service-account token is mounted."""
+    for group, template in _groups().items():
+        pod = template["spec"]
+        assert pod.get("automountServiceAccountToken") is False, group
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, group
+            (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert "emptyDir" in volumes[tmp["name"]], group
