@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
+from contracts.keys import NAMESPACE_PATTERN
 from contracts.model_catalog import catalog_name
 from sandbox.builtin_tools import BUILTIN_TOOLS
 
@@ -577,7 +578,7 @@ class QueueConfig(_Section):
     def _without_password(self, url: str | None) -> str | None:
         return None if url is None else redact_url(url)
 
-    namespace: str = Field("dapo", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    namespace: str = Field("dapo", pattern=rf"^{NAMESPACE_PATTERN}$")
     """Prefix of every Redis key, so several runs can share a server. Letters, digits, `_`, `.`
     and `-` only: it goes into Redis ACL key patterns and SCAN patterns, where `*`, `?` or `[`
     would reach another run's keys (a fresh run deletes `<namespace>:*`)."""

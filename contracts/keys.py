@@ -7,8 +7,13 @@ the stage that consumes it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
+
+NAMESPACE_PATTERN = r"[A-Za-z0-9_.\-]{1,64}"
+"""What a namespace may be: no glob character (`*`, `?`, `[`), so a key pattern under it (the
+fresh run's SCAN-and-delete of `<ns>:*`, a Redis user's ACL patterns) reaches only its own run."""
 
 # Ledger fields: every prompt job issued ends in exactly one outcome of its lane, or is still in
 # flight. Training lane: issued -> trained | filtered | stale | dead. Evaluation lane:
@@ -122,6 +127,12 @@ class Stage:
 @dataclass(frozen=True)
 class Keys:
     ns: str = "dapo"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(NAMESPACE_PATTERN, self.ns):
+            raise ValueError(
+                f"namespace {self.ns!r}: letters, digits, _ . - only, 1 to 64 characters"
+            )
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.ns, *parts))

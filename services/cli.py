@@ -534,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fresh secrets for a deployment: .env lines, or kubectl commands with --k8s",
         description="Print fresh random secrets: the API token, the weight-sync key, the Redis "
         "administrator password and one Redis password per role. Without --k8s as .env lines "
-        "for docker-compose (`dapo secrets >> .env`); with --k8s as the kubectl commands that "
+        "for docker-compose (`dapo secrets > .env`); with --k8s as the kubectl commands that "
         "create the Secrets deploy/k8s reads. Nothing is written anywhere else.",
     )
     secrets_.add_argument("--k8s", action="store_true", help="kubectl create secret commands")

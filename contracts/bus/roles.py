@@ -27,7 +27,6 @@ The `default` user stays the administrator: Redis's own probes use it, no servic
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -213,14 +212,10 @@ def consumed_stages(role: Role | str, keys: Keys) -> tuple[Stage, ...]:
     }.get(Role(role), ())
 
 
-_SAFE_PATTERN = re.compile(r"[A-Za-z0-9_.:*\-]+")
-
-
 def rules(grant: Grant, *, split_read_write: bool = True) -> str:
-    """The ACL rules of `grant`, for `ACL SETUSER` or a `user` line (password not included)."""
-    for pattern in (*grant.reads, *grant.writes):
-        if not _SAFE_PATTERN.fullmatch(pattern):
-            raise ValueError(f"key pattern {pattern!r} has characters an ACL rule cannot carry")
+    """The ACL rules of `grant`, for `ACL SETUSER` or a `user` line (password not included).
+    Its patterns are safe to write unquoted: `Keys` refuses a namespace with any other character
+    than letters, digits, `_ . -`."""
     read_rule = "%R~" if split_read_write else "~"
     parts = ["resetkeys", "resetchannels", "-@all"]
     parts += [f"+{command}" for command in grant.commands]
@@ -251,18 +246,11 @@ def user_lines(
     return lines
 
 
-NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-"""What `queue.namespace` may be (contracts.config checks it at start): no glob characters, which
-would widen every pattern below to other runs' keys."""
-
-
 def acl_file_text(namespace: str) -> str:
     """The roles for a Redis 7 server, one `ROLE RULES` line each, without passwords: what the
     start script of the compose and Kubernetes Redis turns into `user` lines, adding each role's
     password from `DAPO_REDIS_PASSWORD_<ROLE>`."""
-    if not NAMESPACE.fullmatch(namespace):
-        raise ValueError(f"namespace {namespace!r}: letters, digits, _ . - only (1-64)")
-    keys = Keys(namespace)
+    keys = Keys(namespace)  # refuses a namespace with glob characters
     table = grants(keys)
     head = [
         "# Redis users by role for namespace "

@@ -10,7 +10,6 @@ CI, which installs redis-server 7) asks for the real thing.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -228,8 +227,6 @@ def test_a_namespace_that_would_reach_other_runs_keys_is_refused() -> None:
                     "queue": {"namespace": namespace},
                 }
             )
-    with pytest.raises(ValueError, match="characters"):
-        rules(grants(Keys("my run"))[Role.API])
-    with pytest.raises(ValueError, match="letters, digits"):
-        acl_file_text("*")  # `dapo redis-users --namespace '*'` would grant every run's keys
-    assert re.fullmatch(r"[a-z]+", Role.AUTOSCALER.value)
+    for namespace in ("*", "my run"):  # `dapo redis-users --namespace '*'`: every run's keys
+        with pytest.raises(ValueError, match="letters, digits"):
+            acl_file_text(namespace)
