@@ -47,6 +47,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.bus import open_bus
+from contracts.bus.roles import Role
 from contracts.checkpoint_store import get_checkpoint, list_checkpoints
 from contracts.config import ConfigError, DapoConfig
 from contracts.schemas import CheckpointRequest as CheckpointControl
@@ -296,7 +297,7 @@ def _asset(name: str) -> str:
 
 def create_app(cfg: DapoConfig) -> FastAPI:
     check_token_strength(cfg.api.token_env)
-    url = cfg.redis_url_for("api")
+    url = cfg.redis_url_for(Role.API)
     if not url:
         raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
     bus = open_bus(

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from contracts.bus import LedgerSnapshot, StreamBus, open_bus
+from contracts.bus.roles import Role
 from contracts.keys import LEDGER_FIELDS, Counter, RunField, restarts_counter
 
 log = logging.getLogger(__name__)
@@ -509,7 +510,7 @@ def _memory_line(mem: dict[str, Any]) -> str:
 def print_status(cfg: Any, *, as_json: bool = False) -> int:
     import sys
 
-    url = cfg.redis_url_for("operator")
+    url = cfg.redis_url_for(Role.OPERATOR)
     if not url:
         sys.stderr.write("dapo status: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)\n")
         return 2

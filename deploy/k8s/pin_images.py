@@ -33,6 +33,8 @@ from pathlib import Path
 import yaml
 
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+RESOLVE_TIMEOUT_S = 120
+"""How long one resolver may take to answer for one image (a registry that hangs is an error)."""
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 
 
@@ -94,7 +96,13 @@ def resolve(reference: str) -> str:
         sys.exit("pin_images: no resolver (crane, skopeo or docker buildx) and no DIGEST_COMMAND")
     errors = []
     for command in commands:
-        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        try:
+            proc = subprocess.run(
+                command, capture_output=True, text=True, check=False, timeout=RESOLVE_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            errors.append(f"{' '.join(command)}: no answer in {RESOLVE_TIMEOUT_S} s")
+            continue
         found = DIGEST.search(proc.stdout)
         if proc.returncode == 0 and found:
             return found.group(0)
@@ -143,6 +151,18 @@ def pin(overlay: Path, out: Path, pushed: dict[str, str], tags: dict[str, str]) 
     return lines
 
 
+def pairs(parser: argparse.ArgumentParser, flag: str, items: list[str]) -> dict[str, str]:
+    """`--flag KEY=VALUE` arguments as a dict; one without `=` or with an empty side is a usage
+    error naming it."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not (sep and key and value):
+            parser.error(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overlay", type=Path, help="the overlay to pin (or to check)")
@@ -166,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if missing else 0
     if args.out is None:
         parser.error("--out is required (the pinned overlay's directory)")
-    pushed = dict(item.split("=", 1) for item in args.image)
-    tags = dict(item.split("=", 1) for item in args.tag)
+    pushed, tags = pairs(parser, "--image", args.image), pairs(parser, "--tag", args.tag)
     for line in pin(args.overlay, args.out, pushed, tags):
         sys.stdout.write(f"{line}\n")
     sys.stdout.write(f"wrote {args.out / 'kustomization.yaml'}: kubectl apply -k {args.out}\n")

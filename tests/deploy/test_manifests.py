@@ -529,12 +529,17 @@ def test_dockerfile_copies_only_what_exists_and_the_context_keeps(variant: str) 
 # deploy/healthcheck.py (against a real Redis)
 
 
-def _healthcheck_module() -> Any:
-    spec = importlib.util.spec_from_file_location("dapo_healthcheck", DEPLOY / "healthcheck.py")
+def _script_module(path: Path, name: str) -> Any:
+    """A script of deploy/ (not a package) imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _healthcheck_module() -> Any:
+    return _script_module(DEPLOY / "healthcheck.py", "dapo_healthcheck")
 
 
 def test_healthcheck_reports_this_hosts_heartbeat(
@@ -1698,6 +1703,8 @@ def test_an_overlay_pinned_by_digest_runs_exactly_the_pushed_images(
         check=False,
     )
     assert run([sys.executable, script, "--check", K8S / "overlays" / overlay]).returncode == 1
+    bad = run([sys.executable, script, K8S / "overlays" / overlay, "--out", out, "--image", "x"])
+    assert bad.returncode == 2 and "--image 'x': expected KEY=VALUE" in bad.stderr
     made = run(
         [
             sys.executable,
@@ -1726,3 +1733,21 @@ def test_an_overlay_pinned_by_digest_runs_exactly_the_pushed_images(
             pushed = "registry.example/dapo-services" if repo == "dapo-services" else repo
             assert c_new["image"] == f"{pushed}@{digest_of(f'{pushed}:{tag}')}", c_old["image"]
             assert {**c_new, "image": None} == {**c_old, "image": None}
+
+
+def test_pinning_names_the_image_a_registry_does_not_answer_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A resolver that hangs is given up on after RESOLVE_TIMEOUT_S, and the error names the
+    image and the command; one that prints no digest is an error too."""
+    pin_images = _script_module(K8S / "pin_images.py", "pin_images")
+    hangs = tmp_path / "hangs"
+    hangs.write_text("#!/bin/sh\nexec sleep 30\n")
+    hangs.chmod(0o755)
+    monkeypatch.setattr(pin_images, "RESOLVE_TIMEOUT_S", 1)
+    monkeypatch.setenv("DIGEST_COMMAND", str(hangs))
+    with pytest.raises(SystemExit, match=r"no digest for reg\.example/a:1(.|\n)*no answer in 1 s"):
+        pin_images.resolve("reg.example/a:1")
+    monkeypatch.setenv("DIGEST_COMMAND", "echo")
+    with pytest.raises(SystemExit, match=r"no digest for reg\.example/a:1"):
+        pin_images.resolve("reg.example/a:1")

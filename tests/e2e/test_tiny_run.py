@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +20,15 @@ import torch
 from safetensors.torch import load_file
 
 from contracts.bus.roles import Role
+from contracts.config import REDIS_URL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
 
-def run_dapo(out: Path, *overrides: str, timeout_s: int = 1200) -> dict:
+def run_dapo(
+    out: Path, *overrides: str, timeout_s: int = 1200, env: dict[str, str] | None = None
+) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -37,7 +41,14 @@ def run_dapo(out: Path, *overrides: str, timeout_s: int = 1200) -> dict:
         "--quiet",
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
     summary_path = out / "summary.json"
     assert proc.returncode == 0, f"dapo run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(summary_path.read_text())
@@ -52,6 +63,9 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
         "eval.every_steps=40",
         "checkpoint.every_steps=60",
         "rollout.replicas=2",  # the main job's one, and a second: both end on the final version
+        # Role URLs left in the caller's shell lead nowhere: the run must give every service its
+        # own role's URL on the embedded Redis instead (`services.launcher.run_local`).
+        env={f"{REDIS_URL_ENV}_{role.value.upper()}": "redis://127.0.0.1:1/0" for role in Role},
     )
     assert summary["steps"] == steps
     rise = summary["final_eval_acc"] - summary["base_eval_acc"]
