@@ -251,7 +251,10 @@ class EvalResult(_Msg):
     `tag.policy_version`: a replica may hold a newer one when it takes the job)."""
     policy_version_max: int
     """Highest such version: the policy the result measures. Equal to `policy_version_min`
-    unless the engine took a weight update mid-generation, which evaluation jobs never do."""
+    unless the replica took a weight update mid-generation. An engine that receives broadcasts
+    in the background (transformers; vLLM serving LoRA adapters) holds one policy through an
+    evaluation batch; vLLM receiving full weights takes updates there as in training batches,
+    so its results may span versions (`rollout/service.py`)."""
     correct: int = Field(ge=0)
     samples: int = Field(ge=1, le=MAX_SAMPLES)
     response_tokens: int = Field(ge=0)

@@ -40,6 +40,7 @@ class TrainBatch:
     policy_version: Tensor  # (B,) long: version that generated each row
     group_index: Tensor  # (B,) long: which group each row belongs to (0..num_groups-1)
     prompt_len: int  # P
+    model_len: int  # the most model tokens of any response (R less tool tokens): L_norm
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -66,6 +67,9 @@ def build_batch(
         raise ValueError("build_batch needs at least one response")
     P = max(len(g.job.prompt_ids) for g in groups)
     R = max(1, max(len(r.token_ids) for *_, r in rows))
+    # seq-mean-token-sum-norm's constant (docs/algorithm.md s5): the padded width in the model's
+    # tokens, as the loss counts them; tool results would otherwise lengthen it.
+    model_len = max(1, max(r.model_tokens for *_, r in rows))
     B = len(rows)
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, P + R), dtype=torch.long)
@@ -100,6 +104,7 @@ def build_batch(
         policy_version=torch.tensor([g.policy_version for _, g, *_ in rows], dtype=torch.long),
         group_index=group_index,
         prompt_len=P,
+        model_len=model_len,
     )
 
 

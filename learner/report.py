@@ -76,7 +76,9 @@ def group_metrics(groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, f
     rewards = [r for g in groups for r in g.rewards]
     scores = [s for g in groups for s in g.scores]
     accs = [float(a) for g in groups for a in g.acc]
-    lengths = [len(r.token_ids) for g in groups for r in g.responses]
+    # The model's tokens: a tool's result is context it read, not length it wrote
+    # (docs/algorithm.md s12); `rollout/tokens` counts every token the learner processes.
+    lengths = [r.model_tokens for g in groups for r in g.responses]
     lags = [float(trained_on - g.policy_version) for g in groups]
     truncated = sum(r.finish_reason == "length" for g in groups for r in g.responses)
     spans = [
@@ -95,7 +97,7 @@ def group_metrics(groups: Sequence[ScoredGroup], trained_on: int) -> dict[str, f
         "rollout/updated_in_flight": _mean(
             [float(span > 0) for span in spans]
         ),  # sampled by 2+ versions
-        "rollout/tokens": float(sum(lengths)),
+        "rollout/tokens": float(sum(len(r.token_ids) for g in groups for r in g.responses)),
         "rollout/groups": float(len(groups)),
         # A replica's generation time for the batch the group came in, per group of that batch:
         # the generation rate `dapo plan --calibrate` reads back.

@@ -6,9 +6,11 @@ gloo on CPU and NCCL on GPU. A training step:
 1. splits the batch into `epochs x (train_batch_groups / mini_batch_groups)` mini-batches of whole
    groups, each mini-batch's rows (or, when prompts are shared, its groups) dealt round-robin to
    the ranks and cut into micro-batches;
-2. recomputes `old_log_prob` with the weights the batch arrived to (no grad) for the rows of
-   every mini-batch but the first: the first trains on those very weights, so its `old_log_prob`
-   is its own forward pass, detached, and needs no extra pass;
+2. recomputes `old_log_prob` with the weights the batch arrived to (no grad, eval mode) for the
+   rows of every mini-batch but the first: the first trains on those very weights, so its
+   `old_log_prob` is its own forward pass, detached, and needs no extra pass. With dropout
+   (`learner.lora.dropout > 0`) a train-mode pass is not pi_old, so every mini-batch, the first
+   included, gets the eval-mode pass, the one the replicas sample with;
 3. for each mini-batch: counts its valid tokens (and sequences) over all its rows (every rank
    holds the whole batch, so that count is already global), accumulates micro-batch losses
    normalised by that GLOBAL count (docs/algorithm.md s5; the loss is multiplied by the world
@@ -71,6 +73,7 @@ from contracts.config import ConfigError, DapoConfig
 from contracts.config import LoraConfig as LoraSettings
 from contracts.lora import base_name, init_adapter, inject_adapters, is_adapter_param
 from learner.algos import (
+    BEHAVIOUR_METRICS,
     aggregate_loss,
     combine_losses,
     count_seqs,
@@ -291,6 +294,15 @@ class ResponseHead:
             self.labels = None
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a train-mode forward of `model` applies dropout: a `Dropout` module with p > 0
+    (peft's LoRA dropout, `learner.lora.dropout`) or attention dropout, which Hugging Face models
+    apply in train mode only."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    return float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0
+
+
 class NonFiniteTrainingError(RuntimeError):
     """`learner.max_nonfinite_steps` training steps in a row skipped an update: the loss or the
     gradient norm keeps overflowing, so the run stops instead of going on without learning."""
@@ -322,6 +334,9 @@ class Trainer:
         self.adapters_only = le.lora.enabled
         """Only the LoRA adapters train, are published and exported (`learner.lora`)."""
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.dropout = has_dropout(self.model)
+        """Train-mode passes drop activations: the first mini-batch's pi_old cannot then be its
+        own training pass (`train_step`)."""
         self.head = ResponseHead(self.model.get_output_embeddings(), cfg.rollout.temperature)
         self.packing_problem = self._check_packing(self.model.config)
         self.share_prompts = False  # decided per step (`_plan`)
@@ -460,7 +475,8 @@ class Trainer:
     # --- the update --------------------------------------------------------------------------
     @torch.no_grad()
     def _old_log_probs(self, batch: TrainBatch, plan: list[list[list[int]]]) -> Tensor:
-        """old_log_prob of the rows in `plan`'s micro-batches (zeros elsewhere)."""
+        """old_log_prob of the rows in `plan`'s micro-batches (zeros elsewhere), in eval mode:
+        no dropout, as the replicas sample."""
         old = torch.zeros_like(batch.behaviour_log_prob)
         self.model.eval()
         for micro in (m for mini in plan for m in mini):
@@ -478,7 +494,11 @@ class Trainer:
         `learner.max_nonfinite_steps`-th step in a row that skipped an update.
         """
         minis, plan = self._plan(batch)
-        old = self._old_log_probs(batch, plan[1:])  # the first mini-batch's come from its own pass
+        # Without dropout the first mini-batch's pi_old is its own training pass (no extra pass);
+        # with it, that pass is one random thinning of pi_old: every mini-batch gets the eval pass,
+        # so on-policy rows keep pi_old = the behaviour policy (generation applies no dropout).
+        own_pass = not self.dropout
+        old = self._old_log_probs(batch, plan[1:] if own_pass else plan)
         # Off-policy rows only get the behaviour correction (docs/algorithm.md s9).
         off_policy = (batch.policy_version < policy_version).unsqueeze(-1)  # (B, 1)
         self.model.train()
@@ -486,7 +506,7 @@ class Trainer:
         grad_norms = []
         for mini_index, (mini_rows, micros) in enumerate(zip(minis, plan, strict=True)):
             mini_sums, loss_nonfinite = self._backward(
-                batch, mini_rows, micros, None if mini_index == 0 else old, off_policy
+                batch, mini_rows, micros, None if own_pass and mini_index == 0 else old, off_policy
             )
             norm = self._update(loss_nonfinite)
             if norm is not None:  # a skipped update's metrics are NaN: they would poison the step's
@@ -511,8 +531,9 @@ class Trainer:
     ) -> tuple[dict[str, float], Tensor]:
         """Accumulate the gradients of this rank's micro-batches of one mini-batch (`rows`).
 
-        old: old_log_prob of every row (B, R), or None for the first mini-batch, which trains on
-        the weights the batch arrived to, so its own forward pass is its old_log_prob.
+        old: old_log_prob of every row (B, R), or None for the first mini-batch without dropout,
+        which trains on the weights the batch arrived to, so its own forward pass is its
+        old_log_prob.
         off_policy: (B, 1) rows generated by an older policy than the learner's.
         Returns the metric sums and the count of micro-batches whose loss was not finite (a
         0-dim tensor on the device, so checking it costs no extra synchronisation).
@@ -531,9 +552,7 @@ class Trainer:
             mask = mb.response_mask.to(self.device)
             # Before the first update the weights are still those the batch arrived to.
             old_mb = logp.detach() if old is None else old[idx].to(self.device)
-            behaviour = torch.where(
-                off_policy[idx].to(self.device), mb.behaviour_log_prob.to(self.device), old_mb
-            )
+            off = off_policy[idx].to(self.device)  # (b, 1)
             pg_loss, metrics = policy_loss(
                 logp,
                 old_mb,
@@ -545,12 +564,19 @@ class Trainer:
                 loss_agg=alg.loss_agg,
                 global_tokens=global_tokens,
                 global_seqs=global_seqs,
-                behaviour_log_prob=behaviour,
+                norm_len=float(batch.model_len),
+                behaviour_log_prob=mb.behaviour_log_prob.to(self.device),
+                behaviour_mask=off,
                 is_clip=alg.is_clip,
             )
             ent_term = (
                 aggregate_loss(
-                    ent, mask, alg.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs
+                    ent,
+                    mask,
+                    alg.loss_agg,
+                    global_tokens=global_tokens,
+                    global_seqs=global_seqs,
+                    norm_len=float(batch.model_len),
                 )
                 if alg.entropy_coef and ent is not None
                 else None
@@ -559,12 +585,14 @@ class Trainer:
             nonfinite += ~torch.isfinite(loss.detach())
             (loss * self.world).backward()
             tokens = float(mask.sum())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * tokens
+            off_tokens = float((mask * off).sum())
+            for k, v in metrics.items():  # weighted by the tokens each mean ran over
+                sums[k] = sums.get(k, 0.0) + v * (off_tokens if k in BEHAVIOUR_METRICS else tokens)
             sums["pg_loss"] = sums.get("pg_loss", 0.0) + float(pg_loss.detach())
             if ent is not None:
                 sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
             sums["tokens"] = sums.get("tokens", 0.0) + tokens
+            sums["off_policy_tokens"] = sums.get("off_policy_tokens", 0.0) + off_tokens
         return sums, nonfinite
 
     def _update(self, loss_nonfinite: Tensor) -> float | None:
@@ -619,7 +647,15 @@ class Trainer:
             dist.all_reduce(t)
         total = dict(zip(keys, t.tolist(), strict=True))
         tokens = max(total.pop("tokens", 0.0), 1.0)
+        off_tokens = total.pop("off_policy_tokens", 0.0)
+        # The importance weight's metrics are means over off-policy tokens; a step without any
+        # (always, under max_staleness 0) reports none rather than a weight no token had.
+        behaviour = {k: total.pop(k) for k in BEHAVIOUR_METRICS if k in total}
         out = {f"actor/{k}": v / tokens for k, v in total.items() if k != "pg_loss"}
+        if off_tokens:
+            out |= {f"actor/{k}": v / off_tokens for k, v in behaviour.items()}
+        if keys:
+            out["actor/off_policy_frac"] = off_tokens / tokens  # share of tokens corrected
         out["actor/pg_loss"] = total.get("pg_loss", 0.0) / max(
             updates, 1
         )  # the policy-gradient term alone

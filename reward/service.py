@@ -1,10 +1,11 @@
 """`dapo reward`: one reward worker. Many can run; each takes whole groups.
 
-For every response of a group: decode the response tokens (special tokens skipped), score them
+For every response of a group: decode the response tokens (special tokens skipped; tool results
+left out unless `reward.grade_tool_results`: the model's own words are graded), score them
 against the prompt's ground truth with the configured verifier (+1 / -1) or the user's
 `reward.function` (its own score; `reward.custom`), add the overlong penalty (docs/algorithm.md
-s2) and forward the scored group. The scalar reward is per response; the learner places it on
-the response's last token. Verifier timeouts are counted, never hidden.
+s2, on the model's tokens) and forward the scored group. The scalar reward is per response;
+the learner places it on the response's last token. Verifier timeouts are counted, never hidden.
 
 A `reward.function` is loaded at start, in the sandbox workers that will run it: one that
 cannot be loaded stops the service with a `ConfigError` naming the setting (`dapo run` checks
@@ -26,6 +27,7 @@ from contracts.schemas import RolloutGroup, SchemaError, ScoredGroup, decode_gro
 from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
 from reward.result import VerifyResult
+from reward.text import model_token_ids
 from reward.verifiers import SandboxPool, Scorer, WorkerStartError, make_scorer
 
 log = logging.getLogger(__name__)
@@ -156,7 +158,11 @@ def score_group(
     and metrics). Each response's `text` becomes the tail of its decoded text, for inspection.
     """
     ov, max_len = cfg.reward.overlong, cfg.rollout.max_response_len
-    texts = tokenizer.batch_decode([r.token_ids for r in group.responses], skip_special_tokens=True)
+    graded = [
+        r.token_ids if cfg.reward.grade_tool_results else model_token_ids(r.token_ids, r.tool_spans)
+        for r in group.responses
+    ]
+    texts = tokenizer.batch_decode(graded, skip_special_tokens=True)
     results = scorer.score_many(
         [(t, group.job.ground_truth) for t in texts], [group.job.extra_info] * len(texts)
     )
@@ -172,7 +178,7 @@ def score_group(
         for r, resp in zip(results, group.responses, strict=True)
     ]
     for resp, text in zip(group.responses, texts, strict=True):
-        resp.text = text[-200:]  # the tail, for inspection; the verifier saw the full text
+        resp.text = text[-200:]  # the graded text's tail, for inspection; the verifier saw it all
     scored = ScoredGroup.of(
         group,
         scores=[r.score for r in results],

@@ -11,6 +11,7 @@ refuses a ground truth longer than ``GROUND_TRUTH_MAX_CHARS`` (``ground_truth_te
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Final
 
 #: A lone surrogate code point. ``json.loads`` joins valid pairs, so any left are unpaired.
@@ -76,3 +77,15 @@ def ground_truth_text(ground_truth: str | int, *, clean: bool = True) -> str:
             f"GROUND_TRUTH_MAX_CHARS={GROUND_TRUTH_MAX_CHARS}"
         )
     return clean_text(text) if clean else text
+
+
+def model_token_ids(token_ids: Sequence[int], tool_spans: Sequence[tuple[int, int]]) -> list[int]:
+    """``token_ids`` without the tool results inserted at ``tool_spans`` ([start, end) each,
+    increasing): what the model wrote, its turns joined in order. Each turn ends at a tool's
+    closing tag, so joining them splits no character."""
+    kept: list[int] = []
+    start = 0
+    for span_start, span_end in tool_spans:
+        kept += token_ids[start:span_start]
+        start = span_end
+    return kept + list(token_ids[start:])

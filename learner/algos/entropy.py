@@ -11,9 +11,13 @@ and results are returned in that dtype, not the logits' dtype: the PPO ratio
 ``exp(logp - old_logp)`` needs more than bf16's 8 mantissa bits.
 
 `log_probs_from_hidden` goes one step further and never builds the logits at all: it takes the
-final hidden states and the output projection, and computes each chunk's logits, log-probs and
-entropy in float32, keeping nothing of size V beyond one chunk in forward or backward. The
-learner uses it, so the [B, T, V] logits of a long-response batch never exist.
+final hidden states and the output projection, and computes each chunk's logits with one matmul
+in the weights' dtype (bf16 on a GPU, as the model's own head would), then that chunk's softmax,
+log-probs and entropy in float32. Forward keeps no more than one chunk of logits; backward
+recomputes them chunk by chunk and sums the output weight's gradient over the chunks in a
+float32 [V, H] buffer, cast once to the weights' dtype (summed in bf16 it would round at every
+chunk). The learner's `ResponseHead` uses it, on the response positions only, so the [B, T, V]
+logits of a long-response batch never exist.
 
 Not guaranteed: a non-contiguous ``logits`` is copied once by ``reshape``; double backward
 (gradient of a gradient) is not supported.

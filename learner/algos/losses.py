@@ -22,12 +22,15 @@ from torch import Tensor
 
 from learner.algos.aggregation import LossAgg, aggregate_loss
 
-__all__ = ["DEFAULT_IS_CLIP", "combine_losses", "policy_loss"]
+__all__ = ["BEHAVIOUR_METRICS", "DEFAULT_IS_CLIP", "combine_losses", "policy_loss"]
 
 # exp() of a log-ratio beyond +-20 overflows float16 and means the sample is garbage anyway.
 _LOG_RATIO_BOUND = 20.0
 # Default truncation of pi_old / pi_behaviour when behaviour log-probs are given (section 9).
 DEFAULT_IS_CLIP = 2.0
+# Metrics of the importance weight, means over the corrected (off-policy) tokens only: on-policy
+# tokens have w = 1 exactly and would pull the mean towards 1 in proportion to their share.
+BEHAVIOUR_METRICS = ("is_weight_mean", "is_clipfrac")
 
 
 def _check_policy_args(
@@ -36,6 +39,7 @@ def _check_policy_args(
     advantages: Tensor,
     response_mask: Tensor,
     behaviour_log_prob: Tensor | None,
+    behaviour_mask: Tensor | None,
 ) -> None:
     shape = log_prob.shape
     if log_prob.ndim != 2:
@@ -49,6 +53,11 @@ def _check_policy_args(
     if advantages.shape not in (shape, shape[:1]):
         raise ValueError(
             f"advantages must be [B] or [B, T] = {tuple(shape)}, got {tuple(advantages.shape)}"
+        )
+    if behaviour_mask is not None and behaviour_mask.shape not in (shape, (shape[0], 1)):
+        raise ValueError(
+            f"behaviour_mask must be [B, 1] or [B, T] = {tuple(shape)}, got "
+            f"{tuple(behaviour_mask.shape)}"
         )
 
 
@@ -86,6 +95,7 @@ def policy_loss(
     global_seqs: float | None = None,
     norm_len: float | None = None,
     behaviour_log_prob: Tensor | None = None,
+    behaviour_mask: Tensor | None = None,
     is_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """DAPO clipped policy-gradient loss (docs/algorithm.md sections 4, 5 and 9).
@@ -98,10 +108,10 @@ def policy_loss(
         L  = min(L, -A * clip_c)          only where A < 0, only if clip_c is given
         L  = w * L                        only if behaviour_log_prob is given
 
-    where ``w = min(exp(old_log_prob - behaviour_log_prob), is_clip)`` (detached) is the
-    truncated importance weight of decoupled PPO: ``old_log_prob`` is the learner's
-    proximal policy (recomputed when the batch arrives), ``behaviour_log_prob`` the policy
-    that generated the tokens. ``is_clip`` defaults to 2.0 when behaviour log-probs are given
+    where ``w = min(exp(old_log_prob - behaviour_log_prob), is_clip)`` (detached; 1 outside
+    ``behaviour_mask``) is the truncated importance weight of decoupled PPO: ``old_log_prob`` is
+    the learner's proximal policy (recomputed when the batch arrives), ``behaviour_log_prob`` the
+    policy that generated the tokens. ``is_clip`` defaults to 2.0 when behaviour log-probs are given
     and is ignored without them. The truncation bounds the variance; it does NOT make a very
     stale batch unbiased, which is why staleness is also bounded by admission control.
 
@@ -116,6 +126,8 @@ def policy_loss(
         loss_agg, global_tokens, global_seqs, norm_len: aggregation, see ``aggregate_loss``.
         behaviour_log_prob: log-probs recorded by the rollout engine; [B, T], or ``None``
             for on-policy data (identical to plain DAPO).
+        behaviour_mask: the tokens the correction applies to (off-policy rows), bool [B, 1] or
+            [B, T]; ``w = 1`` elsewhere. ``None``: every token.
         is_clip: truncation of the importance weight, > 0.
 
     Returns:
@@ -123,13 +135,18 @@ def policy_loss(
         call's valid tokens (a trainer averages them over micro-batches for logging):
         ``pg_clipfrac`` (L2 > L1), ``clipfrac_high`` (ratio > 1 + clip_high with A > 0),
         ``clipfrac_low`` (ratio < 1 - clip_low with A < 0), ``pg_clipfrac_lower`` (dual clip
-        active), ``ppo_kl`` (mean of old_log_prob - log_prob), ``ratio_mean``, and
-        ``is_weight_mean`` when behaviour log-probs are given.
+        active), ``ppo_kl`` (mean of old_log_prob - log_prob), ``ratio_mean``; when behaviour
+        log-probs are given, ``BEHAVIOUR_METRICS`` averaged over the valid tokens of
+        ``behaviour_mask`` only (0 when there are none; weigh them by that count, not by the
+        valid tokens): ``is_weight_mean`` (w) and ``is_clipfrac`` (pi_old / pi_behaviour >
+        is_clip, so w was truncated).
 
     Raises:
         ValueError: shape mismatch, out-of-range clip arguments or unknown ``loss_agg``.
     """
-    _check_policy_args(log_prob, old_log_prob, advantages, response_mask, behaviour_log_prob)
+    _check_policy_args(
+        log_prob, old_log_prob, advantages, response_mask, behaviour_log_prob, behaviour_mask
+    )
     _check_clip_args(clip_low, clip_high, clip_c, is_clip)
 
     old_log_prob = old_log_prob.detach()
@@ -149,12 +166,18 @@ def policy_loss(
         loss_tok = torch.where(adv < 0, loss_dual, loss_clip)  # (B, T)
 
     weight: Tensor | None = None
+    truncated: Tensor | None = None
+    corrected = torch.ones_like(log_prob, dtype=torch.bool)  # (B, T)
     if behaviour_log_prob is not None:
         limit = DEFAULT_IS_CLIP if is_clip is None else is_clip
+        if behaviour_mask is not None:
+            corrected = behaviour_mask.bool().expand_as(log_prob)
         behaviour_log_ratio = (old_log_prob - behaviour_log_prob.detach()).clamp(
             -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND
         )
-        weight = behaviour_log_ratio.exp().clamp(max=limit)  # (B, T)
+        raw = behaviour_log_ratio.exp()  # (B, T)
+        weight = torch.where(corrected, raw.clamp(max=limit), 1.0)  # (B, T)
+        truncated = corrected & (raw > limit)  # (B, T)
         loss_tok = loss_tok * weight
 
     loss = aggregate_loss(
@@ -180,9 +203,10 @@ def policy_loss(
             "ppo_kl": old_log_prob - log_prob,
             "ratio_mean": ratio,
         }
-        if weight is not None:
-            stats["is_weight_mean"] = weight
         metrics = _masked_means(stats, mask)
+        if weight is not None and truncated is not None:
+            behaviour = {"is_weight_mean": weight, "is_clipfrac": truncated}
+            metrics |= _masked_means(behaviour, mask * corrected)
     return loss, metrics
 
 

@@ -170,6 +170,7 @@ def test_behaviour_equal_to_old_is_plain_dapo() -> None:
     assert corrected.item() == plain.item()
     assert torch.equal(lp1.grad, lp2.grad)  # type: ignore[arg-type]
     assert m_corr.pop("is_weight_mean") == pytest.approx(1.0)
+    assert m_corr.pop("is_clipfrac") == 0.0
     assert m_corr == m_plain
 
 
@@ -189,6 +190,31 @@ def test_importance_weight_scales_and_truncates() -> None:
         log_prob, old, adv, mask, behaviour_log_prob=old - math.log(5.0), is_clip=3.0
     )
     assert trunc3.item() == pytest.approx(3.0 * plain.item(), rel=1e-12)
+
+
+def test_the_weight_and_its_metrics_cover_the_off_policy_rows_only() -> None:
+    """Rows 0-1 off-policy: ratio 5 (truncated at 2) and 0.5; rows 3-5 on-policy, whose
+    behaviour log-probs (here garbage) must neither weigh their loss nor enter the metrics."""
+    log_prob, old, adv, mask = _random_case(seed=11)
+    behaviour = old - 7.0
+    behaviour[0], behaviour[1] = old[0] - math.log(5.0), old[1] - math.log(0.5)
+    off = torch.tensor([[True], [True], [False], [False], [False], [False]])
+    loss, m = policy_loss(
+        log_prob, old, adv, mask, behaviour_log_prob=behaviour, behaviour_mask=off
+    )
+    # The same loss as on-policy rows given pi_behaviour := pi_old (w = 1 exactly there).
+    want, _ = policy_loss(
+        log_prob, old, adv, mask, behaviour_log_prob=torch.where(off, behaviour, old)
+    )
+    assert loss.item() == want.item()
+    n0, n1 = int(mask[0].sum()), int(mask[1].sum())
+    assert m["is_weight_mean"] == pytest.approx((2.0 * n0 + 0.5 * n1) / (n0 + n1))
+    assert m["is_clipfrac"] == pytest.approx(n0 / (n0 + n1))
+    # No off-policy token: the means ran over nothing and are 0 (the trainer weighs them by 0).
+    _, none = policy_loss(
+        log_prob, old, adv, mask, behaviour_log_prob=behaviour, behaviour_mask=off & False
+    )
+    assert none["is_weight_mean"] == 0.0 and none["is_clipfrac"] == 0.0
 
 
 def test_importance_weight_carries_no_gradient() -> None:

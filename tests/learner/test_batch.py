@@ -157,3 +157,20 @@ def test_the_packed_layout_is_refused_for_attention_that_does_not_apply_its_mask
     assert "sliding_window=8" in str(packed_layout_problem(mistral))
     mistral.sliding_window = None
     assert packed_layout_problem(mistral) is None
+
+
+def test_tool_tokens_carry_no_loss_and_do_not_count_in_the_norm_length() -> None:
+    """A tool's result (tokens 2-5 of an 8-token response) is context: mask 0; and L_norm
+    (`model_len`) is the longest response in the model's tokens, 4, not the padded width, 8."""
+    group = _group(["stop", "stop", "stop"], [1.0, -1.0, -1.0])
+    group.responses[1] = Response(
+        token_ids=[1, 2, 9, 9, 9, 9, 3, 4],
+        logprobs=[-0.1, -0.1, 0.0, 0.0, 0.0, 0.0, -0.1, -0.1],
+        finish_reason="stop",
+        tool_spans=[(2, 6)],
+    )
+    batch = build_batch([group], pad_id=0)
+    assert batch.responses.shape[1] == 8
+    assert batch.response_mask[1].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert batch.model_len == 4
+    assert build_batch([_group(["stop", "stop"], [1.0, -1.0])], pad_id=0).model_len == 2

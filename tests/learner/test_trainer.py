@@ -249,3 +249,72 @@ def test_a_sliding_window_model_keeps_to_rows_under_auto_and_is_refused_under_al
     assert not trainer.share_prompts  # the same groups packed under full attention (above)
     with pytest.raises(ConfigError, match=r"learner\.share_prompts=always cannot be honoured"):
         Trainer(config(model, "learner.share_prompts=always"), rank=0, world_size=1, backend="gloo")
+
+
+def test_importance_weight_metrics_cover_off_policy_tokens_only(tiny_model_dir: Path) -> None:
+    """Groups 0-1 were generated one version back, 2-3 by the policy being trained: the weight's
+    mean and truncated share are over the off-policy tokens, and a synchronous step has none."""
+    trainer = Trainer(config(tiny_model_dir), rank=0, world_size=1, backend="gloo")
+    batch = build_batch(make_groups(4, 4, seed=4), pad_id=0)
+    first = batch.group_index == 0
+    batch.policy_version = (batch.group_index >= 2).long()  # (B,): groups 0-1 at version 0
+    # pi_old / pi_behaviour: about e^15 on group 0 (truncated at is_clip = 2), about e^-5 on 1.
+    batch.behaviour_log_prob = torch.where(first.unsqueeze(-1), -20.0, 0.0).expand_as(
+        batch.behaviour_log_prob
+    )
+    with torch.no_grad():
+        trainer.model.eval()
+        old, _ = trainer._forward(batch, entropy=False)  # the weights the batch arrives to
+    off = batch.response_mask * (batch.policy_version == 0).unsqueeze(-1)  # (B, R)
+    weight = (old - batch.behaviour_log_prob).exp().clamp(max=2.0)
+    metrics = trainer.train_step(batch, policy_version=1)
+    assert metrics["actor/is_weight_mean"] == pytest.approx(
+        float((weight * off).sum() / off.sum()), rel=1e-4
+    )
+    truncated = batch.response_mask[first].sum()
+    assert metrics["actor/is_clipfrac"] == pytest.approx(float(truncated / off.sum()))
+    assert metrics["actor/off_policy_frac"] == pytest.approx(
+        float(off.sum() / batch.response_mask.sum())
+    )
+    synchronous = trainer.train_step(batch, policy_version=0)  # every row on-policy
+    assert synchronous["actor/off_policy_frac"] == 0.0
+    assert not {"actor/is_weight_mean", "actor/is_clipfrac"} & set(synchronous)
+
+
+def test_tool_tokens_do_not_lengthen_the_seq_mean_token_sum_norm_constant(
+    tiny_model_dir: Path,
+) -> None:
+    """L_norm counts model tokens: a tool result appended to one response (masked, and after
+    every model token, so no log-prob changes) leaves the Dr.GRPO step as it was."""
+    plain = make_groups(4, 4, seed=5)
+    with_tool = make_groups(4, 4, seed=5)
+    r = with_tool[0].responses[0]
+    n = len(r.token_ids)
+    with_tool[0].responses[0] = Response(
+        token_ids=[*r.token_ids, *[7] * 20],
+        logprobs=[*r.logprobs, *[0.0] * 20],
+        finish_reason="stop",
+        tool_spans=[(n, n + 20)],
+    )
+    results = []
+    for groups in (plain, with_tool):
+        batch = build_batch(groups, pad_id=0)
+        torch.manual_seed(0)
+        trainer = Trainer(
+            config(
+                tiny_model_dir,
+                "algorithm.loss_agg=seq-mean-token-sum-norm",
+                "learner.share_prompts=never",
+            ),
+            rank=0,
+            world_size=1,
+            backend="gloo",
+        )
+        trainer.rng = random.Random(0)
+        results.append((batch, trainer.train_step(batch, policy_version=0)))
+    (short, m_plain), (long, m_tool) = results
+    assert long.responses.shape[1] > short.responses.shape[1]
+    assert long.model_len == short.model_len == short.responses.shape[1]
+    # The loss and its gradient are divided by L_norm (AdamW's step barely shows a scale).
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert m_tool[key] == pytest.approx(m_plain[key], rel=1e-4)
