@@ -43,6 +43,7 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
     result = run_in_process(cfg, on_eval=report)
     return {
         "eval_history": result.eval_history,
+        "rounds": [r.to_json() for r in result.rounds],
         "rl_seconds": result.rl_seconds,
         "steps": result.steps,
         "groups_generated": result.groups_generated,

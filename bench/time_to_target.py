@@ -4,13 +4,17 @@ in-process floor (`bench/inprocess_floor.py`), both on the tiny preset, one afte
 
 Both count RL seconds the same way: from the first training step, evaluation excluded (the floor
 stops its clock while it evaluates; the service evaluates on the replicas beside training, and
-each round records when the weights it evaluates existed). Per repeat:
+each round is credited to the weights that produced it: the RL seconds at which they were
+published, `learner/evaluation.py`). Evaluation is paired: both sides draw each evaluation sample
+with the seed of its problem and index (`eval.seed`), so their rounds differ by their weights
+only, and both are measured from one base figure (`bench/base_figure.py`: the base model, many
+samples per problem), not each run's own first round. Per repeat:
 
 - the whole-run ratio: the service's RL seconds for all the steps over the floor's;
-- the median over gains: for each gain of +15 to +45 points (every 5) that both sides reached,
-  the ratio of the RL seconds of their first evaluation that far above their own base, and the
-  median of those ratios (one crossing alone swings with 100 evaluation problems);
-- the ratio at +25 points.
+- time to +25 points over the common base, service over floor, with a paired bootstrap 95%
+  interval over problems (`contracts.eval_stats.compare`);
+- the mean gain over the base per RL second (the area under the accuracy curve up to the shorter
+  run's end), service over floor, with its interval: every round counts, not one crossing.
 
 Each figure's median over the repeats is reported. Nothing is asserted.
 
@@ -29,14 +33,15 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.results_file import save_result  # noqa: E402  (a module beside this script)
-from services.inprocess import seconds_to_gain  # noqa: E402
+from bench.base_figure import base_figure  # noqa: E402  (a module beside this script)
+from bench.results_file import save_result  # noqa: E402
+from contracts.eval_stats import Round, compare, read_rounds  # noqa: E402
 
 GAIN = 0.25
-GAINS = (0.15, 0.20, 0.25, 0.30, 0.35, 0.40, 0.45)
 
 
 def run_floor(steps: int, overrides: list[str], out: Path) -> dict:
@@ -79,8 +84,10 @@ def run_service(steps: int, overrides: list[str], out: Path) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     return {
         "eval_history": summary["eval_history"],
+        "rounds": [r.to_json() for r in read_rounds(out)],
         "wall_seconds": summary["wall_seconds"],
         "ledger": summary["ledger"],
+        "eval_set": summary.get("eval_set"),
     }
 
 
@@ -93,26 +100,23 @@ def rl_seconds(history: list[list[float]]) -> float:
     return history[-1][2] if history else math.nan
 
 
-def ratios(floor: dict, service: dict) -> dict[str, float]:
-    """The service over the floor: whole run, median over gains, at +25 points."""
-    at_gain = []
-    for gain in GAINS:
-        f, s = (
-            seconds_to_gain(floor["eval_history"], gain),
-            seconds_to_gain(service["eval_history"], gain),
-        )
-        if f > 0 and not math.isnan(f) and not math.isnan(s):
-            at_gain.append(s / f)
-    floor_s, service_s = (
-        seconds_to_gain(floor["eval_history"], GAIN),
-        seconds_to_gain(service["eval_history"], GAIN),
+def ratios(floor: dict, service: dict, base: list[float]) -> dict[str, Any]:
+    """The service over the floor: whole run; time to +25 points and gain per RL second, paired
+    over problems against the common base."""
+    paired = compare(
+        [Round.from_json(r) for r in service["rounds"]],
+        [Round.from_json(r) for r in floor["rounds"]],
+        base,
+        GAIN,
     )
     return {
         "whole_run": rl_seconds(service["eval_history"]) / rl_seconds(floor["eval_history"]),
-        "median_over_gains": statistics.median(at_gain) if at_gain else math.nan,
-        "at_plus25": service_s / floor_s if floor_s and not math.isnan(floor_s) else math.nan,
-        "floor_seconds_to_plus25": floor_s,
-        "service_seconds_to_plus25": service_s,
+        "at_plus25": paired.time_ratio,
+        "at_plus25_ci": list(paired.time_ratio_ci),
+        "gain_per_rl_second": paired.area_ratio,
+        "gain_per_rl_second_ci": list(paired.area_ratio_ci),
+        "floor_seconds_to_plus25": paired.seconds_b,
+        "service_seconds_to_plus25": paired.seconds_a,
     }
 
 
@@ -130,6 +134,12 @@ def main() -> int:
         "overrides", nargs="*", help="config overrides for both sides, dotted.key=value"
     )
     args = parser.parse_args()
+    base = base_figure("configs/tiny.yaml", args.overrides)
+    print(
+        f"base figure: {base['acc']:.4f} (95% CI {base['acc_ci'][0]:.4f}-{base['acc_ci'][1]:.4f}"
+        f"), {len(base['per_problem'])} problems x {base['samples']} samples",
+        flush=True,
+    )
     repeats = []
     for i in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
@@ -139,24 +149,27 @@ def main() -> int:
                     sides[side] = run_floor(args.steps, args.overrides, Path(tmp) / "floor.json")
                 else:
                     sides[side] = run_service(args.steps, args.overrides, Path(tmp) / "service")
-        figures = ratios(sides["floor"], sides["service"])
+        figures = ratios(sides["floor"], sides["service"], base["per_problem"])
         repeats.append({**sides, **figures})
         print(f"repeat {i}: floor   (eval@step:acc@RL s): {curve(sides['floor']['eval_history'])}")
         print(
             f"repeat {i}: service (eval@step:acc@RL s): {curve(sides['service']['eval_history'])}"
         )
+        t_low, t_high = figures["at_plus25_ci"]
+        a_low, a_high = figures["gain_per_rl_second_ci"]
         print(
-            f"repeat {i}: service over floor: whole run {figures['whole_run']:.3f}, median over "
-            f"gains {figures['median_over_gains']:.3f}, at +25 points {figures['at_plus25']:.3f}",
+            f"repeat {i}: service over floor: whole run {figures['whole_run']:.3f}, at +25 points "
+            f"{figures['at_plus25']:.3f} ({t_low:.3f}-{t_high:.3f}), gain per RL second "
+            f"{figures['gain_per_rl_second']:.3f} ({a_low:.3f}-{a_high:.3f})",
             flush=True,
         )
     medians = {
         key: nan_median([r[key] for r in repeats])
-        for key in ("whole_run", "median_over_gains", "at_plus25")
+        for key in ("whole_run", "at_plus25", "gain_per_rl_second")
     }
     print(
-        f"medians of {args.repeats}: whole run {medians['whole_run']:.3f}, median over gains "
-        f"{medians['median_over_gains']:.3f}, at +25 points {medians['at_plus25']:.3f}"
+        f"medians of {args.repeats}: whole run {medians['whole_run']:.3f}, at +25 points "
+        f"{medians['at_plus25']:.3f}, gain per RL second {medians['gain_per_rl_second']:.3f}"
     )
     first = repeats[0]
     save_result(
@@ -174,7 +187,8 @@ def main() -> int:
             ),
             "service_over_floor": medians["at_plus25"],
             "service_over_floor_whole_run": medians["whole_run"],
-            "service_over_floor_median_over_gains": medians["median_over_gains"],
+            "service_over_floor_gain_per_rl_second": medians["gain_per_rl_second"],
+            "base": {k: v for k, v in base.items() if k != "per_problem"},
         },
         args.out,
     )

@@ -13,13 +13,25 @@ together (counted `evaluated` in the ledger). A learner that restarts mid-round 
 results over and finishes the round: every job's tag carries the round's step, version and size,
 so nothing about a round lives only in the process.
 
-Replicas may already hold a newer policy than the round's (generation is asynchronous). An
-evaluation job takes no in-flight weight update, so each result's responses come from one
-version, which it records (`EvalResult.policy_version_min` / `_max`); the round reports the
-versions it measured: `eval/policy_version_max` (the newest, the policy the accuracy belongs to
-when the round is uniform), `eval/policy_version_min`, and `eval/policy_version_lag` (the newest
-minus the version the round was issued for). A round whose min and max differ mixed policies
-(replicas at different versions); its log line names the range.
+Credit to the policy that produced it. A round's jobs queue behind training jobs already
+issued, so replicas may hold a newer policy than the one published when the round was issued
+(generation is asynchronous). Each result records the versions that generated its responses
+(`EvalResult.policy_version_min` / `_max`), and the round is credited to the newest of them: its
+`eval/step` and `eval/rl_seconds` are the step that published that version and the RL seconds at
+which it was published (`published`), so a curve, a time to target and the summary read the
+accuracy against the weights that earned it, never earlier (crediting the issuing step would
+flatter a run by the 2-4 versions its replicas were ahead). A transformers-engine replica serves a
+round at one version (rollout/service.py); one whose min and max differ mixed policies (replicas
+at different versions, or vLLM taking a broadcast mid-round) and its log line names the range.
+`eval/issued_step` and `eval/policy_version_lag` (the newest version minus the one the round was
+issued at) say how far ahead the replicas were. After a learner restart the publication times of
+versions before it are unknown; a round of those versions keeps its issuing step and time
+(`eval/credited_at_issue` = 1).
+
+Each round also carries a bootstrap 95% interval over problems (`eval/acc_ci_low`, `_high`,
+`contracts.eval_stats`), and its per-problem accuracies are appended to
+`<output_dir>/eval_rounds.jsonl`, from which benches compare runs problem by problem (paired: the
+replicas seed each evaluation sample by problem and index, `eval.seed`).
 
 A round that lost jobs to the dead-letter stream is reported once the whole evaluation lane has
 nothing left in flight, over the problems it has (`eval/problems`).
@@ -27,15 +39,18 @@ nothing left in flight, over the problems it has (`eval/problems`).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from contracts.bus import Entry, StreamBus
 from contracts.config import DapoConfig
-from contracts.data import encode_prompt, load_eval_problems
+from contracts.data import Overlap, PromptRecord, encode_prompt, held_out_problems
+from contracts.eval_stats import EVAL_ROUNDS_FILE, Round, accuracy_interval
 from contracts.keys import LEDGER_EVALUATED
 from contracts.schemas import (
     EvalResult,
@@ -50,13 +65,18 @@ from learner.commands import Progress
 log = logging.getLogger(__name__)
 
 RoundReport = tuple[int, dict[str, float]]
-"""(the step whose weights were evaluated, its eval metrics)."""
+"""(the step whose weights produced the round, its eval metrics)."""
 
 
 class Evaluations(Protocol):
     @property
     def in_flight(self) -> bool:
         """Some evaluation job is still being generated, scored or added up."""
+        ...
+
+    def published(self, progress: Progress, rl_seconds: float) -> None:
+        """The weights of `progress` were published `rl_seconds` into training (the time a
+        round that measured them is credited to)."""
         ...
 
     def issue(self, progress: Progress, rl_seconds: float) -> None:
@@ -77,6 +97,9 @@ class NullEvaluations:
     """No eval set, or a rank other than 0."""
 
     in_flight = False
+
+    def published(self, progress: Progress, rl_seconds: float) -> None:
+        pass
 
     def issue(self, progress: Progress, rl_seconds: float) -> None:
         pass
@@ -99,11 +122,20 @@ class _Round:
     def complete(self) -> bool:
         return len(self.results) == self.tag.problems
 
+    @property
+    def per_problem(self) -> list[float]:
+        """Accuracy of each problem that arrived, in problem order."""
+        return [self.results[i].correct / self.results[i].samples for i in sorted(self.results)]
+
     def metrics(self, issued_at: float | None) -> dict[str, float]:
         results = list(self.results.values())
         samples = sum(r.samples for r in results)
+        low, high = accuracy_interval(self.per_problem)
         out = {
             "eval/acc": sum(r.correct for r in results) / samples,
+            "eval/acc_ci_low": low,
+            "eval/acc_ci_high": high,
+            "eval/issued_step": float(self.tag.round_step),
             "eval/response_length": sum(r.response_tokens for r in results) / samples,
             "eval/clip_ratio": sum(r.truncated for r in results) / samples,
             "eval/problems": float(len(results)),
@@ -131,9 +163,11 @@ class EvalLane:
         max_deliveries: int,
         catch_up: Callable[[], None],
         extra_infos: list[dict[str, Any]] | None = None,
+        rounds_path: Path | None = None,
     ) -> None:
         """prompts: (prompt ids, ground truth, data source) per distinct problem; extra_infos: each
-        problem's data-row `extra_info` (for a `reward.function`), or None for none."""
+        problem's data-row `extra_info` (for a `reward.function`), or None for none; rounds_path:
+        where each round's per-problem record is appended (None: nowhere)."""
         self.bus, self.prompts, self.run_name, self.samples, self.catch_up = (
             bus,
             prompts,
@@ -141,7 +175,9 @@ class EvalLane:
             samples,
             catch_up,
         )
-        self.extra_infos = extra_infos
+        self.extra_infos, self.rounds_path = extra_infos, rounds_path
+        self.publications: dict[int, tuple[int, float]] = {}
+        """policy version -> (the step that published it, RL seconds then)."""
         # Rounds are keyed by the policy version they evaluate: versions never repeat, while a
         # step can (a learner that resumes from an older checkpoint retrains it).
         self.rounds: dict[int, _Round] = {}
@@ -152,10 +188,17 @@ class EvalLane:
         self.taken_over: list[Entry] = bus.reclaim(
             bus.keys.evals, min_idle_s=0.0, max_deliveries=max_deliveries, count=1_000_000
         )
+        # Every round reported is in the run's history: with none there, what the file holds is
+        # an earlier run's.
+        if rounds_path is not None and not bus.eval_history():
+            rounds_path.unlink(missing_ok=True)
 
     @property
     def in_flight(self) -> bool:
         return bool(self.rounds) or self.bus.ledger().eval_in_flight > 0
+
+    def published(self, progress: Progress, rl_seconds: float) -> None:
+        self.publications[progress.policy_version] = (progress.step, rl_seconds)
 
     def issue(self, progress: Progress, rl_seconds: float) -> None:
         if progress.policy_version in self.issued_at or progress.policy_version in self.finished:
@@ -253,7 +296,8 @@ class EvalLane:
         for entry_id in rnd.entry_ids:
             self.bus.hop(self.bus.keys.evals, entry_id, outcome=LEDGER_EVALUATED)
         self.finished.add(version)
-        step, metrics = rnd.tag.round_step, rnd.metrics(self.issued_at.pop(version, None))
+        metrics = rnd.metrics(self.issued_at.pop(version, None))
+        step = self._credit(rnd, metrics)
         if not rnd.complete:
             log.warning(
                 "evaluation of step %d lost %d of %d problems (dead-lettered)",
@@ -272,7 +316,60 @@ class EvalLane:
             len(rnd.results),
             low if low == high else f"{low}..{high}",
         )
+        self._append_record(step, rnd, metrics)
         return step, metrics
+
+    def _credit(self, rnd: _Round, metrics: dict[str, float]) -> int:
+        """Credit the round to the newest version that produced it: set `eval/step`,
+        `eval/rl_seconds` and `eval/policy_version` to its publication; returns the step."""
+        newest = int(metrics["eval/policy_version_max"])
+        step, rl_seconds = self.publications.get(newest, (rnd.tag.round_step, rnd.tag.rl_seconds))
+        metrics["eval/credited_at_issue"] = float(newest not in self.publications)
+        metrics |= {
+            "eval/step": float(step),
+            "eval/rl_seconds": rl_seconds,
+            "eval/policy_version": float(newest),
+        }
+        # Versions older than every round still open can no longer be credited.
+        oldest = min((v for v in self.rounds), default=newest)
+        for v in [v for v in self.publications if v < min(oldest, newest)]:
+            del self.publications[v]
+        return step
+
+    def _append_record(self, step: int, rnd: _Round, metrics: dict[str, float]) -> None:
+        if self.rounds_path is None:
+            return
+        record = Round(
+            step=step,
+            rl_seconds=metrics["eval/rl_seconds"],
+            per_problem=tuple(rnd.per_problem),
+            policy_version=int(metrics["eval/policy_version"]),
+            extra={
+                "problems": [i for i in sorted(rnd.results)],
+                "samples": rnd.tag.samples,
+                "issued_step": rnd.tag.round_step,
+                "policy_version_min": int(metrics["eval/policy_version_min"]),
+                "acc_ci": [metrics["eval/acc_ci_low"], metrics["eval/acc_ci_high"]],
+            },
+        )
+        self.rounds_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.rounds_path.open("a") as f:
+            f.write(json.dumps(record.to_json()) + "\n")
+
+
+def eval_problems(cfg: DapoConfig) -> tuple[list[PromptRecord], Overlap]:
+    """The evaluation set every evaluator of a run uses (the lane, `dapo eval`, the in-process
+    loop), in one order, so problem i is the same problem everywhere (its seeds too)."""
+    assert cfg.data.eval_path is not None
+    d = cfg.data
+    return held_out_problems(
+        d.eval_path,
+        d.train_path,
+        max_problems=cfg.eval.max_problems,
+        columns=d.columns,
+        key=d.heldout_key,
+        drop=d.drop_eval_overlap,
+    )
 
 
 def eval_lane(
@@ -281,9 +378,7 @@ def eval_lane(
     """Rank 0's lane over `data.eval_path`'s distinct problems, or none without an eval set."""
     if not cfg.data.eval_path:
         return NullEvaluations()
-    problems = load_eval_problems(
-        cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns
-    )
+    problems, _ = eval_problems(cfg)
     prompts = [
         (
             encode_prompt(tokenizer, p.messages, cfg.data.max_prompt_len),
@@ -300,4 +395,5 @@ def eval_lane(
         max_deliveries=cfg.queue.max_deliveries,
         catch_up=catch_up,
         extra_infos=[p.extra_info for p in problems],
+        rounds_path=Path(cfg.output_dir) / EVAL_ROUNDS_FILE,
     )

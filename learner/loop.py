@@ -311,6 +311,7 @@ class LearnerLoop:
         )
         self.control.set_policy_version(self.progress)
         self.publisher.publish()
+        self.evaluations.published(self.progress, self.rl_seconds)
 
     def _evaluate_if_due(self) -> None:
         every, step = self.cfg.eval.every_steps, self.progress.step

@@ -8,6 +8,7 @@ of the model's end tokens (`rollout/end_tokens.py`), not only at the tokenizer's
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -18,8 +19,17 @@ from contracts.config import DapoConfig
 from contracts.config import LoraConfig as LoraSettings
 from contracts.lora import is_adapter_dir, read_adapter_config
 from rollout.sample import Sample
+from rollout.seeds import eval_seeds, turn_seed
 
-__all__ = ["BetweenSteps", "Engine", "Sample", "make_engine", "replica_seed"]
+__all__ = [
+    "BetweenSteps",
+    "Engine",
+    "Sample",
+    "eval_seeds",
+    "make_engine",
+    "replica_seed",
+    "turn_seed",
+]
 
 
 BetweenSteps = Callable[[], int]
@@ -36,12 +46,15 @@ class Engine(Protocol):
         max_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
         between_steps: BetweenSteps | None = None,
         stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
         """For each prompt, n samples. Log-probs are of the temperature-scaled distribution,
-        each token's under the weights that sampled it. With `between_steps`, weights may change
+        each token's under the weights that sampled it. With `seeds` (n per prompt: evaluation,
+        `eval_seeds`), sample j of prompt i is drawn with seed `seeds[i][j]` alone, so it is the
+        same whatever else is in the batch and whichever replica draws it; without, the engine's
+        own random state draws them. With `between_steps`, weights may change
         between decode steps (in-flight updates): responses in flight continue under the new
         weights, and each sample's `versions` is the (oldest, newest) version that produced it.
         A sample whose text comes to contain one of the `stop` strings ends with the token that
@@ -64,6 +77,17 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+REPLICA_NAME_ENV = "DAPO_REPLICA_NAME"
+"""A replica's stable name, set by `dapo run` (`rollout-0`, `rollout-1`...): its sampling seed
+derives from it, so a restarted replica (a new process id) samples as before. Unset, the instance
+id stands in; in a container it is stable already (the hostname stays, the process id is 1)."""
+
+
+def seed_name(instance_id: str) -> str:
+    """The name a replica's sampling seed derives from (`REPLICA_NAME_ENV`, else its id)."""
+    return os.environ.get(REPLICA_NAME_ENV) or instance_id
 
 
 def replica_seed(seed: int, replica_id: str) -> int:

@@ -18,6 +18,13 @@ repeated for the group's n responses (`_prefill`), as vLLM's prefix cache does, 
 expanding each prompt n times before the forward pass. The responses, their log-probs and the
 random draws are the same either way (tests/rollout/test_hf_engine.py).
 
+Seeded samples (`seeds`, evaluation): each sample draws from a generator of its own, seeded by
+the caller (`rollout.engine.eval_seeds`: problem, sample index, `eval.seed`), by the Gumbel-max
+trick (`_SeededSampling`): the token is the argmax of the log-probabilities plus Gumbel noise
+from the sample's generator, which is an exact draw from the same distribution. A sample then
+depends only on its seed and the weights, not on the other rows of the batch nor on anything
+sampled before, so the same weights give the same evaluation in any run.
+
 In-flight weight updates: `between_steps` runs after every sampled token (a stopping criterion
 that never stops), so new weights are copied into the model between two decode steps; the
 logits of each later token, and so its log-prob, come from the new weights. A sample's
@@ -41,6 +48,8 @@ from transformers import (
     AutoTokenizer,
     Cache,
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -94,6 +103,27 @@ def _version_range(versions: list[int]) -> tuple[int, int]:
     return min(versions), max(versions)
 
 
+class _SeededSampling(LogitsProcessor):
+    """Sampling with one generator per row: returns log_softmax(logits / T) (top-p masked) plus
+    Gumbel noise drawn from row r's generator, whose argmax (greedy decoding) is a draw from
+    that distribution. Every row draws one vector per decode step, so its t-th token uses the
+    t-th draw of its own generator whatever the batch holds."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float) -> None:
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logits = scores.float() / self.temperature  # (R, V)
+        if self.top_p < 1.0:
+            logits = nucleus_mask(logits, self.top_p)
+        vocab = logits.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
+        tiny = torch.finfo(uniform.dtype).tiny
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(tiny)))  # (R, V)
+        return torch.log_softmax(logits, dim=-1) + gumbel.to(logits.device)  # type: ignore[return-value]
+
+
 class HFEngine:
     def __init__(
         self,
@@ -133,12 +163,12 @@ class HFEngine:
         max_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
         between_steps: Callable[[], int] | None = None,
         stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
-        if seed is not None:
-            torch.manual_seed(seed)
+        if seeds is not None and [len(s) for s in seeds] != [n] * len(prompts):
+            raise ValueError(f"seeds must hold {n} seeds for each of the {len(prompts)} prompts")
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -150,14 +180,24 @@ class HFEngine:
         if self.shared_prefill and n > 1 and width > 1:
             expand = {"past_key_values": self._prefill(ids, mask, n)}
             ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+        elif seeds is not None:  # greedy decoding takes no num_return_sequences: expand here
+            expand = {}
+            ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+        sampling: dict[str, object] = (
+            {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+            if seeds is None
+            else {  # greedy over Gumbel-perturbed log-probs: one generator per sample
+                "do_sample": False,
+                "logits_processor": LogitsProcessorList(
+                    [_SeededSampling([s for row in seeds for s in row], temperature, top_p)]
+                ),
+            }
+        )
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,
             **expand,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=0,
+            **sampling,
             max_new_tokens=max_tokens,
             eos_token_id=self.end_ids,
             pad_token_id=self.pad_id,

@@ -44,7 +44,7 @@ from contracts.schemas import (
     encode_group,
 )
 from contracts.weight_sync import weights_key
-from rollout.engine import BetweenSteps, Engine, make_engine
+from rollout.engine import BetweenSteps, Engine, eval_seeds, make_engine, seed_name
 from rollout.tool_use import ToolBox, generate_with_tools
 from rollout.weight_receiver import WeightReceiver
 
@@ -89,6 +89,9 @@ class RolloutReplica:
         self.slowdown = slowdown("rollout.slowdown")  # None outside the fault suite
         self._step_hook = self._slowed_between_steps if self.slowdown else self._between_steps
         self.started = time.monotonic()
+        self.in_round = False
+        """The last batch held evaluation jobs: a round's jobs are appended together, so more of
+        it may follow; a background-receiving engine applies no new weights until they stop."""
 
     @property
     def loop(self) -> StageLoop:
@@ -105,11 +108,16 @@ class RolloutReplica:
         )
 
     def _wait_for_activity(self) -> None:
+        self.in_round = False  # nothing left to read: no round of ours is still being served
         self.weights.activity.wait(IDLE_WAIT_S)
 
     def _sync_before_read(self) -> None:
         self.weights.activity.clear()  # before looking: anything appended from now on rings
-        self.weights.sync()
+        # An evaluation round runs at one policy version: a broadcast received meanwhile waits
+        # (in host buffers, costing the learner nothing) until the round's jobs stop coming. A
+        # training job that needs newer weights still gets them (`handle`'s `wait_for`).
+        if not (self.in_round and self.weights.background):
+            self.weights.sync()
 
     def close(self) -> None:
         if self.tools is not None:
@@ -151,6 +159,7 @@ class RolloutReplica:
         # temperature and top_p): one engine call per kind, each batched.
         for batch in _by_sampling(jobs):
             self._generate(batch)
+        self.in_round = any(job.eval is not None for _, job in jobs)
 
     def _generate(self, jobs: list[tuple[str, PromptJob]]) -> None:
         ro, ev, tag = self.cfg.rollout, self.cfg.eval, jobs[0][1].eval
@@ -180,6 +189,8 @@ class RolloutReplica:
             max_tokens=ro.max_response_len,
             temperature=temperature,
             top_p=top_p,
+            # Paired evaluation: a sample's seed is its problem's and index's, not the replica's.
+            seeds=None if tag is None else [_eval_seeds(self.cfg, job) for _, job in jobs],
             between_steps=between_steps,
         )
         seconds = time.monotonic() - start
@@ -248,6 +259,11 @@ class RolloutReplica:
         run_stage_loop(self.bus, self.loop, self.handle, queue=self.cfg.queue, stop=self.stop)
 
 
+def _eval_seeds(cfg: DapoConfig, job: PromptJob) -> list[int]:
+    assert job.eval is not None
+    return eval_seeds(cfg.eval.seed, job.eval.problem, job.eval.samples)
+
+
 def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, PromptJob]]]:
     """Split a batch into runs that sample alike: training jobs, and evaluation jobs per sample
     count."""
@@ -262,7 +278,7 @@ def main(cfg: DapoConfig) -> int:
     weights_key()  # only announcements signed with it are taken: refuse to start without it
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
-    engine = make_engine(cfg, replica_id=ctx.inst)  # a seed of its own per replica
+    engine = make_engine(cfg, replica_id=seed_name(ctx.inst))  # a seed of its own per replica
     tools = None
     if cfg.rollout.tools.enabled:
         from transformers import AutoTokenizer

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.config import RESULT_TAG_TOKENS, ConfigError, ToolsConfig, tool_name
-from rollout.engine import BetweenSteps, Engine
+from rollout.engine import BetweenSteps, Engine, turn_seed
 from rollout.sample import Sample
 from sandbox.builtin_tools import BUILTIN_TOOLS
 from sandbox.pool import CallResult, Sandbox, SandboxStartError
@@ -206,6 +206,7 @@ def generate_with_tools(
     max_tokens: int,
     temperature: float,
     top_p: float,
+    seeds: Sequence[Sequence[int]] | None = None,
     between_steps: BetweenSteps | None = None,
     on_round: Callable[[], None] | None = None,
 ) -> list[list[Sample]]:
@@ -213,7 +214,9 @@ def generate_with_tools(
     bounds each response's model tokens. An engine that can continue one response while others
     generate (`generate_turns`: vLLM) runs each call as soon as its response stops at it, and
     that response's next turn as soon as the call returns; otherwise generation runs in rounds
-    (`on_round` runs before each continuation round: the tests' hook)."""
+    (`on_round` runs before each continuation round: the tests' hook). With `seeds`
+    (`Engine.generate`), the turn after t calls of sample j of prompt i is drawn with
+    `turn_seed(seeds[i][j], t)`."""
     if hasattr(engine, "generate_turns") and on_round is None:
         return _generate_overlapped(
             engine,
@@ -223,6 +226,7 @@ def generate_with_tools(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
+            seeds=seeds,
             between_steps=between_steps,
         )
     return _generate_in_rounds(
@@ -233,6 +237,7 @@ def generate_with_tools(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
+        seeds=seeds,
         between_steps=between_steps,
         on_round=on_round,
     )
@@ -261,6 +266,7 @@ def _generate_overlapped(
     max_tokens: int,
     temperature: float,
     top_p: float,
+    seeds: Sequence[Sequence[int]] | None,
     between_steps: BetweenSteps | None,
 ) -> list[list[Sample]]:
     rows = [_Trajectory(prompt) for prompt in prompts for _ in range(n)]
@@ -288,6 +294,7 @@ def _generate_overlapped(
             top_p=top_p,
             stop=tools.stops,
             on_finish=on_finish,
+            seeds=seeds,
             between_steps=between_steps,
         )
     done = [row.sample() for row in rows]
@@ -303,23 +310,29 @@ def _generate_in_rounds(
     max_tokens: int,
     temperature: float,
     top_p: float,
+    seeds: Sequence[Sequence[int]] | None = None,
     between_steps: BetweenSteps | None = None,
     on_round: Callable[[], None] | None = None,
 ) -> list[list[Sample]]:
     rows = [_Trajectory(prompt) for prompt in prompts for _ in range(n)]
+    row_seeds = None if seeds is None else [s for group in seeds for s in group]
+    row_number = {id(row): k for k, row in enumerate(rows)}
 
-    def generate(contexts: list[list[int]], n: int, max_tokens: int) -> list[list[Sample]]:
+    def generate(
+        contexts: list[list[int]], n: int, max_tokens: int, seeds: list[list[int]] | None
+    ) -> list[list[Sample]]:
         return engine.generate(
             contexts,
             n=n,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
+            seeds=seeds,
             between_steps=between_steps,
             stop=tools.stops,
         )
 
-    first = generate(prompts, n, max_tokens)
+    first = generate(prompts, n, max_tokens, None if seeds is None else [list(s) for s in seeds])
     for row, out in zip(rows, (s for group in first for s in group), strict=True):
         row.take(out, max_tokens)
     while True:
@@ -335,7 +348,12 @@ def _generate_in_rounds(
         if on_round is not None:
             on_round()
         budget = max(max_tokens - r.model_tokens for r in calling)
-        outs = generate([r.prompt + r.tokens for r in calling], 1, budget)
+        turn_seeds = (
+            None
+            if row_seeds is None
+            else [[turn_seed(row_seeds[row_number[id(r)]], r.calls)] for r in calling]
+        )
+        outs = generate([r.prompt + r.tokens for r in calling], 1, budget, turn_seeds)
         for row, (out,) in zip(calling, outs, strict=True):
             row.take(out, max_tokens - row.model_tokens)
     done = [row.sample() for row in rows]

@@ -49,6 +49,7 @@ this engine needs an `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -70,6 +71,7 @@ from contracts.weight_sync import WeightStream
 from rollout.end_tokens import end_token_ids
 from rollout.generation_config import log_ignored_settings
 from rollout.sample import Sample
+from rollout.seeds import turn_seed
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -286,7 +288,7 @@ class VLLMEngine:
         max_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
         between_steps: Callable[[], int] | None = None,
         stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
@@ -295,20 +297,15 @@ class VLLMEngine:
         llm = self._consistent_engine()
         if not prompts:
             return []
-        # vLLM gives the i-th of a request's n samples the seed `seed + i`; spacing requests by n
-        # keeps every sample's seed distinct, so equal prompts in a batch still differ.
-        params = [
-            self._params(
-                n=n,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                seed=None if seed is None else seed + i * n,
-            )
-            for i in range(len(prompts))
-        ]
-        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        if seeds is not None and [len(s) for s in seeds] != [n] * len(prompts):
+            raise ValueError(f"seeds must hold {n} seeds for each of the {len(prompts)} prompts")
+        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop)
+        if seeds is None:  # a request of n samples per prompt, drawn from the engine's state
+            params = [self._params(n=n, **sampling) for _ in prompts]
+            inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        else:  # a request per sample, seeded by its own seed (the prefix cache shares prompts)
+            params = [self._params(n=1, seed=s, **sampling) for row in seeds for s in row]
+            inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n)]
         version = between_steps() if between_steps is not None else -1
         seen = (version, version)  # lowest and highest version held since the requests started
         llm.enqueue(inputs, params, lora_request=self.adapter, use_tqdm=False)
@@ -327,13 +324,17 @@ class VLLMEngine:
                     )  # may swap weights in (update_weights) before the next step
                     if self.lora is None:  # a new adapter only serves the next requests
                         seen = (min(seen[0], version), max(seen[1], version))
-        return [
+        samples = [
             [
                 _to_sample(c, None if between_steps is None else versions)
                 for c in sorted(out.outputs, key=lambda c: c.index)
             ]
             for out, versions in (finished[rid] for rid in sorted(finished))
         ]
+        if seeds is None:
+            return samples
+        flat = [row[0] for row in samples]  # one sample per request, in prompt-major order
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def generate_turns(
         self,
@@ -345,6 +346,7 @@ class VLLMEngine:
         top_p: float,
         stop: Sequence[str],
         on_finish: OnFinish,
+        seeds: Sequence[Sequence[int]] | None = None,
         between_steps: Callable[[], int] | None = None,
     ) -> None:
         """Multi-turn generation (`rollout/tool_use.py`): each of the n samples of each prompt is a
@@ -362,10 +364,14 @@ class VLLMEngine:
         numbers = itertools.count()
         keys: dict[str, int] = {}  # request id -> key
         seen: dict[str, tuple[int, int]] = {}  # request id -> versions held while it ran
+        key_seeds = None if seeds is None else [s for row in seeds for s in row]
+        turns = collections.Counter[int]()  # key -> turns enqueued so far
 
         def enqueue(key: int, context: list[int], budget: int) -> None:
+            seed = None if key_seeds is None else turn_seed(key_seeds[key], turns[key])
+            turns[key] += 1
             params = self._params(
-                n=1, max_tokens=budget, temperature=temperature, top_p=top_p, stop=stop
+                n=1, max_tokens=budget, temperature=temperature, top_p=top_p, stop=stop, seed=seed
             )
             params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.enqueue sets it
             rid = f"turn-{key}-{next(numbers)}"  # our own ids: outputs carry them back

@@ -101,7 +101,12 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from services.evaluation import main
 
-    return main(_config(args), model_dir=args.model_dir)
+    return main(
+        _config(args),
+        model_dir=args.model_dir,
+        samples=args.samples,
+        per_problem_to=args.per_problem,
+    )
 
 
 def _cmd_api(args: argparse.Namespace) -> int:
@@ -167,6 +172,7 @@ def _cmd_data_synth(args: argparse.Namespace) -> int:
             seed=args.seed,
             template=args.template,
             tool_traces=args.tool_traces,
+            split="train",
         ),
     )
     write_rows(
@@ -176,6 +182,7 @@ def _cmd_data_synth(args: argparse.Namespace) -> int:
             difficulty=args.difficulty,
             seed=args.seed + 1_000_003,
             template=args.template,
+            split="eval",  # no fact of the training file: held out by construction
         ),
     )
     log.info("wrote %d train and %d eval problems to %s", args.num_train, args.num_eval, out)
@@ -377,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--model-dir",
         help="Hugging Face model directory, or a LoRA adapter folder (default: model.path)",
+    )
+    ev.add_argument(
+        "--samples",
+        type=int,
+        help="samples per problem (default eval.samples_per_problem): many, for a base figure",
+    )
+    ev.add_argument(
+        "--per-problem", metavar="FILE", help="also write each problem's accuracy to FILE (JSON)"
     )
 
     api = _service_parser(sub, "api", "the REST control plane and dashboard", _cmd_api)

@@ -4,7 +4,10 @@ and verifier, in this process.
 
 A training run does not use this: its evaluations travel the prompt stream to the rollout
 replicas (`learner/evaluation.py`). Both evaluate the distinct problems of the eval file with the
-eval sampling settings, so their numbers compare.
+eval sampling settings and draw sample j of problem i with the seed of (`eval.seed`, i, j)
+(`rollout.engine.eval_seeds`), so the same weights give the same number here and in the run's
+round (tests/services/test_eval_cli.py). `--samples` overrides k (a base figure measured once
+with many samples, `bench/base_figure.py`).
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from contracts.config import DapoConfig
-from contracts.data import PromptRecord, encode_prompt, load_eval_problems
+from contracts.data import PromptRecord, encode_prompt
+from contracts.eval_stats import accuracy_interval
 from contracts.model_source import with_local_model
+from learner.evaluation import eval_problems
 from reward.service import open_scorer
-from rollout.engine import Engine
+from reward.text import model_token_ids
+from rollout.engine import Engine, Sample, eval_seeds
 from rollout.tool_use import ToolBox, generate_with_tools
 
 log = logging.getLogger(__name__)
@@ -29,10 +36,16 @@ log = logging.getLogger(__name__)
 def eval_prompts(cfg: DapoConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[list[int]]]:
     if not cfg.data.eval_path:
         return [], []
-    records = load_eval_problems(
-        cfg.data.eval_path, cfg.eval.max_problems, columns=cfg.data.columns
-    )
+    records, _ = eval_problems(cfg)
     return records, [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in records]
+
+
+def graded_ids(sample: Sample, cfg: DapoConfig) -> list[int]:
+    """The tokens the verifier reads: the model's own (tool results left out) unless
+    `reward.grade_tool_results`, as `reward.service.score_group` grades them."""
+    if cfg.reward.grade_tool_results:
+        return list(sample.token_ids)
+    return model_token_ids(sample.token_ids, sample.tool_spans)
 
 
 def evaluate(
@@ -44,14 +57,16 @@ def evaluate(
     *,
     batch: int = 64,
     tools: ToolBox | None = None,
-) -> dict[str, float]:
-    """avg@k accuracy and mean response length over the eval set (with `tools`, responses may
-    call them, as the replicas' evaluation does under `rollout.tools`)."""
+) -> tuple[dict[str, float], list[float]]:
+    """(avg@k accuracy with its bootstrap 95% interval and the mean response length over the
+    eval set, each problem's accuracy in order). With `tools`, responses may call them, as the
+    replicas' evaluation does under `rollout.tools`."""
     if not records:
-        return {}
+        return {}, []
     k, start = cfg.eval.samples_per_problem, time.monotonic()
     scorer = open_scorer(cfg.reward)  # the verifier, or reward.function
     correct = lengths = total = 0
+    per_problem: list[float] = []
     generate = (
         engine.generate if tools is None else functools.partial(generate_with_tools, engine, tools)
     )
@@ -63,34 +78,55 @@ def evaluate(
                 max_tokens=cfg.rollout.max_response_len,
                 temperature=cfg.eval.temperature,
                 top_p=cfg.eval.top_p,
+                seeds=[
+                    eval_seeds(cfg.eval.seed, i, k)
+                    for i in range(lo, min(lo + batch, len(prompts)))
+                ],
             )
             for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
-                texts = tokenizer.batch_decode(
-                    [s.token_ids for s in samples], skip_special_tokens=True
+                texts = tokenizer.batch_decode(  # what the model wrote, as the reward stage grades
+                    [graded_ids(s, cfg) for s in samples], skip_special_tokens=True
                 )
                 results = scorer.score_many(
                     [(t, rec.ground_truth) for t in texts], [rec.extra_info] * len(texts)
                 )
                 correct += sum(r.acc for r in results)
+                per_problem.append(sum(r.acc for r in results) / len(results))
                 lengths += sum(len(s.token_ids) for s in samples)
                 total += len(samples)
     finally:
         scorer.close()
+    low, high = accuracy_interval(per_problem)
     return {
         "eval/acc": correct / total,
+        "eval/acc_ci_low": low,
+        "eval/acc_ci_high": high,
         "eval/response_length": lengths / total,
         "eval/problems": float(len(records)),
         "eval/samples_per_problem": float(k),
         "eval/seconds": time.monotonic() - start,
-    }
+    }, per_problem
 
 
-def main(cfg: DapoConfig, model_dir: str | None = None) -> int:
+def main(
+    cfg: DapoConfig,
+    model_dir: str | None = None,
+    *,
+    samples: int | None = None,
+    per_problem_to: str | None = None,
+) -> int:
+    """Print the eval metrics of `model_dir` (default `model.path`) as one JSON line; `samples`
+    overrides `eval.samples_per_problem`; `per_problem_to` also writes each problem's accuracy
+    there (JSON: the list, with the metrics)."""
     from transformers import AutoTokenizer
 
     from rollout.engine import make_engine
 
     cfg = with_local_model(cfg)  # also the base a LoRA adapter folder is served on
+    if samples is not None:
+        cfg = cfg.model_copy(
+            update={"eval": cfg.eval.model_copy(update={"samples_per_problem": samples})}
+        )
     path = model_dir or cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     records, prompts = eval_prompts(cfg, tokenizer)
@@ -99,10 +135,14 @@ def main(cfg: DapoConfig, model_dir: str | None = None) -> int:
     engine = make_engine(cfg, path)
     tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
     try:
-        result = evaluate(engine, tokenizer, records, prompts, cfg, tools=tools)
+        result, per_problem = evaluate(engine, tokenizer, records, prompts, cfg, tools=tools)
     finally:
         engine.close()
         if tools is not None:
             tools.close()
+    if per_problem_to is not None:
+        Path(per_problem_to).write_text(
+            json.dumps({"model": path, **result, "per_problem": per_problem})
+        )
     sys.stdout.write(json.dumps({"model": path, **result}) + "\n")
     return 0

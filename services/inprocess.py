@@ -44,6 +44,7 @@ from transformers import AutoTokenizer
 
 from contracts.config import DapoConfig
 from contracts.data import encode_prompt, load_prompts
+from contracts.eval_stats import EVAL_ROUNDS_FILE, Round
 from contracts.schemas import PromptJob, Response, RolloutGroup, ScoredGroup
 from gatekeeper.service import group_metric, keep_group
 from learner.batch import build_batch
@@ -64,6 +65,8 @@ class InProcessResult:
     steps: int
     eval_history: list[list[float]] = field(default_factory=list)
     """[step, avg@k accuracy, RL seconds so far], one per evaluation."""
+    rounds: list[Round] = field(default_factory=list)
+    """The same evaluations problem by problem (`contracts.eval_stats`)."""
     rl_seconds: float = 0.0
     """Generation, scoring and training time; evaluations stop the clock."""
     groups_generated: int = 0
@@ -113,10 +116,21 @@ def run_in_process(
     result, cursor = InProcessResult(steps=cfg.learner.total_steps), 0
 
     def evaluate_now(step: int) -> None:
+        """A round of the weights of `step`, paired with the services' (the same seeds)."""
         if not eval_records:
             return
-        acc = evaluate(engine, tokenizer, eval_records, eval_ids, cfg, tools=tools)["eval/acc"]
+        metrics, per_problem = evaluate(engine, tokenizer, eval_records, eval_ids, cfg, tools=tools)
+        acc = metrics["eval/acc"]
         result.eval_history.append([step, acc, round(result.rl_seconds, 2)])
+        result.rounds.append(
+            Round(
+                step=step,
+                rl_seconds=round(result.rl_seconds, 2),
+                per_problem=tuple(per_problem),
+                policy_version=step,
+                extra={"acc_ci": [metrics["eval/acc_ci_low"], metrics["eval/acc_ci_high"]]},
+            )
+        )
         if on_eval is not None:
             on_eval(step, acc, result.rl_seconds)
 
@@ -224,8 +238,11 @@ def main(cfg: DapoConfig) -> int:
         )
 
     result = run_in_process(cfg, on_eval=report, export_to=out / "hf")
+    (out / EVAL_ROUNDS_FILE).write_text(
+        "".join(json.dumps(r.to_json()) + "\n" for r in result.rounds)
+    )
     summary = {
-        **asdict(result),
+        **{k: v for k, v in asdict(result).items() if k != "rounds"},
         "train_tokens_per_s": result.train_tokens_per_s,
         "mode": "in-process",
     }

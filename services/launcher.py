@@ -41,7 +41,9 @@ from contracts.model_source import Download, with_local_model
 from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
 from contracts.weight_sync import KEY_ENV as WEIGHTS_KEY_ENV
 from contracts.weight_sync import weights_key
+from learner.evaluation import eval_problems
 from reward.service import check_reward_function
+from rollout.engine import REPLICA_NAME_ENV
 from rollout.tool_use import check_tools
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
@@ -117,14 +119,30 @@ def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
     a local model exists, or download an `hf://` model (`contracts.model_source`;
     `download`: `huggingface_hub.snapshot_download` unless injected).
 
-    Build progress is logged (once: the console shows this process's log lines)."""
+    Build progress is logged (once: the console shows this process's log lines), and so is an
+    evaluation set that shares problems with the training set (`eval_set_summary`)."""
     _prepare_data(cfg)
+    eval_set_summary(cfg)
     if cfg.model.hub_id is None and cfg.model.catalog_name is None:
         _local_model(cfg)
         return Prepared(cfg, {})
     # Every service now reads the same files from the cache; offline, none of them can start a
     # second download (or ask the Hub whether the id moved) if a library looks the id up again.
     return Prepared(with_local_model(cfg, download), {"HF_HUB_OFFLINE": "1"})
+
+
+def eval_set_summary(cfg: DapoConfig) -> dict[str, Any] | None:
+    """The evaluation set's size and whether it is held out (`learner.evaluation.eval_problems`
+    logs the problems it shares with training): what the run's figures are measured on."""
+    if not cfg.data.eval_path:
+        return None
+    problems, overlap = eval_problems(cfg)
+    return {
+        "problems": len(problems),
+        "shared_with_training": overlap.shared,
+        "dropped": overlap.dropped,
+        "label": overlap.label,
+    }
 
 
 def _local_model(cfg: DapoConfig) -> None:
@@ -158,6 +176,7 @@ def _prepare_data(cfg: DapoConfig) -> None:
                 seed=d.seed,
                 template=d.synth.template,
                 tool_traces=d.synth.tool_traces,
+                split="train",
             ),
         )
     if d.eval_path and not Path(d.eval_path).exists():
@@ -169,6 +188,7 @@ def _prepare_data(cfg: DapoConfig) -> None:
                 seed=d.seed + 1_000_003,
                 template=d.synth.template,
                 start_index=10_000_000,
+                split="eval",  # no fact of any training file: held out by construction
             ),
         )
 
@@ -194,9 +214,30 @@ def _base_train_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
             seed=d.seed,
             template=d.synth.template,
             tool_traces=d.synth.tool_traces,
+            split="train",  # the base never sees an evaluation fact either
         )
         return [_as_row(parse_row(r, row_number=i, source="synth")) for i, r in enumerate(rows)]
     return [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[:BASE_TRAIN_ROWS]]
+
+
+def _base_selection_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
+    """The problems the tiny base's warm-start checkpoint is chosen on (by measured accuracy):
+    training-side problems of another draw, never the evaluation set, which must measure a base
+    that was not picked by it."""
+    from contracts.data import load_prompts, parse_row
+    from services.demo.synthetic import synth_rows
+
+    d = cfg.data
+    if d.synth is not None:
+        rows = synth_rows(
+            128,
+            difficulty=d.synth.difficulty,
+            seed=d.seed + 2_000_003,
+            template=d.synth.template,
+            split="train",
+        )
+        return [_as_row(parse_row(r, row_number=i, source="synth")) for i, r in enumerate(rows)]
+    return [_as_row(r) for r in load_prompts(d.train_path, columns=d.columns)[-128:]]
 
 
 def _check_tiny_base(cfg: DapoConfig, path: Path) -> None:
@@ -218,13 +259,11 @@ def _check_tiny_base(cfg: DapoConfig, path: Path) -> None:
 
 
 def _build_tiny(cfg: DapoConfig, spec: TinyModelSpec) -> None:
-    from contracts.data import load_prompts
     from services.demo.tiny_base import ensure_tiny_base
 
-    d = cfg.data
     log.info("building the tiny base model in %s (once; cached afterwards)", cfg.model.path)
     train = _base_train_rows(cfg)
-    evals = [_as_row(r) for r in load_prompts(d.eval_path or d.train_path, columns=d.columns)[:128]]
+    evals = _base_selection_rows(cfg)
     info = ensure_tiny_base(
         Path(cfg.model.path),
         train_rows=train,
@@ -440,6 +479,7 @@ def summarize(
             int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()
         ),
         "eval_history": bus.eval_history(),
+        "eval_set": eval_set_summary(cfg),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),
@@ -567,6 +607,8 @@ def run_local(
     for svc in services:
         if svc.name == "learner" or svc.name.startswith("rollout"):
             svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
+        if svc.name.startswith("rollout"):  # its seed survives a restart (a new pid)
+            svc.private_env[REPLICA_NAME_ENV] = svc.name
         if server is not None:
             svc.private_env[REDIS_URL_ENV] = server.role_url(service_role(svc.name))
     if placement.gpus:

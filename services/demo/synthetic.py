@@ -7,8 +7,9 @@ Demo-only: the product reads any DAPO-Math-17K-style file through `contracts.dat
 
 from __future__ import annotations
 
+import hashlib
 import random
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from contracts.config import SynthTemplate as Template
 
@@ -124,6 +125,27 @@ _TEMPLATES: dict[int, tuple[str, ...]] = {
     ),
 }
 
+EVAL_FACT_SHARE = 0.2
+"""The share of facts (`fact_key`) held out for evaluation: training rows never hold them."""
+
+Split = Literal["train", "eval"]
+
+
+def fact_key(numbers: list[int]) -> tuple[int, ...]:
+    """What a model could memorise about a problem: its operands as a multiset (a + b and b + a
+    are one fact; the wording around them is not part of it). Sorting also merges a few problems
+    of levels 2-5 that are not the same fact: harmless, it only holds out more."""
+    return tuple(sorted(numbers))
+
+
+def fact_split(difficulty: int, numbers: list[int]) -> Split:
+    """Which side of the held-out split a fact is on: a hash of the fact alone, so the training
+    and evaluation files agree however many rows each has and whatever seeds drew them."""
+    text = f"fact:{difficulty}:{','.join(map(str, fact_key(numbers)))}"
+    bucket = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") / 2**64
+    return "eval" if bucket < EVAL_FACT_SHARE else "train"
+
+
 CHAIN_TERMS = (2, 3, 4)
 """Level 6: how many numbers a problem adds, drawn uniformly. Two-term problems are easy (one
 addition), four-term ones are three chained additions and the longest responses."""
@@ -141,6 +163,7 @@ def synth_rows(
     template: Template = "short",
     start_index: int = 0,
     tool_traces: float = 0.0,
+    split: Split | None = None,
 ) -> list[dict[str, Any]]:
     """Make `n` arithmetic word problems with integer answers, in the DAPO-Math-17K schema.
 
@@ -154,6 +177,9 @@ def synth_rows(
         start_index: `extra_info.index` of the first row.
         tool_traces: the share of rows whose `solution` calls the calculator
             (`tool_solution`); the tiny base learns the call format from them.
+        split: "train" or "eval": only problems whose fact is on that side of the held-out
+            split (`fact_split`), so an evaluation set shares no fact with any training set;
+            "eval" also draws each fact once while unused ones remain. None: any problem.
 
     `extra_info` also holds `difficulty`, `expression` (e.g. "23 + 45") and `numbers` (the
     operands in the expression's order), so the answer can be checked independently; level 6
@@ -169,9 +195,11 @@ def synth_rows(
         raise ValueError(f"tool_traces must be a share in [0, 1], got {tool_traces}")
     rng = random.Random(f"synth_arith:{seed}:{difficulty}")
     traces = random.Random(f"synth_arith_traces:{seed}:{difficulty}")  # the problems stay put
-    rows = []
+    rows: list[dict[str, Any]] = []
+    used: set[tuple[int, ...]] = set()  # facts drawn so far ("eval": each once while it can)
     for i in range(n):
-        numbers, expression, answer = _draw_problem(rng, difficulty)
+        numbers, expression, answer = _draw_in_split(rng, difficulty, split, used)
+        used.add(fact_key(numbers))
         problem = _render_problem(rng, difficulty, numbers)
         solution = worked_solution(numbers) if difficulty == 6 else None
         if tool_traces and traces.random() < tool_traces:
@@ -192,6 +220,31 @@ def synth_rows(
             }
         )
     return rows
+
+
+MAX_DRAWS = 10_000
+"""Draws tried for one row of a split before a fact already used may repeat (a small level
+has few facts: level 0 has 45)."""
+
+
+def _draw_in_split(
+    rng: random.Random, difficulty: int, split: Split | None, used: set[tuple[int, ...]]
+) -> tuple[list[int], str, int]:
+    """A problem on `split`'s side of the held-out split; for "eval", of a fact not in `used`
+    while one can be found."""
+    if split is None:
+        return _draw_problem(rng, difficulty)
+    fallback = None
+    for _ in range(MAX_DRAWS if split == "eval" else 1_000):
+        drawn = _draw_problem(rng, difficulty)
+        if fact_split(difficulty, drawn[0]) != split:
+            continue
+        if split == "train" or fact_key(drawn[0]) not in used:
+            return drawn
+        fallback = fallback or drawn
+    if fallback is None:
+        raise ValueError(f"no problem of difficulty {difficulty} falls in the {split} split")
+    return fallback
 
 
 def _messages(problem: str, template: Template) -> list[dict[str, str]]:

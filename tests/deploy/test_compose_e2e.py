@@ -279,7 +279,7 @@ def deployment(engine: Engine, tmp_path: Path) -> Deployment:
     host data root seeded with the tiny model and data that the `tiny_cache` fixture built (the
     `prepare` service finds them and skips the minutes of warm-start training)."""
     data_root = tmp_path / "data"
-    for name in ("synth-arith", "tiny-qwen2-arith-v2"):
+    for name in ("synth-arith-heldout", "tiny-qwen2-arith-v3"):
         shutil.copytree(REPO / "runs" / "cache" / name, data_root / "runs" / "cache" / name)
     subprocess.run(["chown", "-R", "10001:10001", str(data_root)], check=True)  # the images' user
     write_config(tmp_path / "config.yaml")

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from contracts.bus.roles import Role
 from contracts.config import REDIS_URL_ENV
+from contracts.eval_stats import read_rounds
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -74,9 +75,38 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     )
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["trained"] == steps * 16
-    # Evaluation ran on the replicas: 4 rounds (base, steps 40 and 80, final) of flagged jobs went
-    # through the pipeline and the gatekeeper, none trained, each recorded under its step.
-    assert [row[0] for row in summary["eval_history"]] == [0, 40, 80, steps]
+    # Evaluation ran on the replicas: 4 rounds (issued at the base, steps 40 and 80, the end) of
+    # flagged jobs went through the pipeline and the gatekeeper, none trained, each credited to
+    # the step whose weights produced it: the one issued or a later one (its jobs queued behind
+    # training work), never an earlier one, and at one policy version per round.
+    rounds = read_rounds(out)
+    assert [r.extra["issued_step"] for r in rounds] == [0, 40, 80, steps]
+    assert [row[0] for row in summary["eval_history"]] == [r.step for r in rounds]
+    assert rounds[0].step == 0 and rounds[-1].step == steps
+    assert all(r.step >= r.extra["issued_step"] for r in rounds)
+    assert all(r.extra["policy_version_min"] == r.policy_version for r in rounds)
+    # `dapo eval` of the exported final weights gives the final round's number: the same
+    # weights and the same per-sample seeds (paired evaluation).
+    offline = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "eval",
+                "--config",
+                "configs/tiny.yaml",
+                "--model-dir",
+                str(out / "final_model"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout.splitlines()[-1]
+    )
+    assert offline["eval/acc"] == pytest.approx(rounds[-1].acc, abs=1e-9)
     assert (
         ledger["eval_issued"] > 0
         and ledger["eval_issued"] % 4 == 0
@@ -87,7 +117,7 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
     versions = summary["replica_final_versions"]
     assert len(versions) == 2 and set(versions.values()) == {summary["policy_version"]}
     # The parameters changed: the exported final model differs from the base model.
-    cfg_model = REPO / "runs" / "cache" / "tiny-qwen2-arith-v2"
+    cfg_model = REPO / "runs" / "cache" / "tiny-qwen2-arith-v3"
     base, final = (
         load_file(cfg_model / "model.safetensors"),
         load_file(out / "final_model" / "model.safetensors"),
@@ -163,6 +193,6 @@ def test_tiny_run_with_two_learner_ranks(tmp_path: Path) -> None:
     assert set(summary["replica_final_versions"].values()) == {summary["policy_version"]}
     rng = sorted(p.name for p in (out / "checkpoints" / "step_8" / "rng").iterdir())
     assert len(rng) == 2, rng  # one per rank
-    base = load_file(REPO / "runs" / "cache" / "tiny-qwen2-arith-v2" / "model.safetensors")
+    base = load_file(REPO / "runs" / "cache" / "tiny-qwen2-arith-v3" / "model.safetensors")
     final = load_file(out / "final_model" / "model.safetensors")
     assert all(not torch.equal(base[k], final[k]) for k in base)

@@ -5,10 +5,13 @@ after a restart, and with jobs lost to the dead-letter stream), and the ledger's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from contracts.bus import StreamBus, connect
 from contracts.data import PromptRecord, distinct_problems
+from contracts.eval_stats import read_rounds
 from contracts.keys import Counter, Keys
 from contracts.schemas import EvalResult, Response, ScoredGroup, decode_job, encode_group
 from gatekeeper.service import Gatekeeper
@@ -104,6 +107,29 @@ def test_a_round_is_reported_once_every_problem_is_in_and_never_trained(bus: Str
     )
     assert bus.depths()["learner"] == 0 and bus.counters().get(Counter.GATEKEEPER_KEPT, 0) == 0
     assert not evals.in_flight and evals.poll() == []
+
+
+def test_a_round_is_credited_to_the_version_that_produced_it(
+    bus: StreamBus, tmp_path: Path
+) -> None:
+    rounds = tmp_path / "eval_rounds.jsonl"
+    rounds.write_text('{"an earlier run": 1}\n')
+    evals = lane(bus, rounds_path=rounds)
+    assert not rounds.exists()  # no round of this run reported yet: the old file is gone
+    evals.published(Progress(step=10, policy_version=12), 12.5)
+    evals.issue(Progress(step=10, policy_version=12), 12.5)
+    evals.published(Progress(step=11, policy_version=13), 14.0)
+    # The replica reached the round's jobs holding version 13 (they queued behind training).
+    serve(bus, {0: 4, 1: 1, 2: 0}, version=13)
+    [(step, metrics)] = evals.poll()
+    assert step == 11 and metrics["eval/step"] == 11 and metrics["eval/issued_step"] == 10
+    assert metrics["eval/rl_seconds"] == 14.0 and metrics["eval/policy_version"] == 13
+    assert metrics["eval/credited_at_issue"] == 0
+    assert metrics["eval/acc_ci_low"] <= metrics["eval/acc"] <= metrics["eval/acc_ci_high"]
+    assert metrics["eval/acc_ci_low"] < metrics["eval/acc_ci_high"]
+    [record] = read_rounds(rounds)
+    assert (record.step, record.rl_seconds, record.policy_version) == (11, 14.0, 13)
+    assert record.per_problem == (1.0, 0.25, 0.0) and record.extra["issued_step"] == 10
 
 
 def test_a_restarted_learner_takes_over_a_half_added_round(bus: StreamBus) -> None:

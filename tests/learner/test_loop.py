@@ -177,10 +177,14 @@ class FakeEvaluations:
         self.rl_seconds: list[float] = []
         self.queued: list[Progress] = []
         self.waited = False
+        self.publications: list[tuple[int, float]] = []
 
     @property
     def in_flight(self) -> bool:
         return bool(self.queued)
+
+    def published(self, progress: Progress, rl_seconds: float) -> None:
+        self.publications.append((progress.policy_version, rl_seconds))
 
     def issue(self, progress: Progress, rl_seconds: float) -> None:
         self.issued.append(progress)

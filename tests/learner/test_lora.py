@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import learner.trainer as learner_trainer
 from contracts.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_param, read_adapter
 from contracts.schemas import PromptJob, Response, ScoredGroup
-from learner.batch import build_batch
+from learner.batch import TrainBatch, build_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.dcp_reader import SafeMetadataReader
 from learner.export import HFExporter, merge_adapter
@@ -121,7 +123,8 @@ def test_engine_samples_with_the_learners_log_probs_for_the_same_adapters(
     assert gap < 1e-4
     # The adapters matter: the base model's log-probs of the same tokens are not these.
     engine.load_weights_from_dir(str(tiny_model_dir))  # the base folder: adapters reset
-    base = engine.generate(prompts, n=4, max_tokens=8, temperature=1.0, top_p=1.0, seed=1)
+    torch.manual_seed(1)
+    base = engine.generate(prompts, n=4, max_tokens=8, temperature=1.0, top_p=1.0)
     base_batch = build_batch(groups_from_samples(prompts, base), pad_id=0)
     with torch.no_grad():
         adapted, _ = trainer._forward(base_batch, entropy=False)
@@ -235,3 +238,44 @@ def test_under_bf16_the_frozen_base_is_kept_in_bf16(tiny_model_dir: Path) -> Non
     metrics = trainer.train_step(build_batch(make_groups(4, 4), pad_id=0), policy_version=0)
     assert metrics["actor/updates"] == 2.0 and metrics["actor/skipped_updates"] == 0
     assert all(not torch.equal(before[n], t) for n, t in published(trainer).items())
+
+
+def test_with_adapter_dropout_pi_old_is_the_eval_pass_and_only_training_drops(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`learner.lora.dropout > 0`: pi_old of every mini-batch, the first included, is the
+    eval-mode pass the replicas sample with (docs/algorithm.md s10); the training pass drops."""
+    assert not lora_trainer(tiny_model_dir).dropout  # the default, 0: no extra pass
+    trainer = lora_trainer(
+        tiny_model_dir, "learner.lora.dropout=0.5", "learner.micro_batch_size=64"
+    )
+    assert trainer.dropout
+    batch = build_batch(make_groups(4, 4, seed=3), pad_id=0)
+    trainer.train_step(batch, policy_version=0)  # B leaves zero, so dropout changes log-probs
+    plan = trainer._plan(batch)[1]
+    eval_pass = trainer._old_log_probs(batch, plan)
+    assert torch.equal(eval_pass, trainer._old_log_probs(batch, plan))
+
+    selected: list[list[int]] = []
+    seen: list[tuple[list[int], torch.Tensor, torch.Tensor, bool]] = []
+    select, loss = trainer._select, learner_trainer.policy_loss
+
+    def recording_select(b: TrainBatch, rows: list[int]) -> TrainBatch:
+        selected.append(rows)
+        return select(b, rows)
+
+    def spy(log_prob: torch.Tensor, old_log_prob: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        seen.append((selected[-1], log_prob.detach(), old_log_prob, trainer.model.training))
+        return loss(log_prob, old_log_prob, *args, **kw)
+
+    monkeypatch.setattr(trainer, "_select", recording_select)
+    monkeypatch.setattr(learner_trainer, "policy_loss", spy)
+    trainer.train_step(batch, policy_version=0)
+    assert len(seen) == 2  # two mini-batches of one micro-batch each
+    for rows, _, old, training in seen:
+        assert training
+        assert torch.equal(old, eval_pass[rows])
+    # The first mini-batch trains on the weights pi_old was computed with: only dropout differs.
+    rows, logp, old, _ = seen[0]
+    mask = batch.response_mask[rows].bool()
+    assert (logp - old)[mask].abs().max() > 1e-4

@@ -52,9 +52,8 @@ def test_shared_prefill_samples_what_expanded_prompts_sample(tiny_model_dir: Pat
     runs = {}
     for shared in (True, False):
         engine.shared_prefill = shared
-        runs[shared] = engine.generate(
-            prompts, n=4, max_tokens=8, temperature=1.0, top_p=1.0, seed=123
-        )
+        torch.manual_seed(123)
+        runs[shared] = engine.generate(prompts, n=4, max_tokens=8, temperature=1.0, top_p=1.0)
     for group_shared, group_expanded in zip(runs[True], runs[False], strict=True):
         for a, b in zip(group_shared, group_expanded, strict=True):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
@@ -63,6 +62,68 @@ def test_shared_prefill_samples_what_expanded_prompts_sample(tiny_model_dir: Pat
             )
     # The draws differ between responses of a group: four samples, not one repeated.
     assert len({tuple(s.token_ids) for s in runs[True][0]}) > 1
+
+
+def test_a_seeded_sample_depends_on_its_seed_and_the_weights_only(tiny_model_dir: Path) -> None:
+    """Paired evaluation: a sample drawn with a seed is the same alone or beside other prompts
+    (other lengths, other positions), with or without shared prefill, in another engine."""
+    prompt, seeds = [5, 6, 7, 8], [11, 12, 13]
+    alone = HFEngine(str(tiny_model_dir), seed=0).generate(
+        [prompt], n=3, max_tokens=8, temperature=1.0, top_p=0.9, seeds=[seeds]
+    )[0]
+    engine = HFEngine(str(tiny_model_dir), seed=99)
+    for shared in (True, False):
+        engine.shared_prefill = shared
+        torch.manual_seed(shared)  # the global generator plays no part
+        batch = engine.generate(
+            [[9, 10, 11, 12, 13, 14, 15], prompt, [16]],
+            n=3,
+            max_tokens=8,
+            temperature=1.0,
+            top_p=0.9,
+            seeds=[[1, 2, 3], seeds, [4, 5, 6]],
+        )[1]
+        assert [s.token_ids for s in batch] == [s.token_ids for s in alone]
+        torch.testing.assert_close(
+            torch.tensor([x for s in batch for x in s.logprobs]),
+            torch.tensor([x for s in alone for x in s.logprobs]),
+        )
+    other = engine.generate(
+        [prompt] * 2,
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        top_p=0.9,
+        seeds=[[21, 22, 23], [31, 32, 33]],
+    )
+    assert [s.token_ids for g in other for s in g] != [s.token_ids for s in alone] * 2
+    with pytest.raises(ValueError, match="3 seeds for each of the 1 prompts"):
+        engine.generate([prompt], n=3, max_tokens=8, temperature=1.0, top_p=1.0, seeds=[[1]])
+
+
+def test_seeded_sampling_draws_from_the_models_distribution(tiny_model_dir: Path) -> None:
+    """The Gumbel-max draw is a draw from softmax(logits / T): the first token's frequencies over
+    many seeds match its probabilities."""
+    engine, prompt, temperature, draws = HFEngine(str(tiny_model_dir)), [5, 6, 7], 2.0, 4000
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt])).logits[0, -1].float()
+    probs = torch.softmax(logits / temperature, -1)
+    out = engine.generate(
+        [prompt],
+        n=draws,
+        max_tokens=1,
+        temperature=temperature,
+        top_p=1.0,
+        seeds=[list(range(draws))],
+    )[0]
+    counts = torch.bincount(torch.tensor([s.token_ids[0] for s in out]), minlength=len(probs))
+    top = probs.argsort(descending=True)[:5]
+    for tok in top.tolist():  # within 4.5 standard errors of the expected count
+        expected = draws * probs[tok].item()
+        assert (
+            abs(counts[tok].item() - expected)
+            <= 4.5 * (expected * (1 - probs[tok].item())) ** 0.5 + 1
+        )
 
 
 def test_update_weights_swaps_all_or_nothing(tiny_model_dir: Path) -> None:

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from contracts.config import DapoConfig, build_config
-from rollout.engine import make_engine, replica_seed
+from rollout.engine import REPLICA_NAME_ENV, make_engine, replica_seed, seed_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,3 +50,12 @@ def test_replicas_given_the_same_prompt_sample_different_tokens(tiny_model_dir: 
     first = sample("rollout-host-1")
     assert sample("rollout-host-2") != first
     assert sample("rollout-host-1") == first  # the same replica id: the same seed
+
+
+def test_a_restarted_replica_keeps_its_seed_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dapo run` names each replica (`rollout-0`...): the seed derives from that name, not from
+    the instance id, which holds the process id and changes on a restart."""
+    monkeypatch.setenv(REPLICA_NAME_ENV, "rollout-0")
+    assert seed_name("rollout-host-111") == seed_name("rollout-host-222") == "rollout-0"
+    monkeypatch.delenv(REPLICA_NAME_ENV)
+    assert seed_name("rollout-host-111") == "rollout-host-111"

@@ -42,7 +42,7 @@ class SlowEngine:
         max_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int | None = None,
+        seeds: object = None,
         between_steps: object = None,
     ) -> list[list[Sample]]:
         self.prompts += prompts

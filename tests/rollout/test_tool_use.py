@@ -40,7 +40,7 @@ class ScriptedEngine:
         max_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int | None = None,
+        seeds: object = None,
         between_steps: Callable[[], int] | None = None,
         stop: Sequence[str] = (),
     ) -> list[list[Sample]]:
@@ -216,7 +216,7 @@ def test_the_transformers_engine_stops_at_a_stop_string_and_keeps_its_tokens(
     the free one whose text holds the string."""
     engine = HFEngine(str(tiny_model_dir), seed=0)
     prompt = [[5, 6, 7, 8]]
-    kw: dict[str, Any] = dict(n=1, max_tokens=12, temperature=1.0, top_p=1.0, seed=11)
+    kw: dict[str, Any] = dict(n=1, max_tokens=12, temperature=1.0, top_p=1.0, seeds=[[11]])
     (free,) = engine.generate(prompt, **kw)[0:1][0]
     text = engine.tokenizer.decode(free.token_ids)
     stop = text[len(text) // 2 : len(text) // 2 + 1]
