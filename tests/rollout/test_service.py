@@ -16,9 +16,10 @@ from contracts.bus import StreamBus, connect
 from contracts.config import load_config
 from contracts.keys import Keys
 from contracts.runtime import StopFlag
-from contracts.schemas import PromptJob, decode_group, encode_job
+from contracts.schemas import EvalTag, PromptJob, decode_group, encode_job
 from rollout import service
 from rollout.sample import Sample
+from rollout.seeds import eval_seeds
 from rollout.service import RolloutReplica
 from tests.helpers import wait_for
 
@@ -126,3 +127,76 @@ def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
     assert [replicas[name][0].groups_done for name in ("slow", "reclaimer")] == [1, 0]
     assert bus.redis.xpending(bus.keys.prompts.stream, bus.keys.prompts.group)["pending"] == 0
     assert not any(thread.is_alive() for _, _, thread in replicas.values())
+
+
+class RecordingEngine(SlowEngine):
+    """Receives broadcasts in the background (as the transformers engine does) and records the
+    seeds each batch was given."""
+
+    receives_on_host = True
+
+    def __init__(self) -> None:
+        super().__init__(seconds=0.0)
+        self.seeds: list[object] = []
+
+    def generate(self, prompts: list[list[int]], **kw: object) -> list[list[Sample]]:  # type: ignore[override]
+        self.seeds.append(kw.get("seeds"))
+        return super().generate(prompts, **kw)  # type: ignore[arg-type]
+
+
+def _eval_job(problem: int) -> PromptJob:
+    return PromptJob(
+        group_id=f"eval-{problem}",
+        prompt_index=problem,
+        prompt_ids=[5, 6 + problem],
+        ground_truth="1",
+        issued_at=time.time(),
+        issued_version=0,
+        eval=EvalTag(round_step=0, policy_version=0, problem=problem, problems=3, samples=2),
+    )
+
+
+def test_a_round_is_seeded_by_problem_and_held_at_one_version(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evaluation jobs get their problems' seeds (`eval_seeds`), training jobs none; while
+    consecutive batches hold evaluation jobs the replica applies no new weights, and it syncs
+    again once a batch holds none, or nothing is left to read."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}", "eval.seed=7"])
+    bus = StreamBus(connect(redis_url), Keys("rollout-hold"), consumer="test")
+    bus.ensure_groups()
+    engine = RecordingEngine()
+    worker = RolloutReplica(cfg, bus.as_consumer("r"), engine, "r", StopFlag())
+    assert worker.weights.background
+    syncs: list[int] = []
+    monkeypatch.setattr(worker.weights, "sync", lambda: syncs.append(1))
+    monkeypatch.setattr(worker.weights, "wait_for", lambda version: True)
+    train = PromptJob(
+        group_id="t0", prompt_index=0, prompt_ids=[9], ground_truth="1", issued_at=0.0,
+        issued_version=0,
+    )  # fmt: skip
+    bus.issue([encode_job(_eval_job(0)), encode_job(_eval_job(1)), encode_job(_eval_job(2))],
+              evaluation=True)  # fmt: skip
+    bus.issue([encode_job(train)])
+    bus.issue([encode_job(_eval_job(0))], evaluation=True)
+
+    def batch(count: int) -> list:  # type: ignore[type-arg]
+        return worker.bus.read(bus.keys.prompts, count=count, block_ms=None)
+
+    worker._sync_before_read()
+    assert len(syncs) == 1
+    worker.handle(batch(2))  # the round's first batch
+    assert engine.seeds == [[eval_seeds(7, 0, 2), eval_seeds(7, 1, 2)]]
+    worker._sync_before_read()
+    assert len(syncs) == 1  # more of the round may follow: the weights stay
+    worker.handle(batch(1))
+    worker._sync_before_read()
+    assert len(syncs) == 1
+    worker.handle(batch(1))  # a training job: the round is over for this replica
+    assert engine.seeds[-1] is None  # training samples from the replica's own generator
+    worker._sync_before_read()
+    assert len(syncs) == 2
+    worker.handle(batch(1))
+    worker._wait_for_activity()  # nothing left to read: the round is over too
+    worker._sync_before_read()
+    assert len(syncs) == 3
