@@ -84,6 +84,13 @@ class Counter(StrEnum):
     PROMPTS_SKIPPED = "prompts_skipped"
     """Training prompts the feeder passed over without issuing them: their recent groups all
     carried no learning signal (`algorithm.prompt_skip`). Not in the ledger: never issued."""
+    ZERO_ADVANTAGE_EASY = "zero_advantage_easy"
+    """Training groups the gatekeeper decided carried no learning signal, every response right
+    (GRESO's easy zero-variance prompts), counted whether or not the gatekeeper is on: their
+    share of the groups decided steers prompt skipping's easy keep probability."""
+    ZERO_ADVANTAGE_HARD = "zero_advantage_hard"
+    """The other training groups without learning signal (all wrong, in practice): GRESO's hard
+    zero-variance prompts, steering the hard keep probability."""
     REPLICA_REFUSED_CHECKPOINTS = "replica_refused_checkpoints"
     """Checkpoints a replica refused to load because their `hf/` export did not match the
     manifest (or had none); each counted once per replica. Must stay 0 in a healthy run."""
@@ -101,6 +108,12 @@ class RunField(StrEnum):
     ALIVE_MARKER = "alive_marker"
     """Written at learner start; its absence later means Redis lost the run's state."""
     DATA_CURSOR = "data_cursor"
+    RECENT_PASS_RATE = "recent_pass_rate"
+    """JSON: the feeder's moving average of the gatekeeper's pass rate and the counts it has
+    seen (`learner.feeder.RecentPassRate`), so a restarted learner admits as the last one did."""
+    PROMPT_SKIP = "prompt_skip"
+    """JSON: prompt skipping's easy and hard keep probabilities as adapted so far, and where the
+    current step's window of decisions starts (`learner.prompt_skip.SkipState`)."""
     EVAL_HISTORY = "eval_history"
     """JSON list of [step, accuracy, RL seconds]."""
     BASE_EVAL_ACC = "base_eval_acc"

@@ -139,15 +139,17 @@ class Gatekeeper:
     def _record_history(self, group: ScoredGroup, informative: bool) -> None:
         """The prompt's record in the run's prompt history (after the hop, like the counts):
         whether this group carried learning signal, which is what the gatekeeper keeps, even
-        when it is switched off and trains every group."""
+        when it is switched off and trains every group. A group without signal is also counted
+        easy (every response right) or hard: prompt skipping steers each kind's keep
+        probability by its share of the groups decided (docs/algorithm.md section 11)."""
         job = group.job
+        correct, size = sum(bool(a) for a in group.acc), len(group.acc)
         self.bus.record_prompt_outcome(
-            job.prompt_index,
-            epoch=job.epoch,
-            correct=sum(bool(a) for a in group.acc),
-            size=len(group.acc),
-            kept=informative,
+            job.prompt_index, epoch=job.epoch, correct=correct, size=size, kept=informative
         )
+        if not informative:
+            easy = 0 < size == correct
+            self.bus.incr(Counter.ZERO_ADVANTAGE_EASY if easy else Counter.ZERO_ADVANTAGE_HARD)
 
 
 def main(cfg: DapoConfig) -> int:

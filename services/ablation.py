@@ -518,6 +518,11 @@ def ablate(
         raise ValueError(
             f"unknown rung(s) {sorted(unknown)}; the ladder is {[r.key for r in LADDER]}"
         )
+    # And so does a rung the config cannot take, before the first run rather than in it: the
+    # GRPO rungs switch the gatekeeper off, which a config with prompt skipping on refuses.
+    for rung in chosen:
+        overrides_of_rung = {**rung_overrides(LADDER.index(rung)), **extra}
+        load_config(config, [f"{k}={v}" for k, v in overrides_of_rung.items()])
     out = out or Path(cfg.output_dir) / ("ablation-quick" if quick else "ablation")
     t0 = time.monotonic()
     from services.launcher import prepare

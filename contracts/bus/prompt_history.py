@@ -11,10 +11,18 @@ A record, big-endian as Redis's BITFIELD numbers its bits:
 
     seen    u16  groups of this prompt the gatekeeper decided (saturates at 65535)
     epoch   u16  the epoch of the latest of them
-    streak  u8   zero-advantage groups in a row, latest last (0: the latest was kept)
+    easy    u4   zero-advantage groups in a row whose responses were all right
+    hard    u4   zero-advantage groups in a row otherwise (all wrong)
     correct u8   responses of the latest group that were right
     size    u8   responses in the latest group
     kept    u8   groups of this prompt kept in all (saturates at 255)
+
+The two streaks are GRESO's separate easy and hard counts (docs/algorithm.md section 11): a group
+with signal resets both, a zero-advantage group lengthens its own kind's and resets the other's,
+so at most one is non-zero. They saturate at 15, which bounds how rarely a long streak is issued:
+at a base keep probability p <= 0.8, p ** 15 is under the default exploration floor (0.05) anyway;
+at the largest base, 0.95, such a prompt is issued with 0.46 rather than less. (A record written
+when this byte held one streak reads as that many hard groups, the kind explored more.)
 
 The gatekeeper's update is one BITFIELD command, so it is atomic; it comes after the group's hop,
 like the response counts, so a crash in between can miss one record: history guides a sampling
@@ -48,10 +56,16 @@ class PromptStats:
 
     seen: int = 0
     epoch: int = 0
-    streak: int = 0
+    easy_streak: int = 0
+    hard_streak: int = 0
     correct: int = 0
     size: int = 0
     kept: int = 0
+
+    @property
+    def streak(self) -> int:
+        """Zero-advantage groups in a row, of whichever kind the latest was (0: it was kept)."""
+        return self.easy_streak + self.hard_streak
 
     @property
     def pass_rate(self) -> float | None:
@@ -65,11 +79,17 @@ class PromptHistory(RedisHygiene):
     def record_prompt_outcome(
         self, prompt_index: int, *, epoch: int, correct: int, size: int, kept: bool
     ) -> bool:
-        """Add one decided group of `prompt_index`; False when the index is out of range."""
+        """Add one decided group of `prompt_index`; False when the index is out of range. `kept`:
+        the group carried learning signal; one that did not is easy when every response was
+        right, hard otherwise."""
         if not 0 <= prompt_index < MAX_PROMPTS:
             return False
         at = prompt_index * RECORD_BITS
-        streak = ("SET", "u8", at + 32, 0) if kept else ("INCRBY", "u8", at + 32, 1)
+        easy, hard = ("SET", "u4", at + 32, 0), ("SET", "u4", at + 36, 0)
+        if not kept and 0 < size == correct:
+            easy = ("INCRBY", "u4", at + 32, 1)
+        elif not kept:
+            hard = ("INCRBY", "u4", at + 36, 1)
         self.write(
             "BITFIELD",
             self.keys.prompt_history,
@@ -77,7 +97,8 @@ class PromptHistory(RedisHygiene):
             "SAT",
             "INCRBY", "u16", at, 1,
             "SET", "u16", at + 16, min(max(epoch, 0), 0xFFFF),
-            *streak,
+            *easy,
+            *hard,
             "SET", "u8", at + 40, min(max(correct, 0), 0xFF),
             "SET", "u8", at + 48, min(max(size, 0), 0xFF),
             "INCRBY", "u8", at + 56, int(kept),
@@ -99,7 +120,7 @@ class PromptHistory(RedisHygiene):
                     raise
                 self.skip_bad_value(self.keys.prompt_history, "a value of the wrong type")
         found = dict(zip(wanted, raw, strict=False))
-        return [_decode(found.get(i, b"")) for i in indices]
+        return [decode_record(found.get(i, b"")) for i in indices]
 
     def prompt_history_bytes(self) -> int:
         """Bytes the history holds (what it costs in Redis, roughly)."""
@@ -107,7 +128,9 @@ class PromptHistory(RedisHygiene):
         return int(raw or 0)
 
 
-def _decode(raw: bytes) -> PromptStats:
-    if len(raw) < RECORD.size:  # beyond the string's end: never written
+def decode_record(raw: bytes) -> PromptStats:
+    """One record's bytes (fewer than a record: beyond the string's end, never written)."""
+    if len(raw) < RECORD.size:
         return PromptStats()
-    return PromptStats(*RECORD.unpack(raw))
+    seen, epoch, streaks, correct, size, kept = RECORD.unpack(raw[: RECORD.size])
+    return PromptStats(seen, epoch, streaks >> 4, streaks & 0xF, correct, size, kept)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from contracts.bus.prompt_history import RECORD, PromptStats
+from contracts.bus.prompt_history import RECORD, PromptStats, decode_record
 from services.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 def prompt_history(r: redis.Redis) -> list[PromptStats]:
     """Every record of the run's prompt history (`contracts.bus.prompt_history`)."""
     raw = r.get("dapo:prompt_history") or b""
-    return [PromptStats(*RECORD.unpack_from(raw, at)) for at in range(0, len(raw), RECORD.size)]
+    return [decode_record(raw[at : at + RECORD.size]) for at in range(0, len(raw), RECORD.size)]
 
 
 def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:

@@ -43,6 +43,11 @@ def test_the_ladder_starts_at_naive_grpo_and_ends_at_the_dapo_config() -> None:
     assert set(NAIVE_GRPO) == {
         k for rung in LADDER for k in rung.adds
     }  # every switch is turned back on
+    # No rung skips prompts with the gatekeeper off (the config would refuse it): the GRPO rungs
+    # train every group they generate.
+    for i in range(len(LADDER)):
+        alg = load_config(CONFIG, [f"{k}={v}" for k, v in rung_overrides(i).items()]).algorithm
+        assert alg.gatekeeper or not alg.prompt_skip.enabled
 
 
 def fake_run(
@@ -243,3 +248,15 @@ def test_the_command_refuses_a_ladder_without_a_budget_and_unknown_rungs(
         == 2
     )
     assert "sample_budget" in capsys.readouterr().err
+
+
+def test_a_ladder_whose_config_skips_prompts_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Skipping with the GRPO rungs' gatekeeper off would make them partial dynamic sampling:
+    the command checks every rung's config first, so it fails at once, not in each run."""
+    argv = ["ablate", "--config", str(CONFIG), "--budget-samples", "64", "--out", str(tmp_path)]
+    assert main([*argv, "algorithm.prompt_skip.enabled=true"]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.prompt_skip.enabled=true needs algorithm.gatekeeper=true" in err
+    assert not any(tmp_path.iterdir())  # no run was started
