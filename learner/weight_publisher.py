@@ -44,6 +44,7 @@ from contracts.weight_sync import (
     plan_buckets,
     unflatten,
 )
+from learner.publish import Publication
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class WeightPublisher:
 
     `version` is the staged policy version: -1 before the first `stage`, and while one is in
     progress or after one failed (the previous host buckets are released first, so that rank 0
-    never holds two versions). `last_sync_s` is the duration of the last successful broadcast.
+    never holds two versions). `last_publication` is what the last `publish()` moved and how
+    long it took (the step's `weight_sync/*` metrics; `catch_up` leaves it alone).
     `dtype` (e.g. "bfloat16", the replicas' `model.dtype`) is what is staged and sent: the host
     copy and the broadcast are in the serving dtype, not the fp32 master weights'.
     """
@@ -85,7 +87,7 @@ class WeightPublisher:
         self.flat: list[torch.Tensor] = []
         self.last_sent: dict[str, float] = {}
         self.failures = 0
-        self.last_sync_s = 0.0
+        self.last_publication = Publication()
         self.join_timeout_s = min(timeout_s, 15.0)
         self.quarantine_s = 30.0
         # id -> (until, the policy version its heartbeat showed when set aside);
@@ -197,14 +199,29 @@ class WeightPublisher:
 
     # --- publishing ------------------------------------------------------------------------------
     def publish(self, replicas: Iterable[str] | None = None) -> bool:
-        """Broadcast the staged version to `replicas` (default: every live replica).
+        """Broadcast the staged version to `replicas` (default: every live replica) and record
+        what it moved in `last_publication`.
 
-        True when every chosen replica received it (or there was nothing to do); False when the
-        sync failed or was re-formed without anyone. Blocks at most about join_timeout_s plus
-        timeout_s per bucket."""
+        True when every chosen replica that joined received it (or there was nothing to do);
+        False when the sync failed or was re-formed without anyone. Blocks at most about
+        join_timeout_s plus timeout_s per bucket."""
+        start = time.monotonic()
+        sent_to = self._sync(replicas)
+        self.last_publication = Publication(
+            seconds=time.monotonic() - start,
+            # one copy of the staged buckets: the full weights, or the adapters alone with LoRA
+            nbytes=sum(flat.nbytes for flat in self.flat) if sent_to else 0,
+            replicas=len(sent_to or ()),
+            failed=sent_to is None,
+        )
+        return sent_to is not None
+
+    def _sync(self, replicas: Iterable[str] | None) -> tuple[str, ...] | None:
+        """`publish` without the record: the replicas that received the staged version (none
+        when there was nothing to do), or None when the sync failed or nobody joined."""
         chosen = tuple(sorted(replicas if replicas is not None else self.replica_versions()))
         if not chosen or self.version < 0:
-            return True
+            return ()
         if chosen != self.replicas or self.group is None:
             self.epoch += 1
             self.replicas, self.group = chosen, None
@@ -225,22 +242,18 @@ class WeightPublisher:
             joined = self._form_group(ann)
             if joined is not None:
                 self.replicas = ()
-                return self.publish(joined) if joined else False
+                return self._sync(joined) if joined else None
         else:  # same replicas as the last sync: the group exists, just announce the version
             self._announce(ann)
         if not self._broadcast(ann):
-            return False
-        self.last_sync_s = time.monotonic() - start
+            return None
         now = time.monotonic()
         for rid in chosen:
             self.last_sent[rid] = now
         log.info(
-            "published version %d to %d replicas in %.3fs",
-            self.version,
-            len(chosen),
-            self.last_sync_s,
+            "published version %d to %d replicas in %.3fs", self.version, len(chosen), now - start
         )
-        return True
+        return chosen
 
     def _broadcast(self, ann: Announcement) -> bool:
         try:
@@ -274,7 +287,8 @@ class WeightPublisher:
         ]
         if behind:
             log.info("catching up %s to version %d", behind, self.version)
-            self.publish(behind)
+            # not the step's publication: its `weight_sync/*` metrics stay the step's own
+            self._sync(behind)
 
 
 def _offsets(bucket: Bucket) -> dict[str, int]:

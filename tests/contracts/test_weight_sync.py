@@ -69,8 +69,12 @@ STOPS: list[StopFlag] = []
 @pytest.fixture()
 def bus(redis_url: str) -> Iterator[StreamBus]:
     yield StreamBus(connect(redis_url), Keys(f"t{len(STOPS)}-{time.monotonic_ns()}"), consumer="c1")
-    # A subscriber's watcher thread outlives its test unless stopped, and would answer the next
-    # test's announcements for the same replica id.
+    stop_replicas()
+
+
+def stop_replicas() -> None:
+    """A subscriber's watcher thread outlives its test unless stopped, and would answer the next
+    test's announcements for the same replica id."""
     for stop in STOPS:
         stop.event.set()
     STOPS.clear()
@@ -88,7 +92,11 @@ def publisher(bus: StreamBus) -> WeightPublisher:
 
 
 def subscriber(
-    bus: StreamBus, engine: FakeEngine, tmp_path: Path, rid: str = "r0"
+    bus: StreamBus,
+    engine: FakeEngine,
+    tmp_path: Path,
+    rid: str = "r0",
+    expected: dict[str, tuple[int, ...]] | None = None,
 ) -> WeightReceiver:
     stop = StopFlag()
     STOPS.append(stop)
@@ -102,17 +110,36 @@ def subscriber(
         max_staleness=1,
         stop=stop,
         key=WEIGHTS_KEY,
-        expected={name: tuple(t.shape) for name, t in params()},
+        expected=expected or {name: tuple(t.shape) for name, t in params()},
     )
 
 
-def started_subscriber(bus: StreamBus, engine: FakeEngine, tmp_path: Path) -> WeightReceiver:
+def started_subscriber(
+    bus: StreamBus,
+    engine: FakeEngine,
+    tmp_path: Path,
+    expected: dict[str, tuple[int, ...]] | None = None,
+) -> WeightReceiver:
     """Replica r0, started and heartbeating, with no store catch-up (broadcasts only)."""
-    sub = subscriber(bus, engine, tmp_path)
+    sub = subscriber(bus, engine, tmp_path, expected=expected)
     sub.lost_contact_s = 1e9
     sub.start()
     beat(bus, "r0")
     return sub
+
+
+def sent_to_a_replica(
+    bus: StreamBus, tmp_path: Path, named: list[tuple[str, torch.Tensor]]
+) -> WeightPublisher:
+    """A publisher that staged `named` as version 1 and published it to replica r0 (which
+    receives in the background and expects exactly `named`), once r0 holds it."""
+    pub = publisher(bus)
+    engine = FakeEngine(on_host=True)
+    sub = started_subscriber(bus, engine, tmp_path, expected={n: tuple(t.shape) for n, t in named})
+    pub.stage(1, iter(named), named)
+    assert pub.publish()
+    wait_for("the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01)
+    return pub
 
 
 def test_plan_buckets_splits_by_dtype_and_size() -> None:
@@ -149,6 +176,32 @@ def test_stage_consumes_lazily_and_staged_round_trips(bus: StreamBus) -> None:
     with pytest.raises(ValueError, match="lack"):
         pub.stage(4, iter(named[:2]), named)
     assert pub.version == -1  # a failed stage leaves nothing half-staged
+
+
+def test_a_publication_records_the_bytes_of_every_published_tensor(
+    bus: StreamBus, tmp_path: Path
+) -> None:
+    """`weight_sync/*` (issue 39): with no replica registered a publication moves nothing; with
+    one it moves one copy of every staged tensor, each in its own dtype (fp32 and bf16 here);
+    catching a replica up later leaves the step's record alone."""
+    named = params()
+    idle = publisher(bus)
+    idle.stage(1, iter(named), named)
+    assert idle.publish()
+    assert idle.last_publication.metrics() | {"weight_sync/seconds": 0.0} == {
+        "weight_sync/seconds": 0.0,
+        "weight_sync/bytes": 0.0,
+        "weight_sync/replicas": 0.0,
+        "weight_sync/failed": 0.0,
+    }
+    pub = sent_to_a_replica(bus, tmp_path, named)
+    sent = pub.last_publication
+    assert sent.nbytes == sum(t.nbytes for _, t in named) == 2_680_040
+    assert sent.replicas == 1 and not sent.failed and sent.seconds > 0
+    beat(bus, "r0", version=0)  # r0's heartbeat still shows version 0: it looks behind
+    pub.join_timeout_s = 1.0
+    pub.catch_up(retry_after_s=0.0)
+    assert pub.last_publication is sent
 
 
 @pytest.mark.parametrize("on_host", [False, True], ids=["engine-receives", "background-receive"])
@@ -227,10 +280,14 @@ def test_a_failed_background_receive_leaves_the_engine_untouched(
     monkeypatch.setattr(WeightStream, "__iter__", dies_after_one_bucket)
     pub.stage(1, iter(named), named)
     assert not pub.publish()
+    # a failed broadcast reports what it cost and that no replica took the version
+    failed = pub.last_publication
+    assert failed.failed and failed.nbytes == 0 and failed.replicas == 0 and failed.seconds > 0
     sub.between_steps()
     assert engine.weights == {} and engine.loaded == [] and sub.policy_version == 0
     monkeypatch.setattr(WeightStream, "__iter__", real_iter)
     assert pub.publish()  # a fresh group; this one lands
+    assert not pub.last_publication.failed and pub.last_publication.replicas == 1
     wait_for("the version staged", sub.announced.is_set, timeout_s=30, every_s=0.01)
     assert sub.between_steps() == 1
 
