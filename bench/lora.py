@@ -4,7 +4,10 @@ Runs `dapo run` on a preset twice per seed from the same base, same data, same n
 (so the same responses trained): once training every weight at the preset's `learner.lr`, once
 with `learner.lora` at `--lora-lr`, and reports from each run:
 
-- learning: held-out accuracy at every evaluation (avg@k), the gain from the base in points;
+- learning: held-out accuracy at every evaluation (avg@k, with the final round's bootstrap 95%
+  interval), the gain in points over one base figure for both sides (`bench/base_figure.py`),
+  and per seed, paired over problems (the same problems and per-sample seeds), the mean gain per
+  RL second of LoRA over full fine-tuning with its interval (`contracts.eval_stats.compare`);
 - weight sync: bytes one sync sends a replica (the exported weights or adapters) and the
   learner's mean sync time per step;
 - learner: peak resident memory (sampled every second) and trained response tokens per second.
@@ -30,20 +33,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.base_figure import base_figure  # noqa: E402
 from bench.real_model import run_preset, step_figures, weight_bytes  # noqa: E402
 from bench.results_file import save_result  # noqa: E402
+from contracts.eval_stats import Round, compare, read_rounds  # noqa: E402
 
 
-def one_run(config: str, overrides: list[str], tmp: Path, label: str) -> dict:
+def one_run(config: str, overrides: list[str], tmp: Path, label: str, base: float) -> dict:
     run = tmp / label
     summary, wall, peaks = run_preset(run, overrides, config)
     speed = step_figures(run / "metrics.jsonl")
     history = summary["eval_history"]  # [step, accuracy, RL seconds]
+    rounds = read_rounds(run)
     return {
         "overrides": overrides,
         "curve": history,
-        "gain_points": 100 * (history[-1][1] - history[0][1]),
-        "final_acc": history[-1][1],
+        "rounds": [r.to_json() for r in rounds],
+        "gain_points": 100 * (rounds[-1].acc - base),
+        "final_acc": rounds[-1].acc,
+        "final_acc_ci": rounds[-1].extra.get("acc_ci"),
         "wall_s": wall,
         "sync_bytes": weight_bytes(run / "final_model"),
         "sync_s_mean": speed.get("sync_s_mean"),
@@ -77,12 +85,19 @@ def main() -> int:
         f"learner.lora.alpha={2 * args.rank}",
         f"learner.lr={args.lora_lr}",
     ]
+    base = base_figure(args.config, args.overrides)
     sides: dict[str, list[dict]] = {"full": [], "lora": []}
+    paired = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             seeded = [*common, f"learner.seed={seed}", f"rollout.seed={seed}"]
-            sides["full"].append(one_run(args.config, seeded, Path(tmp), f"full-{seed}"))
-            sides["lora"].append(one_run(args.config, seeded + lora, Path(tmp), f"lora-{seed}"))
+            for name, extra in (("full", []), ("lora", lora)):
+                run = one_run(args.config, seeded + extra, Path(tmp), f"{name}-{seed}", base["acc"])
+                sides[name].append(run)
+            on, off = (
+                [Round.from_json(x) for x in sides[n][-1]["rounds"]] for n in ("lora", "full")
+            )
+            paired.append({"seed": seed, **compare(on, off, base["per_problem"], 0.25).to_json()})
             for name in sides:
                 r = sides[name][-1]
                 curve = " ".join(f"{int(s)}:{a:.3f}" for s, a, _ in r["curve"])
@@ -103,6 +118,8 @@ def main() -> int:
         "lora_lr": args.lora_lr,
         "rank": args.rank,
         "runs": sides,
+        "paired_lora_over_full": paired,
+        "base": {k: v for k, v in base.items() if k != "per_problem"},
         **{
             f"{name}_{key}_mean": mean(name, key)
             for name in sides

@@ -40,7 +40,7 @@ def main() -> None:
     records = load_prompts(cfg.data.train_path)
     batches = [
         [
-            encode_prompt(engine.tokenizer, r.messages, cfg.data.max_prompt_len)
+            encode_prompt(engine.tokenizer, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat)
             for r in records[i * ro.prompts_per_batch : (i + 1) * ro.prompts_per_batch]
         ]
         for i in range(args.rounds)

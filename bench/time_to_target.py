@@ -2,13 +2,17 @@
 in-process floor (`bench/inprocess_floor.py`), both on the tiny preset, one after the other,
 `--repeats` times (the side that goes first alternates).
 
-Both count RL seconds the same way: from the first training step, evaluation excluded (the floor
-stops its clock while it evaluates; the service evaluates on the replicas beside training, and
-each round is credited to the weights that produced it: the RL seconds at which they were
-published, `learner/evaluation.py`). Evaluation is paired: both sides draw each evaluation sample
-with the seed of its problem and index (`eval.seed`), so their rounds differ by their weights
-only, and both are measured from one base figure (`bench/base_figure.py`: the base model, many
-samples per problem), not each run's own first round. Per repeat:
+Both count RL seconds the same way: from the first training step, evaluation excluded. The floor
+stops its clock while it evaluates. The service trains with no evaluation round on its path
+(`eval.every_steps=0`: its one replica would otherwise generate 800 x 4 evaluation samples beside
+the training samples, a cost the floor does not pay) and saves a checkpoint every
+`eval.every_steps` of the preset; after the run each checkpoint's export is evaluated here, at the
+RL seconds its trainer.json records, as `dapo eval` would (`services.evaluation.evaluate`).
+Evaluation is paired: both sides draw each evaluation sample with the seed of its problem and
+index (`eval.seed`), so their rounds differ by their weights only, and both are measured from one
+base figure (`bench/base_figure.py`: the base model, many samples per problem), not each run's
+own first round. `--in-run-eval` measures the service with its evaluation rounds in the run
+instead (each credited to the weights that produced it, `learner/evaluation.py`). Per repeat:
 
 - the whole-run ratio: the service's RL seconds for all the steps over the floor's;
 - time to +25 points over the common base, service over floor, with a paired bootstrap 95%
@@ -39,8 +43,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.base_figure import base_figure  # noqa: E402  (a module beside this script)
 from bench.results_file import save_result  # noqa: E402
+from contracts.config import load_config  # noqa: E402
 from contracts.eval_stats import Round, compare, read_rounds  # noqa: E402
 
+CONFIG = "configs/tiny.yaml"
 GAIN = 0.25
 
 
@@ -62,7 +68,13 @@ def run_floor(steps: int, overrides: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def run_service(steps: int, overrides: list[str], out: Path) -> dict:
+def run_service(steps: int, overrides: list[str], out: Path, *, in_run_eval: bool) -> dict:
+    every = load_config(REPO / CONFIG, overrides).eval.every_steps
+    offline = [
+        "eval.every_steps=0",
+        f"checkpoint.every_steps={every}",
+        f"checkpoint.keep_last={steps // every + 2}",
+    ]
     subprocess.run(
         [
             sys.executable,
@@ -70,25 +82,67 @@ def run_service(steps: int, overrides: list[str], out: Path) -> dict:
             "services.cli",
             "run",
             "--config",
-            "configs/tiny.yaml",
+            CONFIG,
             "--output-dir",
             str(out),
             "--quiet",
             f"learner.total_steps={steps}",
             *overrides,
+            *([] if in_run_eval else offline),
         ],
         cwd=REPO,
         check=True,
         timeout=3600,
     )
     summary = json.loads((out / "summary.json").read_text())
+    rounds = read_rounds(out)
+    if not in_run_eval:  # the base and final rounds ran in the run; the rest from checkpoints
+        rounds = sorted(
+            [rounds[0], *checkpoint_rounds(out / "checkpoints", overrides), rounds[-1]],
+            key=lambda r: r.rl_seconds,
+        )
+    history = [[r.step, r.acc, r.rl_seconds] for r in rounds]
     return {
-        "eval_history": summary["eval_history"],
-        "rounds": [r.to_json() for r in read_rounds(out)],
+        "eval_history": history,
+        "rounds": [r.to_json() for r in rounds],
         "wall_seconds": summary["wall_seconds"],
         "ledger": summary["ledger"],
         "eval_set": summary.get("eval_set"),
+        "in_run_eval": in_run_eval,
     }
+
+
+def checkpoint_rounds(store: Path, overrides: list[str]) -> list[Round]:
+    """A round for each checkpoint of the store but the last (the run's final round measured
+    that one): its export evaluated in this process with the run's evaluation settings and
+    seeds, credited to the RL seconds its trainer.json records."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from contracts.checkpoint_store import HF_EXPORT, list_checkpoints
+    from rollout.engine import make_engine
+    from services.evaluation import eval_prompts, evaluate
+
+    torch.set_num_threads(2)
+    cfg = load_config(REPO / CONFIG, overrides)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    records, prompts = eval_prompts(cfg, tokenizer)
+    engine = make_engine(cfg)
+    rounds = []
+    for ckpt in list_checkpoints(store)[:-1]:
+        engine.load_weights_from_dir(str(ckpt.path / HF_EXPORT))
+        meta = json.loads((ckpt.path / "trainer.json").read_text())
+        _, per_problem = evaluate(engine, tokenizer, records, prompts, cfg)
+        rounds.append(
+            Round(
+                step=int(meta["step"]),
+                rl_seconds=float(meta["rl_seconds"]),
+                per_problem=tuple(per_problem),
+                policy_version=int(meta["policy_version"]),
+                extra={"offline": True},
+            )
+        )
+    return rounds
 
 
 def curve(history: list[list[float]]) -> str:
@@ -131,10 +185,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument(
+        "--in-run-eval",
+        action="store_true",
+        help="the service evaluates in the run, on its replica, instead of from checkpoints",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="config overrides for both sides, dotted.key=value"
     )
     args = parser.parse_args()
-    base = base_figure("configs/tiny.yaml", args.overrides)
+    base = base_figure(CONFIG, args.overrides)
     print(
         f"base figure: {base['acc']:.4f} (95% CI {base['acc_ci'][0]:.4f}-{base['acc_ci'][1]:.4f}"
         f"), {len(base['per_problem'])} problems x {base['samples']} samples",
@@ -148,7 +207,12 @@ def main() -> int:
                 if side == "floor":
                     sides[side] = run_floor(args.steps, args.overrides, Path(tmp) / "floor.json")
                 else:
-                    sides[side] = run_service(args.steps, args.overrides, Path(tmp) / "service")
+                    sides[side] = run_service(
+                        args.steps,
+                        args.overrides,
+                        Path(tmp) / "service",
+                        in_run_eval=args.in_run_eval,
+                    )
         figures = ratios(sides["floor"], sides["service"], base["per_problem"])
         repeats.append({**sides, **figures})
         print(f"repeat {i}: floor   (eval@step:acc@RL s): {curve(sides['floor']['eval_history'])}")
@@ -177,6 +241,7 @@ def main() -> int:
         {
             "steps": args.steps,
             "repeats": args.repeats,
+            "in_run_eval": args.in_run_eval,
             "overrides": args.overrides,
             "floor": first["floor"],
             "service": first["service"],

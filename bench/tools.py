@@ -4,8 +4,10 @@ alternates). Without it (`rollout.tools.enabled=false`) the base is the same, an
 writes is plain text that no result follows.
 
 Per run: the evaluation accuracy before and after (avg@k on the eval problems, with the tool
-when the run has it), the training responses' tool-call rate over the steps (from the run's
-metrics.jsonl, `tools/call_rate`, the mean of each block of 10 steps), tool errors and
+when the run has it; the final round with its bootstrap 95% interval; both sides draw the same
+per-sample seeds, so their base rounds are the same round), the training responses' tool-call
+rate over the steps (from the run's metrics.jsonl, `tools/call_rate`, the mean of each block of
+10 steps), tool errors and
 time-outs, and wall seconds. Prints each run, the medians per side and the call-rate curve of
 the first seed with the tool; saves everything to bench/results/. Nothing is asserted.
 
@@ -34,6 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.results_file import save_result  # noqa: E402  (a module beside this script)
+from contracts.eval_stats import read_rounds  # noqa: E402
 
 CONFIG = "configs/tiny-tools.yaml"
 BLOCK = 10
@@ -60,6 +63,7 @@ def run_once(seed: int, tools: bool, overrides: list[str]) -> dict[str, Any]:
         summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
         lines = (out / "metrics.jsonl").read_text().splitlines()
         metrics = [json.loads(line) for line in lines if line.strip()]
+        rounds = read_rounds(out)
     history = summary["eval_history"]
     curve = call_rate_curve(metrics)
     return {
@@ -72,6 +76,8 @@ def run_once(seed: int, tools: bool, overrides: list[str]) -> dict[str, Any]:
         "tool_timeouts": sum(float(m.get("tools/timeouts", 0.0)) for m in metrics),
         "base_acc": history[0][1] if history else math.nan,
         "final_acc": history[-1][1] if history else math.nan,
+        "final_acc_ci": rounds[-1].extra.get("acc_ci") if rounds else None,
+        "eval_set": summary.get("eval_set"),
         "call_rate_first": curve[0][1] if curve else math.nan,
         "call_rate_last": curve[-1][1] if curve else math.nan,
         "wall_s": summary["wall_seconds"],

@@ -36,8 +36,16 @@ from sandbox.builtin_tools import BUILTIN_TOOLS
 LossAgg = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
-Verifier = Literal["dapo-reference", "dapo-strict", "dapo", "strict-box", "math-verify"]
-SynthTemplate = Literal["short", "dapo", "one-shot", "one-shot-python"]
+Verifier = Literal[
+    "dapo-reference",
+    "dapo-strict",
+    "dapo",
+    "strict-box",
+    "math-verify",
+    "first-line",
+    "first-number",
+]
+SynthTemplate = Literal["short", "dapo", "one-shot", "one-shot-python", "few-shot"]
 """How the synthetic task puts a problem to the model (services/demo/synthetic.py `TEMPLATES`)."""
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -159,7 +167,7 @@ class SynthDataSpec(_Section):
 
     num_train: PositiveInt = 20000
     num_eval: PositiveInt = 128
-    difficulty: Annotated[int, Field(ge=0, le=7)] = 1
+    difficulty: Annotated[int, Field(ge=0, le=8)] = 1
     template: SynthTemplate = "short"
     tool_traces: float = Field(0.0, ge=0, le=1)
     """The share of training rows whose `solution` calls the calculator (level 7, the tool-use
@@ -203,6 +211,11 @@ class DataConfig(_Section):
     drop_eval_overlap: bool = False
     """Leave the evaluation problems the training set shares out of the evaluation set, so what
     is left is held out."""
+    prompt_format: Literal["chat", "completion"] = "chat"
+    """chat: the prompt's messages go through the tokenizer's chat template (paper). completion:
+    the text as it is, no template, for a model used as a completer (few-shot examples, then the
+    question; pair it with `rollout.stop`, e.g. a newline, so generation ends with the answer).
+    Training, the evaluation rounds, `dapo run --in-process` and `dapo eval` all encode alike."""
     max_prompt_len: PositiveInt = 2048
     """Prompt tokens; longer prompts are left-truncated (paper: 2048)."""
     shuffle: bool = True
@@ -228,6 +241,11 @@ class DataConfig(_Section):
         keys = (value,) if isinstance(value, str) else value or ()
         ColumnMap(extra_keys=keys)  # rejects an empty key or an empty dotted part
         return value
+
+    @property
+    def chat(self) -> bool:
+        """Whether prompts go through the chat template (`prompt_format`)."""
+        return self.prompt_format == "chat"
 
     @property
     def columns(self) -> ColumnMap:
@@ -330,9 +348,26 @@ class RolloutConfig(_Section):
     running several processes, 1 avoids oversubscription, which costs far more than it gains."""
     tools: ToolsConfig = ToolsConfig()
     """Tool calls during generation (off by default)."""
+    stop: tuple[str, ...] = ()
+    """A response ends at the first of these strings, which it keeps (finish reason "stop"), as
+    at an end token: "\n" for a completer whose answer is one line (`data.prompt_format:
+    completion`). Both engines, the evaluation rounds, `dapo run --in-process` and `dapo eval`.
+    Empty: only the model's end tokens and `max_response_len` end a response."""
     seed: int = 0
     """Base sampling seed; each replica samples with its own seed derived from this and its
     replica id (`rollout.engine.replica_seed`), so replicas given one prompt differ."""
+
+    @model_validator(mode="after")
+    def _stop_or_tools(self) -> RolloutConfig:
+        if self.stop and self.tools.enabled:
+            raise ValueError(
+                f"rollout.stop={list(self.stop)} with rollout.tools.enabled=true: a response "
+                "already stops at each tool call's closing tag to run it; answer stop strings "
+                "are not combined with tool calls (leave one of them off)"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("rollout.stop: an empty string would end every response at once")
+        return self
 
     @field_validator("top_p")
     @classmethod
@@ -366,7 +401,9 @@ class RewardConfig(_Section):
     """`dapo-reference` (the reference code's Answer: line rule, quirks included: the one whose
     numbers compare with the paper's), `dapo-strict` (the same rule with three deliberate
     departures, listed in `reward.rules.verify_dapo_strict`; `dapo` is its alias, kept so
-    older configs score as before), `strict-box`, or `math-verify`."""
+    older configs score as before), `strict-box`, `math-verify`, or for a completer's one-line
+    answer (`data.prompt_format: completion`) `first-line` (the first line is exactly the
+    answer) or `first-number` (its first integer is)."""
     function: str | None = None
     """Your own reward instead of the verifier: `package.module:function` or
     `path/to/file.py:function`, called as f(response, ground_truth, extra_info) and returning
@@ -401,24 +438,64 @@ class RewardConfig(_Section):
 
 class PromptSkipConfig(_Section):
     """Skip, before generating it, a prompt whose recent groups all carried no learning signal
-    (GRESO, Zheng et al. 2025; docs/algorithm.md section 11).
+    (GRESO, Zheng et al. 2025, "Act Only When It Pays"; docs/algorithm.md section 11).
 
-    Each time the gatekeeper decides a prompt's group, the run's prompt history records it: a
-    filtered group (every response equally right or wrong, zero advantage) lengthens the
-    prompt's streak, a kept one resets it to 0. When the feeder comes to the prompt again it
-    issues it with probability max(min_keep, keep_base ** streak) and otherwise skips it
-    (counted `prompts_skipped`). The gatekeeper's filter stays the exact check; skipping only
-    saves generation. It helps when a run sees its prompts more than once (several epochs).
+    Each time the gatekeeper decides a prompt's group, the run's prompt history records it. A
+    group without signal (zero advantage) is easy when every response was right and hard
+    otherwise (all wrong); it lengthens the prompt's streak of its kind and ends the other kind's,
+    and a group with signal ends both. When the feeder comes to the prompt again with a streak
+    of z groups of one kind, it issues it with probability max(min_keep, p ** z), p that kind's
+    base keep probability, and otherwise skips it (counted `prompts_skipped`).
+
+    p adapts, as in GRESO's reference code: after each training step, the share of the groups
+    decided during the step that were easy is compared with `easy_target`; at or above it p_easy
+    steps down by `adapt_step` (skip more of them), below it up (explore more), within
+    [keep_base_min, keep_base_max]; the same for hard. Not during the first data epoch, when no
+    prompt has a history and nothing can be skipped, so the shares would only push p to a bound.
+    The state lives in Redis with the run (run info `prompt_skip`), so a restarted learner goes on
+    from it. The gatekeeper's filter stays the exact check; skipping only saves generation, and
+    only for prompts seen before (several data epochs).
     """
 
     enabled: bool = False
-    """Off reproduces the paper: every prompt is generated and dynamic sampling filters after."""
-    keep_base: float = Field(0.5, gt=0, lt=1)
-    """Probability of issuing a prompt after one zero-advantage group; each further one in a row
-    multiplies it again (GRESO's exploration probability, held fixed)."""
+    """Off reproduces the paper: every prompt is generated and dynamic sampling filters after.
+    Needs `algorithm.gatekeeper` (without it skipping would be a filter of its own)."""
+    easy_keep_base: float = Field(0.5, gt=0, lt=1)
+    """p_easy at the start of the run (paper: 0.5): an all-right prompt is issued with
+    probability p_easy ** z after z all-right groups in a row."""
+    hard_keep_base: float = Field(0.75, gt=0, lt=1)
+    """p_hard at the start (paper: 0.5, as easy). Higher than p_easy, so at equal streaks an
+    all-wrong prompt is tried again more often: the policy improves, so it is the kind likely to
+    turn informative (GRESO's reason for its higher hard target), and from the first step on."""
+    easy_target: float = Field(0.25 / 3, ge=0, le=1)
+    """Share of decided groups that may be easy zero-advantage ones (paper: a third of its 25%
+    zero-variance budget)."""
+    hard_target: float = Field(0.5 / 3, ge=0, le=1)
+    """Share that may be hard ones (paper: the other two thirds): twice the easy share, which
+    holds p_hard higher."""
+    adapt_step: float = Field(0.01, ge=0, lt=1)
+    """How far each base moves after a training step (paper: 0.01); 0 holds both where they
+    started (the fixed-rate rule)."""
+    keep_base_min: float = Field(0.05, gt=0, lt=1)
+    """Lowest base either adapts to (paper: 0.05)."""
+    keep_base_max: float = Field(0.95, gt=0, le=1)
+    """Highest base either adapts to (paper: 0.95)."""
     min_keep: float = Field(0.05, gt=0, le=1)
     """The exploration floor: a prompt is issued with at least this probability however long its
-    streak, so a prompt the policy has outgrown or grown into is seen again."""
+    streak, so a prompt the policy has outgrown or grown into is seen again (paper: 0.01)."""
+
+    @model_validator(mode="after")
+    def _check_bases(self) -> PromptSkipConfig:
+        low, high = self.keep_base_min, self.keep_base_max
+        if low > high:
+            raise ValueError(f"keep_base_min={low} > keep_base_max={high}")
+        for name in ("easy_keep_base", "hard_keep_base"):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is outside [keep_base_min, keep_base_max] = "
+                    f"[{low}, {high}], where the base adapts: start it inside"
+                )
+        return self
 
 
 class AlgorithmConfig(_Section):
@@ -449,11 +526,33 @@ class AlgorithmConfig(_Section):
     max_staleness: Annotated[int, Field(ge=0)] = 1
     """Admission control: at most (max_staleness + 1) train batches of work ahead of the learner.
     0 reproduces synchronous DAPO (rollout never runs ahead of the weights it was given)."""
+    pass_rate_window: PositiveInt = 512
+    """Admission control's pass rate is the recent one, not the run's: a moving average of the
+    gatekeeper's decisions, each weighing 1/pass_rate_window, so the last pass_rate_window
+    decisions carry 63% of it. The run's rate lags: after thousands of kept groups a run of
+    filtered ones barely moves it, and the feeder would replace too few of them while the
+    learner waits. An average rather than a window of the last N decisions: it is three numbers
+    kept in Redis with the cursor, so a restarted learner goes on from it (docs/algorithm.md
+    s9)."""
     is_clip: float = Field(2.0, ge=1)
     """Truncation of the behaviour importance weight pi_old / pi_behaviour
     (docs/algorithm.md s9)."""
     prompt_skip: PromptSkipConfig = PromptSkipConfig()
     """Pre-generation skipping of prompts that keep being filtered (off: the paper)."""
+
+    @model_validator(mode="after")
+    def _check_prompt_skip(self) -> AlgorithmConfig:
+        # Skipping saves generating groups dynamic sampling would filter. Without the gatekeeper
+        # every group is trained, and skipping would drop some of the zero-advantage ones itself.
+        if self.prompt_skip.enabled and not self.gatekeeper:
+            raise ValueError(
+                "algorithm.prompt_skip.enabled=true needs algorithm.gatekeeper=true: skipping "
+                "passes over prompts whose groups dynamic sampling would filter, so without the "
+                "gatekeeper it would withhold some of the zero-advantage groups a GRPO run "
+                "trains on, and the GRPO rungs of the ablation ladder (`dapo ablate`) would "
+                "become partial dynamic sampling; turn prompt_skip off or the gatekeeper on"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,10 +645,21 @@ class LearnerConfig(_Section):
     """Weights are broadcast to rollout replicas in buckets of about this size."""
     torch_threads: PositiveInt | None = None
     """CPU threads per learner rank (None = torch's default)."""
-    mixed_precision: Literal["auto", "bf16", "none"] = "auto"
-    """FSDP2 mixed precision: `bf16` computes with bf16 parameters and reduces gradients in fp32
-    (fp32 master weights and optimizer state stay sharded); `none` is fp32 throughout. auto =
-    bf16 on CUDA devices that support it, none on CPU."""
+    mixed_precision: Literal["auto", "native", "bf16", "none"] = "auto"
+    """The learner's compute dtype (FSDP2 mixed precision). `bf16`: forward and backward run on
+    bf16 copies of the weights, gradients are reduced in fp32; the master weights, their
+    gradients and AdamW's state stay fp32 and sharded, and so do checkpoints and the weights
+    published to the replicas; log-probs, entropy and the loss are computed in fp32 from bf16
+    logits. `none`: fp32 throughout. `native`: bf16 where the device computes it natively (a
+    CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX-BF16, or Arm's BF16 extension),
+    fp32 elsewhere, decided and logged at start. `auto`: bf16 on CUDA GPUs that support it, fp32
+    on every CPU: every preset runs this (the GPU presets in bf16, the CPU ones in fp32), which
+    keeps CPU results bit-comparable with earlier runs. On a CPU with bf16, `native` made a
+    SmolLM2-135M learner step several times faster (bench/learner_flops.py; the figures are in
+    bench/results/2026-12-06-learner-speed.md), at a mean |log-prob| difference from fp32 of
+    about 0.03 nats on the same tokens: generation in fp32 then samples from a slightly different
+    policy than the one trained, a gap the importance weight of docs/algorithm.md s9 corrects on
+    off-policy rows only."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory for long responses, about one more forward pass of compute."""

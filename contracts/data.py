@@ -596,10 +596,11 @@ def write_rows(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> Path:
 # Rendering
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The text the policy sees: the chat template if the tokenizer has one, else the message
-    contents joined with "\\n" (the tiny tokenizers here have no template)."""
-    if getattr(tokenizer, "chat_template", None):
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]], *, chat: bool = True) -> str:
+    """The text the policy sees: the chat template if the tokenizer has one and `chat`, else the
+    message contents joined with "\\n" (the tiny tokenizers here have no template; a model used
+    as a completer, `data.prompt_format: completion`, continues the text itself)."""
+    if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
@@ -607,8 +608,11 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], max_len: int) -> list[int]:
-    """The prompt's token ids, left-truncated to `max_len` (the paper keeps the end of a long
-    prompt, where the question is)."""
-    ids: list[int] = tokenizer.encode(render_prompt(tokenizer, messages), add_special_tokens=False)
+def encode_prompt(
+    tokenizer: Any, messages: list[dict[str, str]], max_len: int, *, chat: bool = True
+) -> list[int]:
+    """The prompt's token ids (`render_prompt`), left-truncated to `max_len` (the paper keeps the
+    end of a long prompt, where the question is)."""
+    text = render_prompt(tokenizer, messages, chat=chat)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
     return ids[-max_len:]

@@ -1,18 +1,21 @@
 """Turn kept prompt groups into padded training tensors.
 
 Layout: each row is one response, `prompt (left-padded to P) + response (right-padded to R)`.
-The logits that score response token t sit at position P - 1 + t, so the trainer slices
-`logits[:, P-1 : P-1+R]` against `responses`.
+The hidden state that scores response token t sits at position P - 1 + t (`score_rows`).
 
 `pack_groups` re-lays a micro-batch of whole groups for the model: one row per group, its prompt
-once and then each response in a slot of width R, with an attention mask that lets every slot
-see the prompt and itself only. Each response then sees exactly the tokens and positions it sees
-in its own row, so log-probs and gradients are those of the row layout, while a group's prompt is
-computed once instead of G times. That holds only where the model applies the 4-D mask exactly
-as given: under `PACKED_ATTENTION` (sdpa), and in full-attention layers only
-(`packed_layout_problem`). Advantages are computed here, after dynamic
-sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each response's last token,
-sum to the response return, which is normalised within the group (s3) and shared by every token.
+once and then each response at its own length, back to back, padding only at the row's end, with
+an attention mask that lets every response see the prompt and itself only. Each response then
+sees exactly the tokens and positions it sees in its own row, so log-probs and gradients are
+those of the row layout, while a group's prompt is computed once instead of G times and no
+position is spent on padding between responses (issue 39: with fixed-width slots about half the
+reply positions of the SmolLM2 preset were padding). That holds only where the model applies the
+4-D mask exactly as given: under `PACKED_ATTENTION` (sdpa), and in full-attention layers only
+(`packed_layout_problem`). Either layout names its scored positions (`ScoredPositions`): the
+trainer's head scores those N real tokens only, never padding. Advantages are computed here,
+after dynamic sampling (docs/algorithm.md s6): the group's scalar rewards, placed on each
+response's last token, sum to the response return, which is normalised within the group (s3) and
+shared by every token.
 """
 
 from __future__ import annotations
@@ -108,16 +111,36 @@ def build_batch(
     )
 
 
-class PackedGroups(NamedTuple):
-    """A micro-batch laid out one row per group (module docstring); L = P + S x R."""
+class ScoredPositions(NamedTuple):
+    """Where a laid-out micro-batch's response tokens are scored, one entry per real token (N of
+    them; padding is never scored): the hidden state that predicts the token, the token, and the
+    place of its result in the micro-batch's (B, R) response layout."""
 
-    input_ids: (
-        Tensor  # (g, L) long: the prompt (left-padded to P), then S response slots of width R
-    )
-    position_ids: Tensor  # (g, L) long: each slot continues the prompt's positions
+    positions: Tensor  # (N,) long: row x L + position, into the model's (rows, L) input
+    labels: Tensor  # (N,) long: the response token
+    targets: Tensor  # (N,) long: b x R + t, its place in the (B, R) response layout
+
+
+def response_lengths(mb: TrainBatch) -> Tensor:
+    """(B,) long: tokens in each response, tool tokens included (they are context)."""
+    return mb.attention_mask[:, mb.prompt_len :].sum(-1)
+
+
+def score_rows(mb: TrainBatch) -> ScoredPositions:
+    """The row layout's scored positions: token t of row b is predicted at P - 1 + t."""
+    P, R = mb.prompt_len, mb.responses.shape[1]
+    b, t = (torch.arange(R) < response_lengths(mb).unsqueeze(-1)).nonzero(as_tuple=True)
+    return ScoredPositions(b * (P + R) + P - 1 + t, mb.responses[b, t], b * R + t)
+
+
+class PackedGroups(NamedTuple):
+    """A micro-batch laid out one row per group (module docstring); L = the longest group's prompt
+    plus its responses."""
+
+    input_ids: Tensor  # (g, L) long: the prompt, each response at its own length, then padding
+    position_ids: Tensor  # (g, L) long: each response continues the prompt's positions
     attention_mask: Tensor  # (g, 1, L, L) bool: True where a query position may attend to a key
-    keep: Tensor  # (S x R,) long: the positions whose hidden states predict each slot's tokens
-    rows: Tensor  # (g, S) long: the micro-batch row in each slot (-1: an empty slot)
+    scored: ScoredPositions
 
 
 def pack_groups(mb: TrainBatch) -> PackedGroups:
@@ -125,39 +148,42 @@ def pack_groups(mb: TrainBatch) -> PackedGroups:
     members: dict[int, list[int]] = {}
     for row, group in enumerate(mb.group_index.tolist()):
         members.setdefault(group, []).append(row)
-    groups = list(members.values())
-    g, S, P, R = len(groups), max(len(m) for m in groups), mb.prompt_len, mb.responses.shape[1]
-    L = P + S * R
+    P, R = mb.prompt_len, mb.responses.shape[1]
+    prompt_lens = mb.attention_mask[:, :P].sum(-1).tolist()
+    lengths = response_lengths(mb).tolist()
+    L = max(prompt_lens[m[0]] + sum(lengths[r] for r in m) for m in members.values())
+    g = len(members)
     input_ids = torch.zeros((g, L), dtype=torch.long)
     position_ids = torch.zeros((g, L), dtype=torch.long)
-    key_ok = torch.ones((g, L), dtype=torch.bool)  # prompt padding is never attended to
-    rows = torch.full((g, S), -1, dtype=torch.long)
-    for k, group_rows in enumerate(groups):
-        first = group_rows[0]
-        input_ids[k, :P] = mb.input_ids[first, :P]
-        position_ids[k, :P] = mb.position_ids[first, :P]
-        key_ok[k, :P] = mb.attention_mask[first, :P].bool()
-        prompt_len = int(mb.attention_mask[first, :P].sum())
-        for s, row in enumerate(group_rows):
-            start = P + s * R
-            input_ids[k, start : start + R] = mb.responses[row]
-            position_ids[k, start : start + R] = torch.arange(prompt_len, prompt_len + R)
-            rows[k, s] = row
-    slot = torch.cat(
-        [torch.full((P,), -1), torch.arange(S).repeat_interleave(R)]
-    )  # (L,): -1 = prompt
+    segment = torch.full((g, L), -1, dtype=torch.long)  # 0: the prompt, s: response s, -1: padding
+    positions, targets = [], []
+    for k, group_rows in enumerate(members.values()):
+        p = prompt_lens[group_rows[0]]
+        input_ids[k, :p] = mb.input_ids[group_rows[0], P - p : P]
+        position_ids[k, :p] = torch.arange(p)
+        segment[k, :p] = 0
+        start = p
+        for s, row in enumerate(group_rows, start=1):
+            n = lengths[row]
+            input_ids[k, start : start + n] = mb.responses[row, :n]
+            position_ids[k, start : start + n] = torch.arange(p, p + n)
+            segment[k, start : start + n] = s
+            # Token 0 is predicted by the prompt's last position, token t by the one before it.
+            before = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + n - 1)])
+            positions.append(k * L + before[:n])
+            targets.append(row * R + torch.arange(n))
+            start += n
     pos = torch.arange(L)
     causal = pos.unsqueeze(1) >= pos.unsqueeze(0)  # (L, L): query i, key j <= i
-    visible = (slot.unsqueeze(0) == -1) | (
-        slot.unsqueeze(0) == slot.unsqueeze(1)
-    )  # the prompt, or the same slot
-    mask = (causal & visible).unsqueeze(0) & key_ok.unsqueeze(1)  # (g, L, L)
-    mask |= torch.eye(
-        L, dtype=torch.bool
-    )  # a padding query attends to itself (no empty softmax row)
-    t = torch.arange(R).repeat(S)  # (S*R,)
-    keep = torch.where(t == 0, P - 1, P + torch.arange(S).repeat_interleave(R) * R + t - 1)
-    return PackedGroups(input_ids, position_ids, mask.unsqueeze(1), keep, rows)
+    key = segment.unsqueeze(1)  # (g, 1, L)
+    # A query sees the prompt and its own response; padding keys are never seen.
+    visible = (key == 0) | (key == segment.unsqueeze(2))  # (g, L, L)
+    mask = causal & visible & (key >= 0)
+    mask |= torch.eye(L, dtype=torch.bool)  # a padding query attends to itself (no empty row)
+    flat_positions, flat_targets = torch.cat(positions), torch.cat(targets)
+    labels = mb.responses.reshape(-1)[flat_targets]
+    scored = ScoredPositions(flat_positions, labels, flat_targets)
+    return PackedGroups(input_ids, position_ids, mask.unsqueeze(1), scored)
 
 
 PACKED_ATTENTION = "sdpa"
@@ -199,12 +225,17 @@ def packed_layout_problem(config: Any) -> str | None:
 
 def packing_saves_flops(mb: TrainBatch, *, hidden: int, intermediate: int) -> bool:
     """True when the packed layout costs fewer FLOPs per layer than one row per response: it
-    saves (G - 1) prompts' projections but its attention spans the whole group. Per token the
-    projections cost ~2(4h^2 + 3hi), per attended pair ~4h."""
+    saves (G - 1) prompts' projections and every padded position, but its attention spans the
+    whole group. Per token the projections cost ~2(4h^2 + 3hi), per attended pair ~4h; packed
+    rows are costed at the longest group's length, as a micro-batch pads to it."""
     groups = int(mb.group_index.unique().numel())
     B, P, R = len(mb), mb.prompt_len, mb.responses.shape[1]
-    S = -(-B // groups)
     per_token, per_pair = 2 * (4 * hidden * hidden + 3 * hidden * intermediate), 4 * hidden
     rows_cost = B * ((P + R) * per_token + (P + R) ** 2 * per_pair)
-    L = P + S * R
+    lengths = mb.attention_mask.sum(-1)  # (B,): prompt + response of each row
+    prompts = mb.attention_mask[:, :P].sum(-1)  # (B,)
+    L = max(
+        int(prompts[mb.group_index == k][0] + (lengths - prompts)[mb.group_index == k].sum())
+        for k in mb.group_index.unique().tolist()
+    )
     return groups * (L * per_token + L * L * per_pair) < rows_cost and groups * L * L <= 64 * 2**20

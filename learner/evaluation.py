@@ -381,7 +381,7 @@ def eval_lane(
     problems, _ = eval_problems(cfg)
     prompts = [
         (
-            encode_prompt(tokenizer, p.messages, cfg.data.max_prompt_len),
+            encode_prompt(tokenizer, p.messages, cfg.data.max_prompt_len, chat=cfg.data.chat),
             p.ground_truth,
             p.data_source,
         )

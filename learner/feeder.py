@@ -12,8 +12,10 @@ so at most max_staleness + 1 batches of trainable groups are ever ahead of the l
 cap of (max_staleness + 1) x train_batch_groups x oversampling jobs in flight bounds the streams
 when the pass rate is very low. Every group the gatekeeper filters lowers the estimate, and the
 next `admit` replaces it, which is how a high filter rate turns into more sampling rather than a
-stall. The
-cursor counts issued jobs across epochs, so a resume continues exactly where it stopped.
+stall. The pass rate is the recent one (`RecentPassRate`, `algorithm.pass_rate_window`): the
+run's own would hardly move when the policy outgrows its prompts late in a run, and the feeder
+would keep expecting groups the gatekeeper no longer keeps. The cursor counts issued jobs across
+epochs, so a resume continues exactly where it stopped.
 
 A run with a `learner.sample_budget` issues exactly `budget_jobs` training jobs, never more: the
 admission that would cross the budget is trimmed, so every run with one budget pays for the same
@@ -21,25 +23,33 @@ number of responses (the budget counts requested responses, filtered groups incl
 the gatekeeper drops later cannot make it overshoot). It counts the jobs the ledger says were
 issued, which a skipped prompt is not.
 
-Prompt skipping (`algorithm.prompt_skip`, docs/algorithm.md section 11): before issuing the
-prompt at the cursor, the feeder reads its record in the run's prompt history and issues it with
-probability `keep_probability(streak)`; a skipped prompt only moves the cursor (it waits for its
-next epoch) and is counted `prompts_skipped`. The draw is a function of the seed and the cursor
-position, so a resumed run makes the same decisions from the same history.
+Prompt skipping (`algorithm.prompt_skip`, docs/algorithm.md section 11, `learner/prompt_skip.py`):
+before issuing the prompt at the cursor, the feeder reads its record in the run's prompt history
+and issues it with probability `keep_probability` of its easy or hard streak; a skipped prompt
+only moves the cursor (it waits for its next epoch) and is counted `prompts_skipped`. The draw is
+a function of the seed and the cursor position, so a resumed run makes the same decisions from
+the same history and state. At each new policy version the feeder adapts the easy and hard keep
+probabilities to the groups decided since the last one, and keeps them in the run info.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
-from contracts.bus import StreamBus
+from contracts.bus import StreamBus, pass_rate
 from contracts.config import PromptSkipConfig
 from contracts.data import PromptRecord, encode_prompt
 from contracts.keys import Counter, RunField
 from contracts.schemas import PromptJob, encode_job
+from learner.prompt_skip import Decided, SkipState, keep_probability
+
+T = TypeVar("T")
 
 CANDIDATES_PER_JOB = 32
 """Prompts one admission may pass over for each job it wants, at most (more only when a whole
@@ -54,10 +64,44 @@ def budget_jobs(sample_budget: int | None, group_size: int) -> int | None:
     return None if sample_budget is None else -(-sample_budget // group_size)
 
 
-def keep_probability(streak: int, skip: PromptSkipConfig) -> float:
-    """Probability of issuing a prompt whose latest `streak` groups in a row carried no learning
-    signal: keep_base ** streak, never below the exploration floor min_keep (1 with no streak)."""
-    return max(skip.min_keep, skip.keep_base**streak)
+@dataclass(frozen=True)
+class RecentPassRate:
+    """The gatekeeper's recent pass rate: a moving average over its decisions, each weighing
+    1/window (`algorithm.pass_rate_window`), and the run's counts it has taken in so far."""
+
+    rate: float | None = None
+    """None before the first decision."""
+    kept: int = 0
+    filtered: int = 0
+
+    def update(self, kept: int, filtered: int, window: int | None) -> RecentPassRate:
+        """Take in the decisions made since the last update (`kept`, `filtered`: the run's
+        counts). While the run has made at most `window` decisions (always, with no window),
+        and when there is nothing to go on from (a learner restarted without the stored average,
+        counts that went back after Redis lost its data), the rate is the run's own."""
+        new_kept, new_filtered = kept - self.kept, filtered - self.filtered
+        went_back = min(new_kept, new_filtered) < 0
+        if window is None or kept + filtered <= window or self.rate is None or went_back:
+            return RecentPassRate(pass_rate(kept, filtered), kept, filtered)
+        n = new_kept + new_filtered
+        if n == 0:
+            return self
+        # The n decisions came between two reads in an unknown order: they are taken in as one
+        # block, with the weight n single updates would have given them together.
+        decay = (1 - 1 / window) ** n
+        return RecentPassRate(decay * self.rate + (1 - decay) * new_kept / n, kept, filtered)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RecentPassRate:
+        """Raises ValueError (or TypeError, KeyError) on anything `to_json` did not write."""
+        raw = json.loads(text)
+        rate = None if raw["rate"] is None else float(raw["rate"])
+        if rate is not None and not 0 <= rate <= 1:
+            raise ValueError(f"a pass rate of {rate}")
+        return cls(rate, int(raw["kept"]), int(raw["filtered"]))
 
 
 def skip_draw(seed: int, cursor: int) -> float:
@@ -82,17 +126,27 @@ class PromptFeeder:
         cursor: int = 0,
         max_jobs: int | None = None,
         skip: PromptSkipConfig | None = None,
+        pass_rate_window: int | None = None,
+        chat: bool = True,
     ) -> None:
         if not records:
             raise ValueError("the training set is empty")
         self.bus, self.records, self.tokenizer = bus, records, tokenizer
         self.run_name, self.limit, self.max_prompt_len = run_name, limit, max_prompt_len
+        self.chat = chat  # `data.prompt_format`: through the chat template, or the text as it is
         self.kept_ahead = kept_ahead
         self.shuffle, self.seed = shuffle, seed
         self.cursor = cursor
         self.max_jobs = max_jobs
         """Training jobs the run may issue in all (`budget_jobs`); None = no budget."""
         self.skip = skip if skip is not None and skip.enabled else None
+        self.pass_rate_window = pass_rate_window
+        """Decisions the recent pass rate averages over (`RecentPassRate`); None: the run's."""
+        self.recent: RecentPassRate | None = None
+        """As of the last admission; read from the run info at the first."""
+        self.skip_state: SkipState | None = None
+        """Prompt skipping's adapted keep probabilities; read from the run info at the first
+        admission."""
         self.jobs_issued = 0
         """Training jobs issued in the run (the ledger's count, as of the last admission)."""
         self.skipped = 0
@@ -127,21 +181,24 @@ class PromptFeeder:
     def _prompt_ids(self, index: int) -> list[int]:
         if index not in self._token_cache:
             self._token_cache[index] = encode_prompt(
-                self.tokenizer, self.records[index].messages, self.max_prompt_len
+                self.tokenizer, self.records[index].messages, self.max_prompt_len, chat=self.chat
             )
         return self._token_cache[index]
 
     def admit(self, policy_version: int) -> int:
         """Issue the prompt jobs admission control allows now; returns how many. The cursor may
         move further than that: past the prompts skipped on the way."""
-        ledger = self.bus.ledger()
+        ledger, counters = self.bus.ledger(), self.bus.counters()
         # Never back: Redis restarted without persistence counts from 0 again.
         self.jobs_issued = max(self.jobs_issued, ledger.issued)
-        rate = self.bus.pass_rate(ledger.filtered)
+        kept = counters.get(Counter.GATEKEEPER_KEPT, 0)
+        self.recent = recent = self._recent().update(kept, ledger.filtered, self.pass_rate_window)
+        if self.skip is not None:
+            self._adapt_skipping(self.skip, policy_version, counters, kept + ledger.filtered)
         n = self.wanted(
             in_flight=ledger.train_in_flight,
             train_depth=self.bus.depths()["learner"],
-            pass_rate=1.0 if rate is None else rate,
+            pass_rate=1.0 if recent.rate is None else recent.rate,
         )
         if self.max_jobs is not None:  # trim the admission that reaches the sample budget
             n = min(n, self.max_jobs - self.jobs_issued)
@@ -151,17 +208,73 @@ class PromptFeeder:
         # Recorded before the jobs exist, for a restarted learner (`StreamSource.resume`): a
         # position recorded but never issued is only skipped, one issued twice would be trained
         # twice (the ledger's issued count no longer bounds the cursor once prompts are skipped).
-        self.bus.update_run_info({RunField.DATA_CURSOR: self.cursor})
+        self.bus.update_run_info(
+            {RunField.DATA_CURSOR: self.cursor, RunField.RECENT_PASS_RATE: recent.to_json()}
+        )
         issued = self.bus.issue(jobs) if jobs else 0
         self.jobs_issued += issued
         return issued
 
+    def _recent(self) -> RecentPassRate:
+        """The recent pass rate as of the last admission, from the run info at the first (a
+        restarted learner goes on from its predecessor's)."""
+        if self.recent is None:
+            stored = self._stored(RunField.RECENT_PASS_RATE, RecentPassRate.from_json)
+            self.recent = stored or RecentPassRate()
+        return self.recent
+
+    def _adapt_skipping(
+        self, skip: PromptSkipConfig, policy_version: int, counters: Mapping[str, int], decided: int
+    ) -> None:
+        """Prompt skipping's keep probabilities for this admission: at a new policy version
+        (a training step, or a restore) each moves one step toward its target share of the
+        groups decided since the last version (`SkipState.step`), and is stored."""
+        now = Decided(
+            decided,
+            counters.get(Counter.ZERO_ADVANTAGE_EASY, 0),
+            counters.get(Counter.ZERO_ADVANTAGE_HARD, 0),
+        )
+        state = self.skip_state
+        if state is None:
+            state = self._stored(RunField.PROMPT_SKIP, SkipState.from_json)
+        if state is None:
+            state = SkipState(skip.easy_keep_base, skip.hard_keep_base, policy_version, now)
+        elif state.policy_version != policy_version:
+            state = state.step(
+                policy_version,
+                now,
+                # As GRESO: in the first data epoch no prompt has a history, nothing is skipped,
+                # and the shares would only push both probabilities to a bound.
+                adapt=self.cursor >= len(self.records),
+                easy_target=skip.easy_target,
+                hard_target=skip.hard_target,
+                step=skip.adapt_step,
+                low=skip.keep_base_min,
+                high=skip.keep_base_max,
+            )
+        if state != self.skip_state:
+            self.bus.update_run_info({RunField.PROMPT_SKIP: state.to_json()})
+            self.skip_state = state
+
+    def _stored(self, field: RunField, parse: Callable[[str], T]) -> T | None:
+        """A JSON record of the feeder's in the run info; None when absent or malformed (then
+        skipped and counted like any bad value: the feeder starts that record afresh)."""
+        raw = self.bus.run_field(field)
+        if raw is None:
+            return None
+        try:
+            return parse(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            self.bus.skip_bad_value(self.bus.keys.run_info, f"{field}: {exc!r}", raw)
+            return None
+
     def _choose(self, n: int) -> list[int]:
         """The cursor positions of the next `n` prompts to issue, moving the cursor past them
         and past the prompts skipped among them."""
-        if self.skip is None:
+        if self.skip is None or self.skip_state is None:
             self.cursor += n
             return list(range(self.cursor - n, self.cursor))
+        skip, state = self.skip, self.skip_state
         chosen: list[int] = []
         skipped, budget = 0, n * CANDIDATES_PER_JOB
         while len(chosen) < n and skipped < budget:
@@ -169,7 +282,14 @@ class PromptFeeder:
             history = self.bus.prompt_stats([self._index(c) for c in window])
             for cursor, stats in zip(window, history, strict=True):
                 self.cursor = cursor + 1
-                if skip_draw(self.seed, cursor) < keep_probability(stats.streak, self.skip):
+                keep = keep_probability(
+                    stats.easy_streak,
+                    stats.hard_streak,
+                    keep_easy=state.keep_easy,
+                    keep_hard=state.keep_hard,
+                    min_keep=skip.min_keep,
+                )
+                if skip_draw(self.seed, cursor) < keep:
                     chosen.append(cursor)
                     if len(chosen) == n:
                         break

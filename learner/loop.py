@@ -294,13 +294,15 @@ class LearnerLoop:
     def _timing(self, update_s: float, step_s: float) -> dict[str, float]:
         wall = max(time.monotonic() - self.started, 1e-9)
         wait_s, self.waited_before_step_s = self.waited_s - self.waited_before_step_s, self.waited_s
+        sync = self.publisher.last_publication  # this step's (learner/publish.py `Publication`)
         return {
             "timing_s/update_actor": update_s,
-            "timing_s/sync_weights": self.publisher.last_sync_s,
+            # verl's name for `weight_sync/seconds`, the same value (issue 39)
+            "timing_s/sync_weights": sync.seconds,
             "timing_s/step": step_s,
             "timing_s/wait_data": wait_s,
             "perf/learner_idle_fraction": self.waited_s / wall,
-        }
+        } | sync.metrics()
 
     def _publish(self) -> None:
         """Gather the full weights (every rank); rank 0 stages and sends them to the replicas

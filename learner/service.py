@@ -144,10 +144,12 @@ def rank0_collaborators(
         ),
         kept_ahead=(alg.max_staleness + 1) * alg.train_batch_groups,
         max_prompt_len=cfg.data.max_prompt_len,
+        chat=cfg.data.chat,
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,
         max_jobs=budget_jobs(le.sample_budget, cfg.rollout.group_size),
         skip=alg.prompt_skip,
+        pass_rate_window=alg.pass_rate_window,
     )
     publisher = WeightPublisher(
         bus,

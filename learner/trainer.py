@@ -87,6 +87,7 @@ from learner.batch import (
     pack_groups,
     packed_layout_problem,
     packing_saves_flops,
+    score_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -124,10 +125,40 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
+"""`torch.cpu.get_capabilities()` flags of native bf16 arithmetic: x86's AVX512-BF16 and AMX, Arm's
+BF16 and SVE-BF16 extensions. Without one, bf16 matmuls are emulated and slower than fp32."""
+
+
+def native_bf16(device: torch.device) -> str | None:
+    """The feature that makes bf16 native on `device` (for the log), or None where it is not."""
+    if device.type == "cuda":
+        return "CUDA bf16" if torch.cuda.is_bf16_supported() else None
+    capabilities = torch.cpu.get_capabilities()
+    return next((flag for flag in CPU_BF16_FLAGS if capabilities.get(flag) is True), None)
+
+
 def mixed_precision(setting: str, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction, or fp32 throughout (`learner.mixed_precision`)."""
-    bf16 = setting == "bf16" or (
-        setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    """bf16 compute with fp32 gradient reduction, or fp32 throughout (`learner.mixed_precision`);
+    the choice is logged."""
+    native = native_bf16(device)
+    if setting == "bf16":
+        bf16 = True
+    elif setting == "native" or (setting == "auto" and device.type == "cuda"):
+        bf16 = native is not None  # auto keeps CPUs in fp32; `native` opts them in
+    else:
+        bf16 = False
+    if setting == "bf16" and native is None:
+        log.warning(
+            "learner.mixed_precision=bf16 on a %s without native bf16: emulated, slower than "
+            "fp32 (learner.mixed_precision=native would pick fp32 here)",
+            device.type,
+        )
+    log.info(
+        "learner compute dtype: %s (learner.mixed_precision=%s; native bf16: %s)",
+        "bf16, fp32 master weights" if bf16 else "fp32",
+        setting,
+        native or "none",
     )
     if bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -260,8 +291,15 @@ class ResponseHead:
     Installed as the `lm_head` module's `forward`, so the module and its parameter names stay as
     they are (checkpoints, weight sync and export see the same model), and FSDP gathers and
     reduces the weight as for any forward. While `labels` is set, the head returns
-    [B, R, 2] = (log-prob, entropy) of the labels instead of logits; the model is called with
-    `logits_to_keep` = the response positions, so only those hidden states reach it.
+    (log-prob, entropy) of the labels instead of logits: [B, R, 2] from the hidden states it is
+    given (the model called with `logits_to_keep` = the scored positions, the same in every row),
+    or, with `positions` (flat indices into the [B, T] hidden states the model passes on with
+    `logits_to_keep=0`), [1, N, 2] for those positions alone, so rows whose scored positions
+    differ (the packed layout) score their real tokens and no padding.
+
+    The projection runs in the weight's dtype (bf16 under `learner.mixed_precision` bf16), the
+    softmax, log-probs and entropy in fp32 (`learner/algos/entropy.py`): the PPO ratio needs more
+    than bf16's 8 mantissa bits.
     """
 
     def __init__(self, lm_head: torch.nn.Module, temperature: float) -> None:
@@ -272,6 +310,7 @@ class ResponseHead:
             )
         self.lm_head, self.temperature = lm_head, temperature
         self.labels: Tensor | None = None
+        self.positions: Tensor | None = None
         vocab = int(lm_head.weight.shape[0])
         self.chunk_rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
         lm_head.forward = self.forward  # type: ignore[method-assign]
@@ -280,18 +319,23 @@ class ResponseHead:
         weight = self.lm_head.weight
         if self.labels is None:  # any other use of the model: plain logits
             return torch.nn.functional.linear(hidden, weight)
+        labels = self.labels
+        if self.positions is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
+            hidden, labels = flat.index_select(0, self.positions).unsqueeze(0), labels.unsqueeze(0)
         logp, ent = log_probs_from_hidden(
-            hidden, weight, self.labels, temperature=self.temperature, chunk_size=self.chunk_rows
+            hidden, weight, labels, temperature=self.temperature, chunk_size=self.chunk_rows
         )
-        return torch.stack((logp, ent), dim=-1)  # (B, R, 2)
+        return torch.stack((logp, ent), dim=-1)  # (B, R, 2) or (1, N, 2)
 
     @contextlib.contextmanager
-    def scoring(self, labels: Tensor) -> Iterator[None]:
-        self.labels = labels
+    def scoring(self, labels: Tensor, positions: Tensor | None = None) -> Iterator[None]:
+        """Score `labels` (B, R), or (N,) at the flat `positions` (N,)."""
+        self.labels, self.positions = labels, positions
         try:
             yield
         finally:
-            self.labels = None
+            self.labels = self.positions = None
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
@@ -376,38 +420,29 @@ class Trainer:
 
     # --- forward -----------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """(log_prob (B, R), entropy (B, R) or None) of the response tokens."""
-        if self.share_prompts:
-            return self._forward_packed(mb, entropy=entropy)
-        P, R = mb.prompt_len, mb.responses.shape[1]
-        with self.head.scoring(mb.responses.to(self.device)):
-            out = self.model(
-                input_ids=mb.input_ids.to(self.device),
-                attention_mask=mb.attention_mask.to(self.device),
-                position_ids=mb.position_ids.to(self.device),
-                logits_to_keep=torch.arange(
-                    P - 1, P - 1 + R, device=self.device
-                ),  # the positions predicting responses
-            )
-        return self._split(out.logits, entropy)  # (B, R, 2): log-prob, entropy
+        """(log_prob (B, R), entropy (B, R) or None) of the response tokens; 0 at padding.
 
-    def _forward_packed(self, mb: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """The same as `_forward`, one row per group (`learner.batch.pack_groups`)."""
-        packed = pack_groups(mb)
-        P, R, (g, S) = mb.prompt_len, mb.responses.shape[1], packed.rows.shape
-        ids = packed.input_ids.to(self.device)
-        with self.head.scoring(ids[:, P:]):  # slot tokens are the labels of the kept positions
+        One row per response, or one row per group when prompts are shared
+        (`learner.batch.pack_groups`); either way the head scores the real tokens only."""
+        if self.share_prompts:
+            packed = pack_groups(mb)
+            ids, attention, positions = packed.input_ids, packed.attention_mask, packed.position_ids
+            scored = packed.scored
+        else:
+            ids, attention, positions = mb.input_ids, mb.attention_mask, mb.position_ids
+            scored = score_rows(mb)
+        device = self.device
+        with self.head.scoring(scored.labels.to(device), scored.positions.to(device)):
             out = self.model(
-                input_ids=ids,
-                attention_mask=packed.attention_mask.to(self.device),
-                position_ids=packed.position_ids.to(self.device),
-                logits_to_keep=packed.keep.to(self.device),
+                input_ids=ids.to(device),
+                attention_mask=attention.to(device),
+                position_ids=positions.to(device),
+                logits_to_keep=0,  # every position reaches the head, which picks its own
             )
-        slots = out.logits.reshape(g * S, R, 2)  # (slots, R, 2) in slot order
-        rows = packed.rows.reshape(-1)
-        filled = (rows >= 0).nonzero().squeeze(-1).to(self.device)
-        order = rows[rows >= 0].argsort().to(self.device)  # slot -> micro-batch row order
-        return self._split(slots.index_select(0, filled).index_select(0, order), entropy)
+        B, R = mb.responses.shape
+        flat = out.logits.reshape(-1, 2)  # (N, 2): log-prob, entropy of each scored token
+        full = flat.new_zeros(B * R, 2).index_copy(0, scored.targets.to(device), flat)
+        return self._split(full.view(B, R, 2), entropy)
 
     def _split(self, scored: Tensor, entropy: bool) -> tuple[Tensor, Tensor | None]:
         ent = scored[..., 1] if entropy else None

@@ -5,6 +5,9 @@
 * ``verify_dapo_strict`` ("dapo-strict", alias "dapo"): the same rule with four deliberate
   departures, listed in its docstring.
 * ``verify_strict_box`` ("strict-box").
+* ``verify_first_line`` ("first-line") and ``verify_first_number`` ("first-number"): strict and
+  lenient grading of a completer's answer (`data.prompt_format: completion`), which writes the
+  number and ends the line.
 
 Import them from ``reward.verifiers`` (or ``reward``), which also holds the registry.
 
@@ -156,3 +159,40 @@ def verify_strict_box(response: str, ground_truth: str | int) -> VerifyResult:
         return _result(False, INVALID)
     pred = boxed.strip()
     return _result(pred == truth, pred)
+
+
+#: A completer's answer is read from this many leading characters (it comes first).
+COMPLETION_HEAD_CHARS: Final = 100
+_INTEGER: Final = re.compile(r"[-+]?\d+")
+
+
+def verify_first_line(response: str, ground_truth: str | int) -> VerifyResult:
+    """Strict grading of a completion ("first-line"): the response's first line, surrounding
+    whitespace stripped, is exactly the ground truth's text ("68" for 68; "68." or "68 apples"
+    are wrong). The few-shot prompt shows answers in exactly that form."""
+    try:
+        truth = ground_truth_text(ground_truth).strip()
+    except GroundTruthTooLong as exc:
+        return error_result(str(exc))
+    head = response[:COMPLETION_HEAD_CHARS]
+    pred = head.split("\n", 1)[0].strip()
+    if not pred:
+        return _result(False, INVALID)
+    return _result(pred == truth, pred)
+
+
+def verify_first_number(response: str, ground_truth: str | int) -> VerifyResult:
+    """Lenient grading of a completion ("first-number"): the first integer in the response's
+    first characters equals the ground truth as an integer, whatever surrounds it."""
+    try:
+        truth = ground_truth_text(ground_truth).strip()
+    except GroundTruthTooLong as exc:
+        return error_result(str(exc))
+    found = _INTEGER.search(response[:COMPLETION_HEAD_CHARS])
+    if found is None:
+        return _result(False, INVALID)
+    pred = found.group(0)
+    try:
+        return _result(int(pred) == int(truth), pred)
+    except ValueError:  # a ground truth that is no integer: this rule cannot match it
+        return _result(False, pred)

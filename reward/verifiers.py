@@ -6,6 +6,8 @@ one name per verifier, one ``Scorer`` for all.
 * ``"dapo-strict"`` (alias ``"dapo"``, its name before the reference rule existed):
   ``verify_dapo_strict``, the same rule with four deliberate departures (its docstring).
 * ``"strict-box"``: ``verify_strict_box``; see ``reward.rules``.
+* ``"first-line"`` / ``"first-number"``: a completer's answer, strict / lenient
+  (``verify_first_line``, ``verify_first_number``).
 * ``"math-verify"``: ``MathVerifyPool``, symbolic, in killable workers; see
   ``reward.math_verify_pool``.
 * a ``reward.function`` (``make_scorer(..., function="module:function")``): the user's own
@@ -24,7 +26,13 @@ from typing import Any, Final, Protocol
 from reward.custom import RewardFunctionChecker, parse_function_ref
 from reward.math_verify_pool import MathVerifyPool, WorkerStartError
 from reward.result import VerifyResult
-from reward.rules import verify_dapo_reference, verify_dapo_strict, verify_strict_box
+from reward.rules import (
+    verify_dapo_reference,
+    verify_dapo_strict,
+    verify_first_line,
+    verify_first_number,
+    verify_strict_box,
+)
 from reward.sandbox_pool import SandboxPool
 
 __all__ = [
@@ -45,7 +53,14 @@ __all__ = [
 ]
 
 #: Valid verifier names, the default (the reference rule) first.
-VERIFIERS: Final = ("dapo-reference", "dapo-strict", "strict-box", "math-verify")
+VERIFIERS: Final = (
+    "dapo-reference",
+    "dapo-strict",
+    "strict-box",
+    "math-verify",
+    "first-line",
+    "first-number",
+)
 #: Other accepted names, and the verifier each one means. "dapo" keeps the configs written before
 #: the split scoring exactly as they did.
 VERIFIER_ALIASES: Final = {"dapo": "dapo-strict"}
@@ -56,6 +71,8 @@ _IN_PROCESS: Final[dict[str, VerifyFn]] = {
     "dapo-reference": verify_dapo_reference,
     "dapo-strict": verify_dapo_strict,
     "strict-box": verify_strict_box,
+    "first-line": verify_first_line,
+    "first-number": verify_first_number,
 }
 
 

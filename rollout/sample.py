@@ -28,3 +28,10 @@ class Sample:
     """Calls that returned an error text to the model (time-outs included)."""
     tool_timeouts: int = 0
     tool_seconds: float = 0.0
+
+    @property
+    def response_finish(self) -> str:
+        """The finish reason a finished response records: a `rollout.stop` string ends it as an
+        end token does ("stop"); tool calls never reach here as "stop_string" (`tool_use`
+        continues them)."""
+        return "stop" if self.finish_reason == "stop_string" else self.finish_reason

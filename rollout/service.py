@@ -192,6 +192,7 @@ class RolloutReplica:
             # Paired evaluation: a sample's seed is its problem's and index's, not the replica's.
             seeds=None if tag is None else [_eval_seeds(self.cfg, job) for _, job in jobs],
             between_steps=between_steps,
+            **({"stop": ro.stop} if ro.stop else {}),  # never with tools (config refuses it)
         )
         seconds = time.monotonic() - start
         self.busy_s += seconds - (self.weights.sync_s - synced)  # in-flight syncs count as syncing
@@ -207,7 +208,7 @@ class RolloutReplica:
                     Response(
                         token_ids=s.token_ids,
                         logprobs=s.logprobs,
-                        finish_reason=s.finish_reason,
+                        finish_reason=s.response_finish,
                         versions=v,
                         tool_spans=s.tool_spans,
                         tool_calls=s.tool_calls,

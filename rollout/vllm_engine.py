@@ -178,6 +178,10 @@ class VLLMEngine:
                 # TORCHDYNAMO_DISABLE when a function is decorated, i.e. when the child imports
                 # vLLM, so it is set while the children start.
                 child_env[DYNAMO_ENV] = "1"
+            # A seeded request (paired evaluation, `seeds`) must never be prefilled in chunks
+            # on CPU: vLLM rewinds the request's generator after a partial prefill, which CPU
+            # generators refuse ("CPU Generator does not use offset"), and the engine dies.
+            memory["enable_chunked_prefill"] = False
         else:
             memory = {"gpu_memory_utilization": ro.gpu_memory_utilization}
         self.lora = cfg.learner.lora if cfg.learner.lora.enabled else None

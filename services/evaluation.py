@@ -37,7 +37,10 @@ def eval_prompts(cfg: DapoConfig, tokenizer: Any) -> tuple[list[PromptRecord], l
     if not cfg.data.eval_path:
         return [], []
     records, _ = eval_problems(cfg)
-    return records, [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in records]
+    return records, [
+        encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat)
+        for r in records
+    ]
 
 
 def graded_ids(sample: Sample, cfg: DapoConfig) -> list[int]:
@@ -82,6 +85,7 @@ def evaluate(
                     eval_seeds(cfg.eval.seed, i, k)
                     for i in range(lo, min(lo + batch, len(prompts)))
                 ],
+                **({"stop": cfg.rollout.stop} if cfg.rollout.stop else {}),
             )
             for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
                 texts = tokenizer.batch_decode(  # what the model wrote, as the reward stage grades
@@ -121,8 +125,10 @@ def main(
     from transformers import AutoTokenizer
 
     from rollout.engine import make_engine
+    from services.launcher import prepare_data
 
     cfg = with_local_model(cfg)  # also the base a LoRA adapter folder is served on
+    prepare_data(cfg)  # a synthetic evaluation set is written on first use, as `dapo run` does
     if samples is not None:
         cfg = cfg.model_copy(
             update={"eval": cfg.eval.model_copy(update={"samples_per_problem": samples})}

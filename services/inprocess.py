@@ -139,7 +139,10 @@ def run_in_process(
         nonlocal cursor
         batch = [records[order[(cursor + i) % len(records)]] for i in range(ro.prompts_per_batch)]
         cursor += ro.prompts_per_batch
-        prompts = [encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len) for r in batch]
+        prompts = [
+            encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat)
+            for r in batch
+        ]
         outs = (
             engine.generate
             if tools is None
@@ -150,6 +153,7 @@ def run_in_process(
             max_tokens=ro.max_response_len,
             temperature=ro.temperature,
             top_p=ro.top_p,
+            **({"stop": ro.stop} if ro.stop else {}),  # never with tools (config refuses it)
         )
         groups = []
         for record, ids, samples in zip(batch, prompts, outs, strict=True):
@@ -168,7 +172,7 @@ def run_in_process(
                 Response(
                     token_ids=s.token_ids,
                     logprobs=s.logprobs,
-                    finish_reason=s.finish_reason,
+                    finish_reason=s.response_finish,
                     tool_spans=s.tool_spans,
                     tool_calls=s.tool_calls,
                     tool_errors=s.tool_errors,

@@ -121,7 +121,7 @@ def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
 
     Build progress is logged (once: the console shows this process's log lines), and so is an
     evaluation set that shares problems with the training set (`eval_set_summary`)."""
-    _prepare_data(cfg)
+    prepare_data(cfg)
     eval_set_summary(cfg)
     if cfg.model.hub_id is None and cfg.model.catalog_name is None:
         _local_model(cfg)
@@ -160,7 +160,8 @@ def _local_model(cfg: DapoConfig) -> None:
         )
 
 
-def _prepare_data(cfg: DapoConfig) -> None:
+def prepare_data(cfg: DapoConfig) -> None:
+    """Write the synthetic training and evaluation files (`data.synth`) where they are missing."""
     from contracts.data import write_rows
     from services.demo.synthetic import synth_rows
 

@@ -37,6 +37,7 @@ DIFFICULTY_LEVELS: dict[int, str] = {
     7: "a * b, a 3-digit and a 2-digit number: too hard for a tiny model's head, easy with the "
     "calculator tool (the tool-use demo, configs/tiny-tools.yaml); `tool_traces` of the rows "
     "carry a `solution` that calls it",
+    8: "a + b, two 3-digit numbers (100-999): the real model's never-trained set",
 }
 """What each `difficulty` of `synth_rows` asks. Level 1 is what a ~1M-parameter model learns
 in about a minute on 2 CPU cores (ENVIRONMENT.md); each level above adds terms or digits. Level 0
@@ -71,8 +72,37 @@ TEMPLATES: tuple[Template, ...] = get_args(Template)
   24-31% of replies when only told to and in 78-96% after one example (200 problems x 4 samples,
   bench/results/2026-12-03-real-model.md), so its reward measures arithmetic, not format luck;
 - one-shot-python: the same, each user turn also saying how to run Python (`PYTHON_INSTRUCTION`)
-  and the example's reply calling it (`ONE_SHOT_PYTHON_SOLUTION`): the real model's tool run.
+  and the example's reply calling it (`ONE_SHOT_PYTHON_SOLUTION`): the real model's tool run;
+- few-shot: for a model used as a completer (`data.prompt_format: completion`), no words and no
+  chat: three solved "Q: What is a + b?" / "A: sum" pairs, then the question (`few_shot_prompt`);
+  sums only (levels 0, 1 and 8). The real-model preset's task.
 """
+
+FEW_SHOT_EXAMPLES = ((12, 31), (57, 18), (61, 27))
+"""The `few-shot` template's worked examples: training-side facts of level 1 (`fact_split`), one
+with a carry, so no evaluation fact appears in any prompt."""
+
+
+def few_shot_prompt(a: int, b: int) -> str:
+    """The `few-shot` completion prompt: three solved questions, then this one; a completer
+    continues with " <sum>" and a newline.
+
+    >>> print(few_shot_prompt(40, 2))
+    Q: What is 12 + 31?
+    A: 43
+    <BLANKLINE>
+    Q: What is 57 + 18?
+    A: 75
+    <BLANKLINE>
+    Q: What is 61 + 27?
+    A: 88
+    <BLANKLINE>
+    Q: What is 40 + 2?
+    A:
+    """
+    shots = "".join(f"Q: What is {x} + {y}?\nA: {x + y}\n\n" for x, y in FEW_SHOT_EXAMPLES)
+    return f"{shots}Q: What is {a} + {b}?\nA:"
+
 
 _NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines", "Kofi", "Lena")
 _ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards")
@@ -189,6 +219,10 @@ def synth_rows(
         raise ValueError(f"difficulty must be one of {sorted(DIFFICULTY_LEVELS)}, got {difficulty}")
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {list(TEMPLATES)}, got {template!r}")
+    if template == "few-shot" and difficulty not in (0, 1, 8):
+        raise ValueError(
+            f"the few-shot template asks for sums: difficulty 0, 1 or 8, not {difficulty}"
+        )
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not 0.0 <= tool_traces <= 1.0:
@@ -200,7 +234,11 @@ def synth_rows(
     for i in range(n):
         numbers, expression, answer = _draw_in_split(rng, difficulty, split, used)
         used.add(fact_key(numbers))
-        problem = _render_problem(rng, difficulty, numbers)
+        problem = (
+            few_shot_prompt(*numbers)
+            if template == "few-shot"
+            else _render_problem(rng, difficulty, numbers)
+        )
         solution = worked_solution(numbers) if difficulty == 6 else None
         if tool_traces and traces.random() < tool_traces:
             solution = tool_solution(expression, answer)
@@ -253,6 +291,8 @@ def _messages(problem: str, template: Template) -> list[dict[str, str]]:
         return [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=problem)}]
     if template == "short":
         return [{"role": "user", "content": problem + "\n"}]
+    if template == "few-shot":  # the completion prompt as it is (`data.prompt_format`)
+        return [{"role": "user", "content": problem}]
     example, solution = ONE_SHOT_EXAMPLE
     instruction = ANSWER_INSTRUCTION
     if template == "one-shot-python":
@@ -289,6 +329,9 @@ def _draw_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str, 
     if difficulty == 7:
         a, b = rng.randint(100, 999), rng.randint(10, 99)
         return [a, b], f"{a} * {b}", a * b
+    if difficulty == 8:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        return [a, b], f"{a} + {b}", a + b
     numbers = [rng.randint(10, 99) for _ in range(rng.choice(CHAIN_TERMS))]
     return numbers, " + ".join(map(str, numbers)), sum(numbers)
 
@@ -326,7 +369,8 @@ so the tokens of an inserted result are those the base saw in its traces."""
 
 
 def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> str:
-    sentence = rng.choice(_TEMPLATES[difficulty or 1])  # level 0 is worded as level 1
+    # Levels 0 and 8 are worded as level 1 (sums of two numbers).
+    sentence = rng.choice(_TEMPLATES[1 if difficulty in (0, 8) else difficulty])
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if difficulty == 6:
         listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
@@ -335,5 +379,5 @@ def _render_problem(rng: random.Random, difficulty: int, numbers: list[int]) -> 
         ]  # in words: the only digits are the operands
         return sentence.format(name=name, item=item, count=count, numbers=listed)
     # Placeholder names in the order `_draw_problem` lists the operands.
-    keys = {0: "ab", 1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc", 7: "ab"}[difficulty]
+    keys = {0: "ab", 1: "ab", 2: "abc", 3: "akb", 4: "akbc", 5: "abc", 7: "ab", 8: "ab"}[difficulty]
     return sentence.format(name=name, item=item, **dict(zip(keys, numbers, strict=True)))

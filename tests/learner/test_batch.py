@@ -52,12 +52,12 @@ def test_rewards_sit_on_the_last_token_and_advantages_are_group_relative() -> No
 
 
 def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> None:
-    """One row per group (prompt once, responses in slots) vs one row per response: the same
-    log-probs, to float tolerance, on a real Qwen2 model with unequal prompt and response
-    lengths."""
+    """One row per group (prompt once, responses back to back at their own lengths) vs one row
+    per response: the same log-probs, to float tolerance, on a real Qwen2 model with unequal
+    prompt and response lengths; and the packed rows hold no padding but at their ends."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.batch import pack_groups
+    from learner.batch import pack_groups, score_rows
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(
@@ -103,34 +103,34 @@ def test_packed_groups_give_every_response_exactly_what_its_own_row_gives() -> N
     batch = build_batch(
         [group(0, [3, 4, 5, 6, 7], [2, 5, 1]), group(1, [9, 8], [4, 3, 6])], pad_id=0
     )
-    P, R = batch.prompt_len, batch.responses.shape[1]
+    B, R = batch.responses.shape
+
+    def scored_log_probs(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        flat = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[positions.positions], -1)
+        picked = flat.gather(-1, positions.labels.unsqueeze(-1)).squeeze(-1)  # (N,)
+        return torch.zeros(B * R).index_copy(0, positions.targets, picked).view(B, R)
+
+    order = [4, 0, 1, 2, 3, 5]  # rows need not be in group order
     with torch.no_grad():
         rows = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
         ).logits
-        expected = (
-            torch.log_softmax(rows[:, P - 1 : P - 1 + R], -1)
-            .gather(-1, batch.responses.unsqueeze(-1))
-            .squeeze(-1)
-        )
-        packed = pack_groups(batch.select([4, 0, 1, 2, 3, 5]))  # rows need not be in group order
+        expected = scored_log_probs(rows, score_rows(batch))
+        packed = pack_groups(batch.select(order))
         logits = model(
             input_ids=packed.input_ids,
             attention_mask=packed.attention_mask,
             position_ids=packed.position_ids,
         ).logits
-        slots = (
-            torch.log_softmax(logits[:, packed.keep], -1)
-            .gather(-1, packed.input_ids[:, P:].unsqueeze(-1))
-            .squeeze(-1)
-        )
-    got = slots.reshape(-1, R)[
-        packed.rows.reshape(-1).argsort()
-    ]  # back to the selected rows' order
-    mask = batch.response_mask.bool()[[4, 0, 1, 2, 3, 5]]
-    torch.testing.assert_close(got[mask], expected[[4, 0, 1, 2, 3, 5]][mask], rtol=1e-5, atol=1e-5)
+        got = scored_log_probs(logits, packed.scored)
+    # The longer group fills its row: 5 prompt + 8 response tokens, 2 + 13 for the other.
+    assert packed.input_ids.shape == (2, 15)
+    assert packed.scored.positions.numel() == int(batch.response_mask.sum()) == 21
+    mask = batch.response_mask.bool()[order]
+    torch.testing.assert_close(got[mask], expected[order][mask], rtol=1e-5, atol=1e-5)
+    assert float(expected[order][mask].abs().min()) > 0  # every real token was scored
 
 
 def test_the_packed_layout_is_refused_for_attention_that_does_not_apply_its_mask_as_given() -> None:

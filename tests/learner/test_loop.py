@@ -35,6 +35,7 @@ from learner.commands import (
     resumed_policy_version,
 )
 from learner.loop import Collaborators, LearnerLoop
+from learner.publish import Publication
 from learner.report import group_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,8 +146,10 @@ class FakeSource:
 
 
 class FakePublisher:
+    """Publishes to two replicas in 0.25 s, recording the staged weights' bytes as sent."""
+
     def __init__(self) -> None:
-        self.last_sync_s = 0.25
+        self.last_publication = Publication()
         self.staged_versions: list[int] = []
         self.weights: dict[str, Tensor] = {}
         self.published = 0
@@ -159,6 +162,8 @@ class FakePublisher:
 
     def publish(self) -> bool:
         self.published += 1
+        nbytes = sum(t.nbytes for t in self.weights.values())
+        self.last_publication = Publication(seconds=0.25, nbytes=nbytes, replicas=2)
         return True
 
     def catch_up(self) -> None:
@@ -396,6 +401,14 @@ def test_a_train_command_trains_publishes_the_next_policy_version_accounts_and_r
     )
     assert metrics["response_length/clip_ratio"] == 0.5 and metrics["response_length/max"] == 2.0
     assert metrics["actor/pg_loss"] == 0.5 and metrics["timing_s/sync_weights"] == 0.25
+    # the step's publication (issue 39): its seconds under both names, its bytes (one (2, 3)
+    # fp32 weight) and replicas
+    assert {k: v for k, v in metrics.items() if k.startswith("weight_sync/")} == {
+        "weight_sync/seconds": 0.25,
+        "weight_sync/bytes": 24.0,
+        "weight_sync/replicas": 2.0,
+        "weight_sync/failed": 0.0,
+    }
     assert {
         "timing_s/update_actor",
         "timing_s/step",

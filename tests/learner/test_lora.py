@@ -6,6 +6,7 @@ is a `peft` adapter that peft, the engines and the merge all read as the learner
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 import learner.trainer as learner_trainer
+from contracts.bus import StreamBus, connect
+from contracts.keys import Keys
 from contracts.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_param, read_adapter
 from contracts.schemas import PromptJob, Response, ScoredGroup
 from learner.batch import TrainBatch, build_batch
@@ -22,6 +25,7 @@ from learner.export import HFExporter, merge_adapter
 from learner.trainer import Trainer
 from rollout.engine import make_engine
 from rollout.hf_engine import HFEngine
+from tests.contracts.test_weight_sync import sent_to_a_replica, stop_replicas
 from tests.learner.test_trainer import config, make_groups
 
 LORA = ["learner.lora.enabled=true", "learner.lora.rank=4", "learner.lora.alpha=8"]
@@ -61,6 +65,22 @@ def test_only_the_adapters_train_and_are_published(tiny_model_dir: Path) -> None
     # AdamW's state exists for the adapters alone.
     adapters = {id(p) for n, p in trainer.model.named_parameters() if is_adapter_param(n)}
     assert {id(p) for p in trainer.optimizer.state} == adapters
+
+
+def test_a_weight_sync_moves_the_adapters_alone(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """`weight_sync/bytes` (issue 39) of a LoRA run: what the adapters hold, not the model."""
+    trainer = lora_trainer(tiny_model_dir)
+    sizes = {n: p.numel() * p.element_size() for n, p in trainer.model.named_parameters()}
+    adapters = sum(size for name, size in sizes.items() if is_adapter_param(name))
+    bus = StreamBus(connect(redis_url), Keys(f"lora-{time.monotonic_ns()}"), consumer="c1")
+    try:
+        pub = sent_to_a_replica(bus, tmp_path, list(trainer.named_full_params()))
+    finally:
+        stop_replicas()
+    assert pub.last_publication.nbytes == adapters < sum(sizes.values())
+    assert pub.last_publication.replicas == 1
 
 
 def test_packed_and_row_layouts_take_the_same_lora_step(tiny_model_dir: Path) -> None:

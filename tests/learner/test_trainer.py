@@ -84,6 +84,19 @@ def params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in trainer.named_full_params()}
 
 
+def record_gradients(trainer: Trainer) -> list[torch.Tensor]:
+    """The flattened gradient of every optimizer step (after clipping), recorded as it steps."""
+    seen: list[torch.Tensor] = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args: object, **kwargs: object) -> object:
+        seen.append(torch.cat([p.grad.full_tensor().flatten() for p in trainer.trainable]))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step  # type: ignore[method-assign]
+    return seen
+
+
 def test_train_step_changes_parameters_and_raises_good_responses(tiny_model_dir: Path) -> None:
     cfg = config(tiny_model_dir)
     trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
@@ -152,6 +165,47 @@ def test_sharing_prompts_takes_the_same_step(tiny_model_dir: Path) -> None:
         assert metrics["actor/pg_loss"] == pytest.approx(
             results[0][1]["actor/pg_loss"], rel=1e-4, abs=1e-6
         )
+
+
+def test_packed_responses_give_the_row_layouts_log_probs_loss_and_gradients(
+    tiny_model_dir: Path,
+) -> None:
+    """Responses of 1-7 tokens after prompts of 4-9, packed back to back behind their group's
+    prompt (no padding between them) or one row per response, prompt and response padded: the
+    same per-token log-probs and entropy, and one update with off-policy rows (so the importance
+    weight enters the loss) and an entropy bonus gives the same loss, metrics and gradient."""
+    batch = build_batch(make_groups(4, 4, seed=6), pad_id=0)
+    batch.behaviour_log_prob = batch.response_mask * -2.0
+    runs = []
+    for share in ("never", "always"):
+        torch.manual_seed(0)
+        trainer = Trainer(
+            config(
+                tiny_model_dir,
+                f"learner.share_prompts={share}",
+                "algorithm.mini_batch_groups=4",
+                "algorithm.entropy_coef=0.01",
+            ),
+            rank=0,
+            world_size=1,
+            backend="gloo",
+        )
+        trainer.model.eval()
+        with torch.no_grad():
+            logp, ent = trainer._forward(batch, entropy=True)
+        grads = record_gradients(trainer)
+        metrics = trainer.train_step(batch, policy_version=1)
+        assert trainer.share_prompts == (share == "always")
+        runs.append((logp, ent, metrics, grads[0]))
+    (logp, ent, metrics, grad), (p_logp, p_ent, p_metrics, p_grad) = runs
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(p_logp[mask], logp[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p_ent[mask], ent[mask], rtol=1e-5, atol=1e-5)
+    assert float(logp[mask].abs().min()) > 0  # every real token was scored
+    assert metrics["actor/off_policy_frac"] == 1.0
+    for key in ("actor/pg_loss", "actor/entropy", "actor/is_weight_mean", "actor/grad_norm"):
+        assert p_metrics[key] == pytest.approx(metrics[key], rel=1e-4), key
+    torch.testing.assert_close(p_grad, grad, rtol=1e-4, atol=1e-6)
 
 
 def test_build_batch_layout_and_advantages() -> None:

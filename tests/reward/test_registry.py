@@ -25,7 +25,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_names() -> None:
-    assert VERIFIERS == ("dapo-reference", "dapo-strict", "strict-box", "math-verify")
+    assert VERIFIERS == (
+        "dapo-reference",
+        "dapo-strict",
+        "strict-box",
+        "math-verify",
+        "first-line",
+        "first-number",
+    )
     assert VERIFIER_ALIASES == {"dapo": "dapo-strict"}
 
 
@@ -71,7 +78,8 @@ def test_dapo_scorers_match_their_functions(name: str, verify: VerifyFn) -> None
 
 def test_unknown_name_lists_the_choices() -> None:
     with pytest.raises(
-        ValueError, match="dapo-reference, dapo-strict, strict-box, math-verify, dapo"
+        ValueError,
+        match="dapo-reference, dapo-strict, strict-box, math-verify, first-line, first-number, dapo",
     ):
         make_scorer("sympy")
 

@@ -45,6 +45,7 @@ class SlowEngine:
         top_p: float,
         seeds: object = None,
         between_steps: object = None,
+        stop: object = (),
     ) -> list[list[Sample]]:
         self.prompts += prompts
         self.generating.set()
@@ -200,3 +201,38 @@ def test_a_round_is_seeded_by_problem_and_held_at_one_version(
     worker._wait_for_activity()  # nothing left to read: the round is over too
     worker._sync_before_read()
     assert len(syncs) == 3
+
+
+class StoppingEngine(RecordingEngine):
+    """Every sample ends at a `rollout.stop` string, as an engine reports it."""
+
+    def generate(self, prompts: list[list[int]], **kw: object) -> list[list[Sample]]:  # type: ignore[override]
+        self.stops = kw.get("stop")
+        groups = super().generate(prompts, **kw)
+        for group in groups:
+            for s in group:
+                s.finish_reason = "stop_string"
+        return groups
+
+
+def test_rollout_stop_reaches_the_engine_and_ends_a_response_as_stop(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A completer's answer ends at a newline (`rollout.stop`): the engine is told, and the
+    response records "stop", as at an end token (the schema knows no other complete ending)."""
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}", 'rollout.stop=["\\n"]']
+    )
+    bus = StreamBus(connect(redis_url), Keys("rollout-stop"), consumer="test")
+    bus.ensure_groups()
+    engine = StoppingEngine()
+    worker = RolloutReplica(cfg, bus.as_consumer("r"), engine, "r", StopFlag())
+    job = PromptJob(
+        group_id="t0", prompt_index=0, prompt_ids=[9], ground_truth="1", issued_at=0.0,
+        issued_version=0,
+    )  # fmt: skip
+    bus.issue([encode_job(job)])
+    worker.handle(worker.bus.read(bus.keys.prompts, count=1, block_ms=None))
+    assert engine.stops == ("\n",)
+    [(_, fields)] = bus.redis.xrange(bus.keys.rollouts.stream)
+    assert {r.finish_reason for r in decode_group(fields).responses} == {"stop"}

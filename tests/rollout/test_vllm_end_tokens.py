@@ -31,7 +31,12 @@ def test_vllm_engine_stops_at_the_generation_configs_end_token(tmp_path: Path) -
     try:
         assert engine.end_ids == [EOS_TOKEN_ID, im_end]
         [group] = engine.generate(
-            [[5, 6, 7]], n=16, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=0
+            [[5, 6, 7]],
+            n=16,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            top_p=1.0,
+            seeds=[list(range(16))],
         )
     finally:
         engine.close()

@@ -212,13 +212,19 @@ def test_generate_returns_well_formed_groups(engine: VLLMEngine) -> None:
                 assert len(s.token_ids) == 16
 
 
-def test_seeded_generate_is_reproducible(engine: VLLMEngine) -> None:
+def test_a_seeded_sample_depends_on_its_seed_alone(engine: VLLMEngine) -> None:
+    """Paired evaluation on vLLM: a request per sample with its own seed gives the same sample
+    again, alone or beside other prompts, and other seeds give other samples."""
     prompts = _prompts(2, (8, 8))
-    a = engine.generate(prompts, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7)
-    b = engine.generate(prompts, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7)
+    seeds = [[7, 8, 9], [10, 11, 12]]
+    kw: dict[str, Any] = dict(n=3, max_tokens=12, temperature=1.0, top_p=1.0)
+    a = engine.generate(prompts, seeds=seeds, **kw)
+    b = engine.generate(prompts, seeds=seeds, **kw)
     assert [[s.token_ids for s in g] for g in a] == [[s.token_ids for s in g] for g in b]
     tokens = [tuple(s.token_ids) for g in a for s in g]
     assert len(set(tokens)) > 1  # distinct seeds per sample, not one stream repeated
+    alone = engine.generate(prompts[1:], seeds=seeds[1:], **kw)
+    assert [s.token_ids for s in alone[0]] == [s.token_ids for s in a[1]]
 
 
 def test_a_stop_string_ends_the_sample_with_the_tokens_that_complete_it(
@@ -230,7 +236,7 @@ def test_a_stop_string_ends_the_sample_with_the_tokens_that_complete_it(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = _prompts(4, (8,))
-    kw: dict[str, Any] = dict(n=1, max_tokens=24, temperature=1.0, top_p=1.0, seed=5)
+    kw: dict[str, Any] = dict(n=1, max_tokens=24, temperature=1.0, top_p=1.0, seeds=[[5]])
     (free,) = engine.generate(prompts, **kw)[0]
     text = tokenizer.decode(free.token_ids)
     stop = next(c for c in text[len(text) // 3 :] if c.isascii() and c.strip())

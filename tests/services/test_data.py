@@ -25,7 +25,10 @@ from services.demo.synthetic import (
     ANSWER_INSTRUCTION,
     DAPO_PROMPT_TEMPLATE,
     DIFFICULTY_LEVELS,
+    FEW_SHOT_EXAMPLES,
     ONE_SHOT_EXAMPLE,
+    fact_split,
+    few_shot_prompt,
     synth_rows,
 )
 
@@ -353,6 +356,27 @@ def test_render_prompt_uses_chat_template() -> None:
     out = render_prompt(tok, [{"role": "user", "content": "hi"}])
     assert out == "<|im_start|>hi<|im_start|>assistant\n"
     assert tok.calls == [{"add_generation_prompt": True, "tokenize": False}]
+
+
+def test_a_completion_prompt_is_the_text_as_it_is_even_with_a_chat_template() -> None:
+    """`data.prompt_format: completion`: a model used as a completer continues the few-shot
+    text itself; its chat template is not applied."""
+    tok = _WithTemplate()
+    text = few_shot_prompt(40, 2)
+    assert render_prompt(tok, [{"role": "user", "content": text}], chat=False) == text
+    assert tok.calls == []
+    assert text.endswith("Q: What is 40 + 2?\nA:")
+
+
+def test_the_few_shot_examples_hold_no_evaluation_fact() -> None:
+    assert all(fact_split(1, list(pair)) == "train" for pair in FEW_SHOT_EXAMPLES)
+    rows = synth_rows(5, difficulty=1, template="few-shot", split="eval")
+    for row in rows:
+        a, b = row["extra_info"]["numbers"]
+        assert row["prompt"][0]["content"] == few_shot_prompt(a, b)
+        assert row["reward_model"]["ground_truth"] == str(a + b)
+    with pytest.raises(ValueError, match="sums"):
+        synth_rows(1, difficulty=3, template="few-shot")
 
 
 def test_render_prompt_with_real_tokenizer_template() -> None:

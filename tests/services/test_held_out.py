@@ -55,7 +55,7 @@ def test_every_presets_files_are_disjoint(
             )
         }
     )
-    launcher._prepare_data(cfg)
+    launcher.prepare_data(cfg)
     read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
     eval_facts = _facts(read(eval_path))
     assert len(eval_facts) >= min(d.synth.num_eval, 9)  # level 0 has only 9 held-out facts
