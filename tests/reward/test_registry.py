@@ -79,7 +79,9 @@ def test_dapo_scorers_match_their_functions(name: str, verify: VerifyFn) -> None
 def test_unknown_name_lists_the_choices() -> None:
     with pytest.raises(
         ValueError,
-        match="dapo-reference, dapo-strict, strict-box, math-verify, first-line, first-number, dapo",
+        match=(
+            "dapo-reference, dapo-strict, strict-box, math-verify, first-line, first-number, dapo"
+        ),
     ):
         make_scorer("sympy")
 
