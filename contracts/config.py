@@ -654,12 +654,19 @@ class LearnerConfig(_Section):
     CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX-BF16, or Arm's BF16 extension),
     fp32 elsewhere, decided and logged at start. `auto`: bf16 on CUDA GPUs that support it, fp32
     on every CPU: every preset runs this (the GPU presets in bf16, the CPU ones in fp32), which
-    keeps CPU results bit-comparable with earlier runs. On a CPU with bf16, `native` made a
-    SmolLM2-135M learner step several times faster (bench/learner_flops.py; the figures are in
-    bench/results/2026-12-06-learner-speed.md), at a mean |log-prob| difference from fp32 of
-    about 0.03 nats on the same tokens: generation in fp32 then samples from a slightly different
-    policy than the one trained, a gap the importance weight of docs/algorithm.md s9 corrects on
-    off-policy rows only."""
+    keeps CPU runs in the dtype their results were measured in. On the project's 2-core EPYC
+    (avx512_bf16) a SmolLM2-135M step at its preset's shape took 3.4 s in bf16 against 8.5 s in
+    fp32 (bench/learner_flops.py, bench/results/2026-12-06-learner-speed.md), with log-probs a
+    mean 0.05 nats (at most 0.31) from fp32's on the same tokens: an fp32 replica then samples
+    from a slightly different policy than the one trained, a gap the importance weight of
+    docs/algorithm.md s9 corrects on off-policy rows only (on-policy rows take mu = pi_old)."""
+    retain_freed_memory: bool = True
+    """A CPU learner keeps the memory it frees for its next allocations (glibc `mallopt`,
+    `learner/cpu_memory.py`) instead of returning every block over 32 MiB to the system: a step
+    allocates and frees the same large tensors every micro-batch, and each fresh block is paid
+    again in page faults. SmolLM2-135M in bf16 on one thread of the 2-core VM: 2.1 s a step with
+    glibc's defaults, 1.6 s with this; the learner's peak RSS 6-10% higher, and held. GPU learners
+    and non-glibc systems: no effect."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory for long responses, about one more forward pass of compute."""

@@ -20,11 +20,13 @@ shared by every token.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from contracts.schemas import ScoredGroup
 from learner.algos import group_advantages
@@ -190,6 +192,22 @@ PACKED_ATTENTION = "sdpa"
 """The attention implementation the trainer loads the policy with, the one under which the packed
 layout gives each response exactly its own row's log-probs. Under eager attention the same mask
 gives log-probs up to 0.3 away from the row layout's (tests/learner/test_trainer.py)."""
+
+
+MATH_ATTENTION_MAX_LEN = 128
+"""On a CPU, rows of at most this many positions run sdpa's math kernel rather than its flash
+kernel (`attention_kernel`): both apply the mask as given, and at SmolLM2-135M's shape (4 rows x
+9 heads x 110 positions, bf16, one thread) a layer's attention took 5.5 ms forward and backward
+against 10.7 (issue 39). At 220 positions the two were even and beyond that flash is faster; the
+math kernel also keeps every score for the backward."""
+
+
+def attention_kernel(device: torch.device, length: int) -> contextlib.AbstractContextManager[None]:
+    """The sdpa kernels a pass over rows of `length` positions may use on `device`; a backward
+    that recomputes checkpointed layers must run under the same choice as their forward."""
+    if device.type == "cpu" and length <= MATH_ATTENTION_MAX_LEN:
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def packed_layout_problem(config: Any) -> str | None:

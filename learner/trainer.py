@@ -31,14 +31,19 @@ metrics say what was skipped (`actor/nonfinite_steps`, `actor/skipped_updates`);
 (a loss spike short of overflow) are taken as usual.
 
 When it saves FLOPs (`learner.share_prompts`), a micro-batch runs one row per group, the prompt
-once and the responses packed behind it (`learner.batch.pack_groups`): on the CPU preset's short
-responses after longer prompts that halves the tokens the model processes. The model is loaded
+once and the responses packed behind it at their own lengths (`learner.batch.pack_groups`): on
+the CPU presets' short responses after longer prompts that halves the tokens the model
+processes. The model is loaded
 with the attention the packed mask needs (sdpa); a model that cannot run it, or that has
 sliding-window layers, keeps to the row layout (`auto`) or is refused at start (`always`).
 
 Log-probs and entropy come straight from the final hidden states (`ResponseHead`): the model
 runs up to its last layer, and the output projection, softmax and gather run chunk by chunk
-over the response positions only, so the [B, T, V] logits never exist, in forward or backward.
+over the real response tokens only, so the [B, T, V] logits never exist, in forward or backward.
+
+The compute dtype is `learner.mixed_precision` (`learner/precision.py`): in bf16 the weights,
+AdamW's state, checkpoints and published weights stay fp32, and so do the head's softmax and
+the loss.
 
 With `learner.lora`, peft's adapters are injected before sharding and everything else is frozen:
 AdamW, the gradient clip, `named_full_params` (what is published and exported) and checkpoints
@@ -84,11 +89,14 @@ from learner.algos import (
 from learner.batch import (
     PACKED_ATTENTION,
     TrainBatch,
+    attention_kernel,
     pack_groups,
     packed_layout_problem,
     packing_saves_flops,
     score_rows,
 )
+from learner.cpu_memory import retain_freed_memory
+from learner.precision import mixed_precision
 
 log = logging.getLogger(__name__)
 
@@ -123,46 +131,6 @@ def device_for(backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
-"""`torch.cpu.get_capabilities()` flags of native bf16 arithmetic: x86's AVX512-BF16 and AMX, Arm's
-BF16 and SVE-BF16 extensions. Without one, bf16 matmuls are emulated and slower than fp32."""
-
-
-def native_bf16(device: torch.device) -> str | None:
-    """The feature that makes bf16 native on `device` (for the log), or None where it is not."""
-    if device.type == "cuda":
-        return "CUDA bf16" if torch.cuda.is_bf16_supported() else None
-    capabilities = torch.cpu.get_capabilities()
-    return next((flag for flag in CPU_BF16_FLAGS if capabilities.get(flag) is True), None)
-
-
-def mixed_precision(setting: str, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction, or fp32 throughout (`learner.mixed_precision`);
-    the choice is logged."""
-    native = native_bf16(device)
-    if setting == "bf16":
-        bf16 = True
-    elif setting == "native" or (setting == "auto" and device.type == "cuda"):
-        bf16 = native is not None  # auto keeps CPUs in fp32; `native` opts them in
-    else:
-        bf16 = False
-    if setting == "bf16" and native is None:
-        log.warning(
-            "learner.mixed_precision=bf16 on a %s without native bf16: emulated, slower than "
-            "fp32 (learner.mixed_precision=native would pick fp32 here)",
-            device.type,
-        )
-    log.info(
-        "learner compute dtype: %s (learner.mixed_precision=%s; native bf16: %s)",
-        "bf16, fp32 master weights" if bf16 else "fp32",
-        setting,
-        native or "none",
-    )
-    if bf16:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
 
 
 def build_sharded_model(
@@ -365,6 +333,8 @@ class Trainer:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.device = device_for(backend)
         le = cfg.learner
+        if le.retain_freed_memory and self.device.type == "cpu":
+            retain_freed_memory()  # before the model's first allocations
         self.model = build_sharded_model(
             model_dir or cfg.model.path,
             self.device,
@@ -384,8 +354,17 @@ class Trainer:
         self.head = ResponseHead(self.model.get_output_embeddings(), cfg.rollout.temperature)
         self.packing_problem = self._check_packing(self.model.config)
         self.share_prompts = False  # decided per step (`_plan`)
+        self.row_length = 0
+        """Positions per row of the last forward pass; its backward picks attention by it."""
         self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=le.lr, betas=le.betas, weight_decay=le.weight_decay
+            self.trainable,
+            lr=le.lr,
+            betas=le.betas,
+            weight_decay=le.weight_decay,
+            # One pass over each tensor instead of one per operation: SmolLM2-135M's fp32 update
+            # took 0.14 s on one CPU thread fused, 0.44 s not (issue 39). GPUs keep torch's
+            # default (foreach); fused is untested there.
+            fused=True if self.device.type == "cpu" else None,
         )
         warmup = le.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -432,7 +411,11 @@ class Trainer:
             ids, attention, positions = mb.input_ids, mb.attention_mask, mb.position_ids
             scored = score_rows(mb)
         device = self.device
-        with self.head.scoring(scored.labels.to(device), scored.positions.to(device)):
+        self.row_length = int(ids.shape[1])
+        with (
+            self.head.scoring(scored.labels.to(device), scored.positions.to(device)),
+            attention_kernel(device, ids.shape[1]),
+        ):
             out = self.model(
                 input_ids=ids.to(device),
                 attention_mask=attention.to(device),
@@ -618,7 +601,9 @@ class Trainer:
             )
             loss = combine_losses(pg_loss, ent_term, alg.entropy_coef)
             nonfinite += ~torch.isfinite(loss.detach())
-            (loss * self.world).backward()
+            # Under the forward's attention kernels: activation checkpointing recomputes there.
+            with attention_kernel(self.device, self.row_length):
+                (loss * self.world).backward()
             tokens = float(mask.sum())
             off_tokens = float((mask * off).sum())
             for k, v in metrics.items():  # weighted by the tokens each mean ran over

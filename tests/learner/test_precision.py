@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import learner.trainer as learner_trainer
+import learner.precision
 from learner.batch import TrainBatch, build_batch
 from learner.checkpoint import save_checkpoint
 from learner.dcp_reader import SafeMetadataReader
-from learner.trainer import Trainer, mixed_precision
+from learner.precision import mixed_precision
+from learner.trainer import Trainer
 from tests.learner.test_trainer import config, make_groups, params, record_gradients
 
 CPU = torch.device("cpu")
@@ -133,8 +134,8 @@ def test_native_picks_bf16_only_where_the_cpu_has_it_and_auto_keeps_cpus_in_fp32
     native: torch.dtype | None,
     auto: torch.dtype | None,
 ) -> None:
-    monkeypatch.setattr(learner_trainer.torch.cpu, "get_capabilities", lambda: capabilities)
-    with caplog.at_level(logging.INFO, logger="learner.trainer"):
+    monkeypatch.setattr(learner.precision.torch.cpu, "get_capabilities", lambda: capabilities)
+    with caplog.at_level(logging.INFO, logger="learner.precision"):
         assert policy_dtype(mixed_precision("native", CPU)) == native
     assert ("bf16, fp32 master weights" if native else "compute dtype: fp32") in caplog.text
     assert policy_dtype(mixed_precision("auto", CPU)) == auto
@@ -146,7 +147,7 @@ def test_native_on_a_cpu_without_bf16_trains_in_fp32_as_none_does(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole trainer under `native` on a CPU reporting no bf16: the same step as fp32."""
-    monkeypatch.setattr(learner_trainer.torch.cpu, "get_capabilities", lambda: {"avx2": True})
+    monkeypatch.setattr(learner.precision.torch.cpu, "get_capabilities", lambda: {"avx2": True})
     batch = build_batch(make_groups(4, 4, seed=3), pad_id=0)
     after = []
     for setting in ("native", "none"):
