@@ -18,6 +18,7 @@ from tests.helpers import finish, learner_step, pid_of, pids, process_gone, star
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
+STEPS = 120
 GRACE_S = 30.0
 """The launcher's (and Kubernetes' default) grace period between SIGTERM and SIGKILL."""
 
@@ -25,7 +26,11 @@ GRACE_S = 30.0
 def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis", appendonly=True) as server:
         r = redis.Redis.from_url(server.url)
-        proc = start_run(tmp_path, server.url, "learner.total_steps=30", "checkpoint.every_steps=5")
+        # Long enough that the learner is still training when its turn comes (a step takes
+        # tens of milliseconds here, and each restart before it takes seconds).
+        proc = start_run(
+            tmp_path, server.url, f"learner.total_steps={STEPS}", "checkpoint.every_steps=5"
+        )
         exit_s = {}
         for kind in ("rollout", "reward", "gatekeeper", "learner"):
             wait_for("progress", lambda: learner_step(r) >= 4 + 5 * len(exit_s))
@@ -53,7 +58,7 @@ def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Pa
         and restarted.get("gatekeeper") == 1
     )
     assert sum(v for k, v in restarted.items() if k.startswith("rollout")) == 1
-    assert summary["steps"] == 30
+    assert summary["steps"] == STEPS
     ledger = summary["ledger"]
     assert ledger["balanced"] and ledger["in_flight"] == 0 and ledger["dead"] == 0
     counters = summary["counters"]
