@@ -42,6 +42,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from contracts import eval_stats
 from contracts.config import DapoConfig
 from contracts.data import encode_prompt, load_prompts
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round
@@ -84,11 +85,11 @@ class InProcessResult:
 
 def seconds_to_gain(history: list[list[float]], gain: float) -> float:
     """RL seconds of the first evaluation at least `gain` above the first one, from a history of
-    [step, accuracy, RL seconds] (nan if none; also reads a service run's eval history)."""
+    [step, accuracy, RL seconds] (nan if none; also reads a service run's eval history). Benches
+    that compare runs use one base figure for every arm instead (`contracts.eval_stats`)."""
     if not history:
         return math.nan
-    base = history[0][1]
-    return next((rl for _, acc, rl in history if acc >= base + gain - 1e-9), math.nan)
+    return eval_stats.seconds_to_gain([(rl, acc) for _, acc, rl in history], history[0][1], gain)
 
 
 def run_in_process(

@@ -112,6 +112,8 @@ class Prepared:
     (a Hub model's snapshot in the cache)."""
     env: dict[str, str]
     """Environment the services get on top of this process's."""
+    eval_set: dict[str, Any] | None = None
+    """What the run's figures are measured on (`eval_set_summary`), read once at start."""
 
 
 def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
@@ -122,13 +124,13 @@ def prepare(cfg: DapoConfig, *, download: Download | None = None) -> Prepared:
     Build progress is logged (once: the console shows this process's log lines), and so is an
     evaluation set that shares problems with the training set (`eval_set_summary`)."""
     prepare_data(cfg)
-    eval_set_summary(cfg)
+    eval_set = eval_set_summary(cfg)
     if cfg.model.hub_id is None and cfg.model.catalog_name is None:
         _local_model(cfg)
-        return Prepared(cfg, {})
+        return Prepared(cfg, {}, eval_set)
     # Every service now reads the same files from the cache; offline, none of them can start a
     # second download (or ask the Hub whether the id moved) if a library looks the id up again.
-    return Prepared(with_local_model(cfg, download), {"HF_HUB_OFFLINE": "1"})
+    return Prepared(with_local_model(cfg, download), {"HF_HUB_OFFLINE": "1"}, eval_set)
 
 
 def eval_set_summary(cfg: DapoConfig) -> dict[str, Any] | None:
@@ -438,7 +440,11 @@ def _stat(stats: dict[str, Any], name: str, default: float) -> float:
 
 
 def summarize(
-    cfg: DapoConfig, bus: StreamBus, wall_s: float, services: list[Service]
+    cfg: DapoConfig,
+    bus: StreamBus,
+    wall_s: float,
+    services: list[Service],
+    eval_set: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     info = bus.run_info()
     finals = bus.final_stats("rollout")
@@ -480,7 +486,7 @@ def summarize(
             int(_stat(s, "evaluations", 0)) for s in bus.final_stats("gatekeeper").values()
         ),
         "eval_history": bus.eval_history(),
-        "eval_set": eval_set_summary(cfg),
+        "eval_set": eval_set,
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),
@@ -654,7 +660,7 @@ def run_local(
         finished = _run_finished(bus)
         _stop_all(services, learner_first=interrupted)
         wall = time.monotonic() - started
-        summary = summarize(cfg, bus, wall, services)
+        summary = summarize(cfg, bus, wall, services, prepared.eval_set)
         write_metrics_jsonl(bus, out / "metrics.jsonl")
         summary["interrupted"] = interrupted
         summary["learner_exit_code"] = learner_rc
