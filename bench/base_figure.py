@@ -5,8 +5,8 @@ Every arm of a comparison starts from the same weights, so their first rounds me
 thing; measuring it in each run and subtracting each run's own noisy base (+-4 points with 100
 problems x 4 samples) moved a "+25 points" crossing by whole evaluation rounds. Here the base is
 `dapo eval --samples K` (default 32) over the config's evaluation set, per problem, cached under
-`runs/cache/base-figures/` by the model's weights, the evaluation problems and the evaluation
-settings (a change to any of them measures again).
+`runs/cache/base-figures/` by the model's weights, the evaluation problems, the evaluation
+settings and the engine with its dtype (a change to any of them measures again).
 
     .venv/bin/python bench/base_figure.py [--config configs/tiny.yaml] [--samples 32] [overrides]
 
@@ -44,7 +44,8 @@ def _fingerprint(cfg: Any, samples: int) -> str:
     digest.update(json.dumps([[p.messages, p.ground_truth] for p in problems]).encode())
     ev = cfg.eval
     settings = [samples, ev.temperature, ev.top_p, ev.seed, cfg.rollout.max_response_len]
-    digest.update(json.dumps([*settings, cfg.reward.verifier]).encode())
+    engine = [cfg.rollout.engine, cfg.model.dtype, cfg.rollout.stop]  # each samples differently
+    digest.update(json.dumps([*settings, cfg.reward.verifier, *engine]).encode())
     return digest.hexdigest()[:16]
 
 

@@ -114,35 +114,24 @@ def run_service(steps: int, overrides: list[str], out: Path, *, in_run_eval: boo
 
 def checkpoint_rounds(store: Path, overrides: list[str]) -> list[Round]:
     """A round for each checkpoint of the store but the last (the run's final round measured
-    that one): its export evaluated in this process with the run's evaluation settings and
-    seeds, credited to the RL seconds its trainer.json records."""
+    that one), evaluated in this process with the run's evaluation settings and seeds
+    (`services.evaluation.evaluate_checkpoints`, as `dapo eval --run` does)."""
     import torch
     from transformers import AutoTokenizer
 
-    from contracts.checkpoint_store import HF_EXPORT, list_checkpoints
     from rollout.engine import make_engine
-    from services.evaluation import eval_prompts, evaluate
+    from services.evaluation import eval_prompts, evaluate_checkpoints
 
     torch.set_num_threads(2)
     cfg = load_config(REPO / CONFIG, overrides)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     records, prompts = eval_prompts(cfg, tokenizer)
     engine = make_engine(cfg)
-    rounds = []
-    for ckpt in list_checkpoints(store)[:-1]:
-        engine.load_weights_from_dir(str(ckpt.path / HF_EXPORT))
-        meta = json.loads((ckpt.path / "trainer.json").read_text())
-        _, per_problem = evaluate(engine, tokenizer, records, prompts, cfg)
-        rounds.append(
-            Round(
-                step=int(meta["step"]),
-                rl_seconds=float(meta["rl_seconds"]),
-                per_problem=tuple(per_problem),
-                policy_version=int(meta["policy_version"]),
-                extra={"offline": True},
-            )
-        )
-    return rounds
+    try:
+        rounds = evaluate_checkpoints(engine, tokenizer, records, prompts, cfg, store)
+    finally:
+        engine.close()
+    return rounds[:-1]
 
 
 def curve(history: list[list[float]]) -> str:

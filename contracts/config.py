@@ -687,6 +687,11 @@ class LearnerConfig(_Section):
 class EvalConfig(_Section):
     every_steps: Annotated[int, Field(ge=0)] = 10
     """Evaluate every N steps (0 = only at start and end)."""
+    in_run: bool = True
+    """False: no round during the run, not even the base or the final one. For runs whose
+    rounds would cost more than their training (a real model on one CPU replica): their
+    checkpoints are evaluated afterwards with the same seeds (`dapo eval --model-dir
+    <checkpoint>/hf`, as bench/real_model.py does), and the run's summary has no accuracy."""
     samples_per_problem: PositiveInt = 32
     """k of avg@k (paper: avg@32 on AIME 2024)."""
     temperature: float = Field(1.0, gt=0)

@@ -168,7 +168,7 @@ class LearnerLoop:
         else:
             self._restore(latest)
         self._publish()  # stage the starting weights (and sync replicas on a resume)
-        if not self.reporter.has_evals and not self.evaluations.in_flight:
+        if self.cfg.eval.in_run and not self.reporter.has_evals and not self.evaluations.in_flight:
             self.evaluations.issue(self.progress, self.rl_seconds)
 
     def _continue_from(self, progress: Progress, *, data_cursor: int) -> None:
@@ -317,7 +317,8 @@ class LearnerLoop:
 
     def _evaluate_if_due(self) -> None:
         every, step = self.cfg.eval.every_steps, self.progress.step
-        if every and step % every == 0 and not self._reached_end():  # the last step's: in finish
+        due = every and step % every == 0 and not self._reached_end()  # the last: in finish
+        if self.cfg.eval.in_run and due:
             self.evaluations.issue(self.progress, self.rl_seconds)
 
     def _record_evaluations(self, reports: list[RoundReport]) -> dict[int, dict[str, float]]:
@@ -397,12 +398,12 @@ class LearnerLoop:
     def _complete(self) -> dict[RunField, str | int | float]:
         self._set_state("draining")
         self.source.drain()
-        self._set_state("evaluating")
-        self.evaluations.issue(self.progress, self.rl_seconds)
-        final = self._record_evaluations(self.evaluations.wait(self.cfg.eval.final_wait_s)).get(
-            self.progress.step, {}
-        )
-        final_acc = final.get("eval/acc", -1.0)
+        final_acc = -1.0
+        if self.cfg.eval.in_run:
+            self._set_state("evaluating")
+            self.evaluations.issue(self.progress, self.rl_seconds)
+            final = self._record_evaluations(self.evaluations.wait(self.cfg.eval.final_wait_s))
+            final_acc = final.get(self.progress.step, {}).get("eval/acc", -1.0)
         out = Path(self.cfg.output_dir) / "final_model"
         self._export(out)
         return {RunField.FINAL_EVAL_ACC: final_acc, RunField.FINAL_MODEL: str(out)}

@@ -192,7 +192,7 @@ class RolloutReplica:
             # Paired evaluation: a sample's seed is its problem's and index's, not the replica's.
             seeds=None if tag is None else [_eval_seeds(self.cfg, job) for _, job in jobs],
             between_steps=between_steps,
-            **({"stop": ro.stop} if ro.stop else {}),  # never with tools (config refuses it)
+            stop=ro.stop,
         )
         seconds = time.monotonic() - start
         self.busy_s += seconds - (self.weights.sync_s - synced)  # in-flight syncs count as syncing

@@ -209,6 +209,7 @@ def generate_with_tools(
     seeds: Sequence[Sequence[int]] | None = None,
     between_steps: BetweenSteps | None = None,
     on_round: Callable[[], None] | None = None,
+    stop: Sequence[str] = (),
 ) -> list[list[Sample]]:
     """For each prompt, n responses that may call the tools (module docstring). `max_tokens`
     bounds each response's model tokens. An engine that can continue one response while others
@@ -216,7 +217,10 @@ def generate_with_tools(
     that response's next turn as soon as the call returns; otherwise generation runs in rounds
     (`on_round` runs before each continuation round: the tests' hook). With `seeds`
     (`Engine.generate`), the turn after t calls of sample j of prompt i is drawn with
-    `turn_seed(seeds[i][j], t)`."""
+    `turn_seed(seeds[i][j], t)`. `stop` must be empty: a stop string would end a response in
+    the middle of its call (the config refuses `rollout.stop` with tools)."""
+    if stop:
+        raise ValueError("stop strings cannot be combined with tool calls")
     if hasattr(engine, "generate_turns") and on_round is None:
         return _generate_overlapped(
             engine,

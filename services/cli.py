@@ -5,7 +5,7 @@
   dapo reward     --config FILE [key=value ...]                      one reward worker
   dapo gatekeeper --config FILE [key=value ...]                      the dynamic-sampling stage
   dapo learner    --config FILE [key=value ...]                      the learner (under torchrun)
-  dapo eval       --config FILE [--model-dir DIR] [key=value ...]    avg@k on the eval set
+  dapo eval       --config FILE [--model-dir DIR | --run DIR] [k=v ...] avg@k on the eval set
   dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
   dapo status     --config FILE [--json]                             the run's status as a table
   dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
@@ -106,6 +106,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         samples=args.samples,
         per_problem_to=args.per_problem,
+        run_dir=args.run,
     )
 
 
@@ -392,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--per-problem", metavar="FILE", help="also write each problem's accuracy to FILE (JSON)"
+    )
+    ev.add_argument(
+        "--run",
+        metavar="DIR",
+        help="evaluate every checkpoint of this run's output directory instead, credited to the "
+        "RL seconds of its weights; rounds go to DIR/eval_rounds_offline.jsonl",
     )
 
     api = _service_parser(sub, "api", "the REST control plane and dashboard", _cmd_api)

@@ -7,7 +7,9 @@ replicas (`learner/evaluation.py`). Both evaluate the distinct problems of the e
 eval sampling settings and draw sample j of problem i with the seed of (`eval.seed`, i, j)
 (`rollout.engine.eval_seeds`), so the same weights give the same number here and in the run's
 round (tests/services/test_eval_cli.py). `--samples` overrides k (a base figure measured once
-with many samples, `bench/base_figure.py`).
+with many samples, `bench/base_figure.py`). `--run DIR` evaluates a finished run's checkpoints
+instead, each credited to the RL seconds at which its weights were published: the run's curve
+when it had no rounds of its own (`eval.in_run: false`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contracts.checkpoint_store import HF_EXPORT, list_checkpoints
 from contracts.config import DapoConfig
 from contracts.data import PromptRecord, encode_prompt
-from contracts.eval_stats import accuracy_interval
+from contracts.eval_stats import Round, accuracy_interval
 from contracts.model_source import with_local_model
 from learner.evaluation import eval_problems
 from reward.service import open_scorer
@@ -85,7 +88,7 @@ def evaluate(
                     eval_seeds(cfg.eval.seed, i, k)
                     for i in range(lo, min(lo + batch, len(prompts)))
                 ],
-                **({"stop": cfg.rollout.stop} if cfg.rollout.stop else {}),
+                stop=cfg.rollout.stop,
             )
             for rec, samples in zip(records[lo : lo + batch], outs, strict=True):
                 texts = tokenizer.batch_decode(  # what the model wrote, as the reward stage grades
@@ -112,16 +115,53 @@ def evaluate(
     }, per_problem
 
 
+OFFLINE_ROUNDS_FILE = "eval_rounds_offline.jsonl"
+"""In a run's output directory: the rounds `dapo eval --run` measured from its checkpoints, one
+`contracts.eval_stats.Round` per line (`read_rounds` reads it)."""
+
+
+def evaluate_checkpoints(
+    engine: Engine,
+    tokenizer: Any,
+    records: list[PromptRecord],
+    prompts: list[list[int]],
+    cfg: DapoConfig,
+    store: Path,
+    *,
+    tools: ToolBox | None = None,
+) -> list[Round]:
+    """A round for each committed checkpoint of `store`: its export evaluated with `cfg`'s
+    evaluation settings and seeds (paired with the run's own rounds and with every other run's),
+    credited to the step, policy version and RL seconds its trainer.json records."""
+    rounds = []
+    for ckpt in list_checkpoints(store):
+        engine.load_weights_from_dir(str(ckpt.path / HF_EXPORT))
+        metrics, per_problem = evaluate(engine, tokenizer, records, prompts, cfg, tools=tools)
+        rounds.append(
+            Round(
+                step=int(ckpt.meta["step"]),
+                rl_seconds=float(ckpt.meta.get("rl_seconds", 0.0)),
+                per_problem=tuple(per_problem),
+                policy_version=int(ckpt.meta.get("policy_version", 0)),
+                extra={"offline": True, "eval_seconds": metrics["eval/seconds"]},
+            )
+        )
+        log.info("checkpoint step %d: avg@k %.4f", rounds[-1].step, rounds[-1].acc)
+    return rounds
+
+
 def main(
     cfg: DapoConfig,
     model_dir: str | None = None,
     *,
     samples: int | None = None,
     per_problem_to: str | None = None,
+    run_dir: str | None = None,
 ) -> int:
     """Print the eval metrics of `model_dir` (default `model.path`) as one JSON line; `samples`
     overrides `eval.samples_per_problem`; `per_problem_to` also writes each problem's accuracy
-    there (JSON: the list, with the metrics)."""
+    there (JSON: the list, with the metrics). With `run_dir`, evaluate that run's checkpoints
+    instead: one line each, and their rounds in `run_dir/OFFLINE_ROUNDS_FILE`."""
     from transformers import AutoTokenizer
 
     from rollout.engine import make_engine
@@ -133,6 +173,8 @@ def main(
         cfg = cfg.model_copy(
             update={"eval": cfg.eval.model_copy(update={"samples_per_problem": samples})}
         )
+    if run_dir is not None and not list_checkpoints(Path(run_dir) / "checkpoints"):
+        raise SystemExit(f"dapo eval: {run_dir}/checkpoints holds no committed checkpoint")
     path = model_dir or cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     records, prompts = eval_prompts(cfg, tokenizer)
@@ -141,6 +183,18 @@ def main(
     engine = make_engine(cfg, path)
     tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
     try:
+        if run_dir is not None:
+            run = Path(run_dir)
+            rounds = evaluate_checkpoints(
+                engine, tokenizer, records, prompts, cfg, run / "checkpoints", tools=tools
+            )
+            (run / OFFLINE_ROUNDS_FILE).write_text(
+                "".join(json.dumps(r.to_json()) + "\n" for r in rounds)
+            )
+            for r in rounds:
+                line = {"step": r.step, "rl_seconds": r.rl_seconds, "eval/acc": r.acc}
+                sys.stdout.write(json.dumps(line) + "\n")
+            return 0
         result, per_problem = evaluate(engine, tokenizer, records, prompts, cfg, tools=tools)
     finally:
         engine.close()

@@ -118,7 +118,7 @@ def run_in_process(
 
     def evaluate_now(step: int) -> None:
         """A round of the weights of `step`, paired with the services' (the same seeds)."""
-        if not eval_records:
+        if not eval_records or not cfg.eval.in_run:
             return
         metrics, per_problem = evaluate(engine, tokenizer, eval_records, eval_ids, cfg, tools=tools)
         acc = metrics["eval/acc"]
@@ -154,7 +154,7 @@ def run_in_process(
             max_tokens=ro.max_response_len,
             temperature=ro.temperature,
             top_p=ro.top_p,
-            **({"stop": ro.stop} if ro.stop else {}),  # never with tools (config refuses it)
+            stop=ro.stop,
         )
         groups = []
         for record, ids, samples in zip(batch, prompts, outs, strict=True):
@@ -216,7 +216,8 @@ def run_in_process(
             result.train_tokens += float(batch.response_mask.sum())
             engine.update_weights(trainer.named_full_params())  # a memory copy, not a broadcast
             result.rl_seconds += time.monotonic() - start
-            if step % cfg.eval.every_steps == 0 or step == result.steps:
+            every = cfg.eval.every_steps
+            if (every and step % every == 0) or step == result.steps:
                 evaluate_now(step)
         if export_to is not None:
             HFExporter(cfg.model.path, lora=lora).export(trainer.named_full_params(), export_to)

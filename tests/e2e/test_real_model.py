@@ -85,7 +85,9 @@ def assert_export_generates_alike(model_dir: Path) -> None:
     from rollout.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = load_config(REPO / "configs" / "smollm2-135m.yaml", [f"model.path={model_dir}"])
+    # Both in fp32, so greedy decoding is comparable token for token (the preset serves bf16).
+    overrides = [f"model.path={model_dir}", "model.dtype=float32"]
+    cfg = load_config(REPO / "configs" / "smollm2-135m.yaml", overrides)
     records = load_prompts(REPO / cfg.data.eval_path)[:3]
     prompts = [
         encode_prompt(tok, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat) for r in records

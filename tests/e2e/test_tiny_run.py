@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from contracts.bus.roles import Role
 from contracts.config import REDIS_URL_ENV
 from contracts.eval_stats import read_rounds
+from services.evaluation import OFFLINE_ROUNDS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -107,6 +108,20 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
         ).stdout.splitlines()[-1]
     )
     assert offline["eval/acc"] == pytest.approx(rounds[-1].acc, abs=1e-9)
+    # `dapo eval --run` evaluates every checkpoint (steps 60 and 120), each credited to its step
+    # and version; the last one's round is the run's final round, problem by problem.
+    evaluate_run = ["eval", "--config", "configs/tiny.yaml", "--run", str(out)]
+    subprocess.run(
+        [sys.executable, "-m", "services.cli", *evaluate_run],
+        cwd=REPO,
+        capture_output=True,
+        timeout=600,
+        check=True,
+    )
+    checkpoints = read_rounds(out / OFFLINE_ROUNDS_FILE)
+    assert [(r.step, r.policy_version) for r in checkpoints] == [(60, 60), (steps, steps)]
+    assert checkpoints[-1].per_problem == rounds[-1].per_problem
+    assert 0 < checkpoints[0].rl_seconds < checkpoints[1].rl_seconds
     assert (
         ledger["eval_issued"] > 0
         and ledger["eval_issued"] % 4 == 0

@@ -459,6 +459,29 @@ def test_a_completed_run_evaluates_drains_exports_and_records_the_summary(tmp_pa
     assert "eval/acc" not in p["reporter"].reports[1][1]  # training never waited for an evaluation
 
 
+def test_a_run_without_rounds_in_it_trains_checkpoints_and_exports_but_evaluates_nothing(
+    tmp_path: Path,
+) -> None:
+    """`eval.in_run: false`: no base, periodic or final round (its checkpoints are evaluated
+    afterwards, `dapo eval --run`); the run still completes and records its summary."""
+    cfg = config(
+        tmp_path,
+        "learner.total_steps=4",
+        "eval.every_steps=2",
+        "eval.in_run=false",
+        "checkpoint.every_steps=2",
+    )
+    source = FakeSource([batch("a"), batch("b"), batch("c"), batch("d")])
+    loop, p = rank0(cfg, source=source, control=FakeControl([None, None, None, None]))
+    assert loop.run() == 0
+    assert p["evaluations"].issued == [] and not p["evaluations"].waited
+    assert p["checkpoints"].saved == [(2, False), (4, False)]
+    info = p["control"].run_info
+    assert info[RunField.FINISHED] == 1 and info[RunField.FINAL_EVAL_ACC] == -1.0
+    assert RunField.BASE_EVAL_ACC not in info
+    assert info[RunField.FINAL_MODEL] == str(tmp_path / "final_model")
+
+
 class IssuingSource(FakeSource):
     """Issues `per_collect` prompt jobs each time a batch is collected, as the feeder does."""
 
