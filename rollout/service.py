@@ -148,6 +148,15 @@ class RolloutReplica:
                 jobs.append((entry_id, decode_job(fields)))
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"rollout: {exc}")
+        # The learner publishes a version before it issues jobs at it, so a job read here at a
+        # version newer than the published one was not issued by the learner: waiting for that
+        # version would park this replica for good.
+        published, fields_of = self.bus.published_policy_version(), dict(entries)
+        if published is not None:  # None: no valid value to judge by, so none is refused
+            for entry_id, job in [(e, j) for e, j in jobs if j.issued_version > published]:
+                reason = f"issued at version {job.issued_version}, past the published {published}"
+                self.bus.dead_letter(stage, entry_id, fields_of[entry_id], f"rollout: {reason}")
+            jobs = [(e, j) for e, j in jobs if j.issued_version <= published]
         if not jobs:
             return
         need = max(job.issued_version for _, job in jobs)

@@ -61,7 +61,7 @@ from contracts.config import DapoConfig
 from contracts.config import LoraConfig as LoraSettings
 from contracts.keys import Counter
 from contracts.runtime import StopFlag
-from contracts.schemas import parse_json
+from contracts.schemas import SMALL_JSON_BYTES, parse_json
 from contracts.weight_sync import (
     Announcement,
     WeightChannel,
@@ -268,7 +268,9 @@ class WeightReceiver:
         newest: tuple[Announcement, float] | None = None
         for eid, fields in entries:
             try:
-                data: Any = parse_json(self.channel.verified(fields), "announcement")
+                data: Any = parse_json(
+                    self.channel.verified(fields), "announcement", SMALL_JSON_BYTES
+                )
                 ann = Announcement.from_json(data)
                 if self.replica_id in ann.replicas:
                     self._check(ann)

@@ -182,7 +182,7 @@ def grants(keys: Keys) -> dict[Role, Grant]:
         ),
         Role.GATEKEEPER: Grant(
             worker,
-            (),
+            (keys.policy_version,),  # a group newer than the published policy is refused
             (
                 keys.scored.stream,
                 keys.train.stream,

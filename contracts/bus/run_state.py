@@ -25,6 +25,14 @@ class RunState(RedisHygiene):
         raw: Any = self._read(None, self.redis.get, self.keys.policy_version)
         return self._int_at(self.keys.policy_version, raw, 0)
 
+    def published_policy_version(self) -> int | None:
+        """The newest policy version the learner published, or None while the key holds none
+        (before the first publication, or a planted value the next one overwrites): a check
+        of a message against it then lets the message pass rather than refuse good work."""
+        raw: Any = self._read(None, self.redis.get, self.keys.policy_version)
+        version = self._int_at(self.keys.policy_version, raw, None)
+        return version if version is not None and version >= 0 else None
+
     def set_policy_version(self, version: int) -> None:
         self.write("SET", self.keys.policy_version, version)
 

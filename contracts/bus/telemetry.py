@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contracts.bus.hygiene import RedisHygiene
-from contracts.schemas import parse_json
+from contracts.schemas import SMALL_JSON_BYTES, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Telemetry(RedisHygiene):
         out = []
         for _, fields in rows:
             try:
-                record = parse_json(fields[b"m"], "metrics record")
+                record = parse_json(fields[b"m"], "metrics record", SMALL_JSON_BYTES)
             except (KeyError, ValueError):
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
@@ -73,7 +73,7 @@ class Telemetry(RedisHygiene):
             if raw is None:  # expired between the scan and the read (or not a string)
                 continue
             try:
-                info: Any = parse_json(raw, "heartbeat")
+                info: Any = parse_json(raw, "heartbeat", SMALL_JSON_BYTES)
                 if not isinstance(info, dict) or not isinstance(info.get("id"), str):
                     raise ValueError("not a JSON object with a string id")
                 info["age_s"] = round(now - float(info.get("at", now)), 3)
@@ -105,7 +105,8 @@ class Telemetry(RedisHygiene):
                 continue
             try:
                 out[key.decode().rsplit(":", 1)[-1]] = {
-                    k.decode(): parse_json(v, "final stats") for k, v in stats.items()
+                    k.decode(): parse_json(v, "final stats", SMALL_JSON_BYTES)
+                    for k, v in stats.items()
                 }
             except ValueError:
                 continue

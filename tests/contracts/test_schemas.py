@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 
 import pytest
 
 from contracts import schemas
 from contracts.schemas import (
+    MAX_INDEX,
     MAX_JSON_DEPTH,
+    SMALL_JSON_BYTES,
     PromptJob,
     Response,
     RolloutGroup,
@@ -207,9 +210,28 @@ def test_parse_json_bounds_size_and_depth_and_reads_brackets_in_strings_as_text(
     assert isinstance(parse_json(deepest), list)
     with pytest.raises(SchemaError, match="heartbeat nests deeper than 32 levels"):
         parse_json(b"[" + deepest + b"]", "heartbeat")
+    small = b"[" + b"0," * (SMALL_JSON_BYTES // 2) + b"0]"
+    with pytest.raises(SchemaError, match=f"heartbeat is {len(small)} bytes of JSON, over 65536"):
+        parse_json(small, "heartbeat", SMALL_JSON_BYTES)
+    assert len(parse_json(small, "eval history")) == SMALL_JSON_BYTES // 2 + 1  # type: ignore[arg-type]
     monkeypatch.setattr(schemas, "MAX_JSON_BYTES", 8)
     with pytest.raises(SchemaError, match="eval history is 9 bytes of JSON, over 8"):
         parse_json(b"[1,2,3,4]", "eval history")
+
+
+def test_parse_json_takes_time_linear_in_the_text() -> None:
+    """30 KB of escaped quotes behind 40 brackets held the old pre-scan (a regex over strings)
+    1.8 s, growing with the square of the size: 300 KB would take minutes. A heartbeat planted
+    like that must cost a poll no more than any other value of its size."""
+    planted = b"[" * 40 + b'"' + b'\\"' * 100_000  # 300 KB, never closed
+    started = time.perf_counter()
+    with pytest.raises(SchemaError, match="heartbeat is not valid JSON"):
+        parse_json(planted, "heartbeat")
+    assert time.perf_counter() - started < 1.0  # about 1 ms; the old scan: minutes
+    assert parse_json(b'{"idle": NaN, "n": 12345678901234567890}') == {
+        "idle": pytest.approx(float("nan"), nan_ok=True),
+        "n": 12345678901234567890,
+    }
 
 
 def _job_meta(**changes: object) -> dict[bytes, bytes]:
@@ -237,12 +259,32 @@ def _job_meta(**changes: object) -> dict[bytes, bytes]:
         ),
         ({"issued_at": float("nan")}, "issued_at: Input should be a finite number"),
         ({"issued_at": -1.0}, "issued_at: Input should be greater than or equal to 0"),
+        # A job issued "at" version 2**40 parked a replica waiting for that version for ever.
+        ({"issued_version": 2**40}, "issued_version: Input should be less than or equal to"),
+        ({"prompt_index": -1}, "prompt_index: Input should be greater than or equal to 0"),
     ],
 )
 def test_counts_are_bounded_and_times_finite(changes: dict[str, object], message: str) -> None:
     """A planted job must not make a replica generate for ever, nor a NaN reach a mean."""
     with pytest.raises(SchemaError, match=re.escape(f"invalid prompt job: {message}")):
         decode_job(_job_meta(**changes))
+
+
+def test_a_group_generated_by_a_version_past_any_run_does_not_decode() -> None:
+    """policy_version 2**70 crashed the learner's `build_batch` (a tensor of int64): it is now a
+    decoding error, which every reader dead-letters."""
+    for planted in (
+        make_group().model_copy(update={"policy_version": 2**70}),
+        make_group(n=1).model_copy(
+            update={
+                "responses": [
+                    make_group(n=1).responses[0].model_copy(update={"versions": (0, MAX_INDEX + 1)})
+                ]
+            }
+        ),
+    ):
+        with pytest.raises(SchemaError, match="less than or equal to 2147483647"):
+            decode_group(as_wire(encode_group(planted)))
 
 
 def test_a_group_of_more_responses_than_any_sampler_asks_for_does_not_decode() -> None:

@@ -82,6 +82,7 @@ def test_an_evaluation_job_takes_no_update_announced_mid_generation(
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     bus = StreamBus(connect(redis_url), Keys("eval-versions"), consumer="test")
     bus.ensure_groups()
+    bus.set_policy_version(4)  # the learner published the update the replica takes mid-way
     engine = HFEngine(str(tiny_model_dir), seed=0)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     worker = RolloutReplica(cfg, bus.as_consumer("replica"), engine, "replica", StopFlag())

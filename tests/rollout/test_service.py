@@ -236,3 +236,36 @@ def test_rollout_stop_reaches_the_engine_and_ends_a_response_as_stop(
     assert engine.stops == ("\n",)
     [(_, fields)] = bus.redis.xrange(bus.keys.rollouts.stream)
     assert {r.finish_reason for r in decode_group(fields).responses} == {"stop"}
+
+
+def test_a_job_at_a_version_never_published_is_dead_lettered_not_waited_for(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A job claims `issued_version` 2**30 while the learner has published 3: a replica would
+    wait for that version for ever. It is dead-lettered with the reason; the job beside it at
+    the published version is generated."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path}"])
+    bus = StreamBus(connect(redis_url), Keys("rollout-future"), consumer="test")
+    bus.ensure_groups()
+    bus.set_policy_version(3)
+    engine = RecordingEngine()
+    worker = RolloutReplica(cfg, bus.as_consumer("r"), engine, "r", StopFlag())
+    worker.weights.policy_version = 3  # holds the published weights
+    jobs = [
+        PromptJob(
+            group_id=gid,
+            prompt_index=0,
+            prompt_ids=[9],
+            ground_truth="1",
+            issued_at=0.0,
+            issued_version=version,
+        )
+        for gid, version in (("planted", 2**30), ("t0", 3))
+    ]
+    bus.issue([encode_job(job) for job in jobs])
+    worker.handle(worker.bus.read(bus.keys.prompts, count=2, block_ms=None))
+    [(_, generated)] = bus.redis.xrange(bus.keys.rollouts.stream)
+    assert decode_group(generated).job.group_id == "t0"
+    [(_, dead)] = bus.redis.xrange(bus.keys.dead)
+    assert dead[b"group_id"] == b"planted"
+    assert b"issued at version 1073741824, past the published 3" in dead[b"reason"]
