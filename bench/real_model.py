@@ -20,7 +20,10 @@ Evaluation runs on the transformers engine in bf16 on both cores (`EVAL_OVERRIDE
 of the two engines here for short answers); the base figure uses the same settings. Nothing is
 asserted; figures only. A seed takes about 5 minutes of training and 6 of evaluation here.
 
-    .venv/bin/python bench/real_model.py [--seeds 3] [--keep DIR] [overrides...]
+    .venv/bin/python bench/real_model.py [--seeds 3] [--keep DIR] [--label L] [overrides...]
+
+LoRA beside full fine-tuning at the same sample budget: `--label lora learner.lora.enabled=true
+learner.lr=2e-4`.
 
 Last line: `real_model_gain=<median over seeds of the final gain, held-out avg@8 points>`.
 """
@@ -189,9 +192,10 @@ def bare_engine_rate(overrides: list[str], batches: int = 3) -> float:
 
     from contracts.config import load_config
     from contracts.data import encode_prompt, load_prompts
+    from contracts.model_source import with_local_model
     from rollout.engine import make_engine
 
-    cfg = load_config(REPO / CONFIG, overrides)
+    cfg = with_local_model(load_config(REPO / CONFIG, overrides))  # catalog:// -> its folder
     ro = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     records = load_prompts(REPO / cfg.data.train_path)[: (batches + 1) * ro.prompts_per_batch]
@@ -229,7 +233,8 @@ def one_seed(seed: int, run: Path, overrides: list[str], *, reuse: bool) -> dict
     if not (reuse and (run / "summary.json").exists()):
         _, _, peaks = run_preset(run, [*offline, *seeded, *overrides])
     summary = json.loads((run / "summary.json").read_text())
-    rounds = offline_rounds(run, overrides)
+    evaluated = reuse and peaks == {} and (run / OFFLINE_ROUNDS_FILE).exists()
+    rounds = read_rounds(run / OFFLINE_ROUNDS_FILE) if evaluated else offline_rounds(run, overrides)
     speed = step_figures(run / "metrics.jsonl")
     nbytes = weight_bytes(run / "final_model")
     replicas = len(summary.get("replica_final_versions") or {}) or 1
@@ -255,7 +260,10 @@ def main() -> int:
     parser.add_argument(
         "--keep",
         help="keep the runs here (DIR/seed-N) instead of in a temporary directory; a run already "
-        "there with its summary.json is evaluated again, not trained again",
+        "there with its summary.json is not trained again, nor evaluated again once it was",
+    )
+    parser.add_argument(
+        "--label", help="results name suffix (bench/results/DATE-real_model_LABEL.json)"
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, dotted.key=value")
     args = parser.parse_args()
@@ -293,7 +301,7 @@ def main() -> int:
         f"engine alone ({in_run / bare:.2f}x)"
     )
     save_result(
-        "real_model",
+        "real_model" + (f"_{args.label}" if args.label else ""),
         {
             "config": CONFIG,
             "overrides": args.overrides,

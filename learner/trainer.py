@@ -100,6 +100,9 @@ from learner.precision import mixed_precision
 
 log = logging.getLogger(__name__)
 
+MAX_METRICS = ("mismatch_abs_max",)
+"""Metric sums that combine by max (over micro-batches, mini-batches and ranks), not by sum."""
+
 
 class StepTrainer(Protocol):
     """What the learner loop asks of a trainer (`Trainer`, or a test's stand-in)."""
@@ -530,7 +533,7 @@ class Trainer:
             if norm is not None:  # a skipped update's metrics are NaN: they would poison the step's
                 grad_norms.append(norm)
                 for k, v in mini_sums.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                    sums[k] = max(sums.get(k, 0.0), v) if k in MAX_METRICS else sums.get(k, 0.0) + v
         lr = self.scheduler.get_last_lr()[0]
         if grad_norms:
             self.scheduler.step()
@@ -571,6 +574,14 @@ class Trainer:
             # Before the first update the weights are still those the batch arrived to.
             old_mb = logp.detach() if old is None else old[idx].to(self.device)
             off = off_policy[idx].to(self.device)  # (b, 1)
+            behaviour = mb.behaviour_log_prob.to(self.device)
+            # The engine against the learner on the same weights (on-policy tokens: pi_old is
+            # the arrival version's): what bf16 and the engines' kernels make of one policy.
+            on_policy = mask * ~off
+            gap = (old_mb - behaviour).abs() * on_policy
+            sums["mismatch_abs"] = sums.get("mismatch_abs", 0.0) + float(gap.sum())
+            sums["on_policy_tokens"] = sums.get("on_policy_tokens", 0.0) + float(on_policy.sum())
+            sums["mismatch_abs_max"] = max(sums.get("mismatch_abs_max", 0.0), float(gap.max()))
             pg_loss, metrics = policy_loss(
                 logp,
                 old_mb,
@@ -583,7 +594,7 @@ class Trainer:
                 global_tokens=global_tokens,
                 global_seqs=global_seqs,
                 norm_len=float(batch.model_len),
-                behaviour_log_prob=mb.behaviour_log_prob.to(self.device),
+                behaviour_log_prob=behaviour,
                 behaviour_mask=off,
                 is_clip=alg.is_clip,
             )
@@ -659,6 +670,12 @@ class Trainer:
     def _reduce_metrics(
         self, sums: dict[str, float], grad_norms: list[float], lr: float, updates: int
     ) -> dict[str, float]:
+        maxima = {k: sums.pop(k) for k in MAX_METRICS if k in sums}
+        if maxima:
+            top = torch.tensor(list(maxima.values()), dtype=torch.float64, device=self.device)
+            if self.world > 1:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            maxima = dict(zip(maxima, top.tolist(), strict=True))
         keys = sorted(
             sums
         )  # the same on every rank (each skips the same updates); empty when all were
@@ -668,6 +685,8 @@ class Trainer:
         total = dict(zip(keys, t.tolist(), strict=True))
         tokens = max(total.pop("tokens", 0.0), 1.0)
         off_tokens = total.pop("off_policy_tokens", 0.0)
+        on_tokens = total.pop("on_policy_tokens", 0.0)
+        mismatch = total.pop("mismatch_abs", 0.0)
         # The importance weight's metrics are means over off-policy tokens; a step without any
         # (always, under max_staleness 0) reports none rather than a weight no token had.
         behaviour = {k: total.pop(k) for k in BEHAVIOUR_METRICS if k in total}
@@ -676,6 +695,9 @@ class Trainer:
             out |= {f"actor/{k}": v / off_tokens for k, v in behaviour.items()}
         if keys:
             out["actor/off_policy_frac"] = off_tokens / tokens  # share of tokens corrected
+        if on_tokens:  # |learner - engine log-prob| of one policy's tokens: mean and max
+            out["actor/mismatch_abs_mean"] = mismatch / on_tokens
+            out["actor/mismatch_abs_max"] = maxima.get("mismatch_abs_max", 0.0)
         out["actor/pg_loss"] = total.get("pg_loss", 0.0) / max(
             updates, 1
         )  # the policy-gradient term alone

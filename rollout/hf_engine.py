@@ -176,15 +176,18 @@ class HFEngine:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         hook = _EveryStep(between_steps) if between_steps is not None else None  # new weights first
+        greedy = temperature == 0  # as vLLM: the most likely token, seeds or not
         expand: dict[str, object] = {"num_return_sequences": n}
         if self.shared_prefill and n > 1 and width > 1:
             expand = {"past_key_values": self._prefill(ids, mask, n)}
             ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
-        elif seeds is not None:  # greedy decoding takes no num_return_sequences: expand here
+        elif seeds is not None or greedy:  # greedy decoding takes no num_return_sequences
             expand = {}
             ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         sampling: dict[str, object] = (
-            {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
             if seeds is None
             else {  # greedy over Gumbel-perturbed log-probs: one generator per sample
                 "do_sample": False,
@@ -207,8 +210,9 @@ class HFEngine:
             **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
         )
         new = out.sequences[:, width:]  # (B*n, T)
-        logits = torch.stack(out.logits, dim=1).float() / temperature  # (B*n, T, V)
-        if top_p < 1.0:
+        # Log-probs of the distribution sampled from; greedy decoding's, unscaled.
+        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
+        if top_p < 1.0 and not greedy:
             logits = nucleus_mask(logits, top_p)
         logp = (
             torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)

@@ -682,9 +682,13 @@ def run_local(
         bus.close()
         if server is not None:
             server.stop()
+    accuracy = (
+        f"eval accuracy {summary['base_eval_acc']:.3f} -> {summary['final_eval_acc']:.3f}"
+        if cfg.eval.in_run
+        else f"no evaluation in the run (eval.in_run: false; `dapo eval --run {out}`)"
+    )
     sys.stderr.write(
-        f"done in {summary['wall_seconds']:.0f}s: eval accuracy {summary['base_eval_acc']:.3f} -> "
-        f"{summary['final_eval_acc']:.3f} over {summary['steps']} steps; "
+        f"done in {summary['wall_seconds']:.0f}s: {accuracy} over {summary['steps']} steps; "
         f"ledger {summary['ledger']}\n"
         f"summary: {out / 'summary.json'}, per-step metrics: {out / 'metrics.jsonl'}, "
         f"curves: {out / 'curves.svg'}\n"

@@ -80,6 +80,24 @@ def test_a_bf16_step_follows_the_fp32_step(tiny_model_dir: Path) -> None:
     assert float(u32.abs().max()) > 0.5e-4  # the update moved: a real step was compared
 
 
+def test_the_engine_learner_mismatch_is_measured_on_on_policy_tokens(tiny_model_dir: Path) -> None:
+    """`actor/mismatch_abs_mean`/`_max`: |learner log-prob - behaviour log-prob| over tokens the
+    learner's current version generated (one policy, two sets of numerics). Behaviour 0.3 nats
+    under the fp32 learner's own gives 0.3 exactly in fp32; the bf16 learner adds its rounding;
+    off-policy tokens (a version behind) are left out, so a batch of them reports none."""
+    fp32 = trainer_with(tiny_model_dir, "none", "algorithm.mini_batch_groups=4")
+    batch = off_policy_batch(fp32)  # behaviour = the fp32 log-prob - 0.3
+    m32 = fp32.train_step(batch, policy_version=0)  # every row on-policy
+    assert m32["actor/mismatch_abs_mean"] == pytest.approx(0.3, abs=1e-4)
+    assert m32["actor/mismatch_abs_max"] == pytest.approx(0.3, abs=1e-4)
+    bf16 = trainer_with(tiny_model_dir, "bf16", "algorithm.mini_batch_groups=4")
+    m16 = bf16.train_step(batch, policy_version=0)
+    assert m16["actor/mismatch_abs_mean"] == pytest.approx(0.3, abs=0.05)
+    assert m16["actor/mismatch_abs_max"] > 0.3 + 1e-3  # bf16 rounding on top (0.304 seen)
+    behind = trainer_with(tiny_model_dir, "none", "algorithm.mini_batch_groups=4")
+    assert "actor/mismatch_abs_mean" not in behind.train_step(batch, policy_version=1)
+
+
 def test_bf16_compute_keeps_fp32_master_weights_state_checkpoints_and_published_weights(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

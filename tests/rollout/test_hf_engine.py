@@ -44,6 +44,23 @@ def test_behaviour_logprobs_match_a_forward_pass(
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_temperature_zero_is_greedy_decoding(tiny_model_dir: Path) -> None:
+    """As vLLM: temperature 0 takes the most likely token at every step, in every copy of a
+    group and with or without seeds (the skill report's greedy pass@1)."""
+    engine = HFEngine(str(tiny_model_dir), seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    for seeds in (None, [[1, 2], [3, 4]]):
+        out = engine.generate(prompts, n=2, max_tokens=6, temperature=0.0, top_p=1.0, seeds=seeds)
+        for prompt, group in zip(prompts, out, strict=True):
+            assert group[0].token_ids == group[1].token_ids
+            ids = list(prompt)
+            for token in group[0].token_ids:
+                with torch.no_grad():
+                    logits = engine.model(torch.tensor([ids])).logits[0, -1]
+                assert token == int(logits.argmax())
+                ids.append(token)
+
+
 def test_shared_prefill_samples_what_expanded_prompts_sample(tiny_model_dir: Path) -> None:
     """A group's prompt computed once gives the same responses, log-probs and random draws as
     the prompt expanded n times (prompts of unequal length: left padding included)."""
