@@ -57,7 +57,11 @@ def main() -> None:
                 max_tokens=ro.max_response_len,
                 temperature=ro.temperature,
                 top_p=ro.top_p,
-                seed=i,
+                # the same per-sample seeds on both sides (`Engine.generate`): the same draws
+                seeds=[
+                    [(i * len(prompts) + p) * ro.group_size + j for j in range(ro.group_size)]
+                    for p in range(len(prompts))
+                ],
             )
             seconds[shared].append(time.perf_counter() - t0)
             tokens[shared] += sum(len(s.token_ids) for g in groups for s in g)
