@@ -230,10 +230,11 @@ def one_seed(seed: int, run: Path, overrides: list[str], *, reuse: bool) -> dict
     seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"learner.seed={seed}"]
     offline = ["eval.in_run=false", "checkpoint.every_steps=5", "checkpoint.keep_last=100"]
     peaks: dict[str, float] = {}
-    if not (reuse and (run / "summary.json").exists()):
+    trained = not (reuse and (run / "summary.json").exists())
+    if trained:
         _, _, peaks = run_preset(run, [*offline, *seeded, *overrides])
     summary = json.loads((run / "summary.json").read_text())
-    evaluated = reuse and peaks == {} and (run / OFFLINE_ROUNDS_FILE).exists()
+    evaluated = not trained and (run / OFFLINE_ROUNDS_FILE).exists()
     rounds = read_rounds(run / OFFLINE_ROUNDS_FILE) if evaluated else offline_rounds(run, overrides)
     speed = step_figures(run / "metrics.jsonl")
     nbytes = weight_bytes(run / "final_model")
