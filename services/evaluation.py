@@ -139,7 +139,7 @@ def evaluate_checkpoints(
         metrics, per_problem = evaluate(engine, tokenizer, records, prompts, cfg, tools=tools)
         rounds.append(
             Round(
-                step=int(ckpt.meta["step"]),
+                step=ckpt.step,
                 rl_seconds=float(ckpt.meta.get("rl_seconds", 0.0)),
                 per_problem=tuple(per_problem),
                 policy_version=int(ckpt.meta.get("policy_version", 0)),
@@ -173,8 +173,12 @@ def main(
         cfg = cfg.model_copy(
             update={"eval": cfg.eval.model_copy(update={"samples_per_problem": samples})}
         )
-    if run_dir is not None and not list_checkpoints(Path(run_dir) / "checkpoints"):
-        raise SystemExit(f"dapo eval: {run_dir}/checkpoints holds no committed checkpoint")
+    # The run's checkpoint store, as the run found it (`checkpoint.dir`, else under its output).
+    store = (
+        None if run_dir is None else cfg.model_copy(update={"output_dir": run_dir}).checkpoint_dir
+    )
+    if store is not None and not list_checkpoints(store):
+        raise SystemExit(f"dapo eval: {store} holds no committed checkpoint")
     path = model_dir or cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     records, prompts = eval_prompts(cfg, tokenizer)
@@ -183,12 +187,11 @@ def main(
     engine = make_engine(cfg, path)
     tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
     try:
-        if run_dir is not None:
-            run = Path(run_dir)
+        if run_dir is not None and store is not None:
             rounds = evaluate_checkpoints(
-                engine, tokenizer, records, prompts, cfg, run / "checkpoints", tools=tools
+                engine, tokenizer, records, prompts, cfg, store, tools=tools
             )
-            (run / OFFLINE_ROUNDS_FILE).write_text(
+            (Path(run_dir) / OFFLINE_ROUNDS_FILE).write_text(
                 "".join(json.dumps(r.to_json()) + "\n" for r in rounds)
             )
             for r in rounds:
