@@ -11,12 +11,17 @@ that throws groups away (dynamic sampling) pays for the samples it filters. Runs
 `<out>/<rung>/seed<k>/`; a run whose `summary.json` records a completed run is not redone, so an
 interrupted ladder resumes where it stopped (an unfinished run is started again from scratch).
 
-From each run's `summary.json` and `metrics.jsonl` the report takes: the final evaluation
-accuracy, the generated responses at the first evaluation at least `gain` above the run's own
-base evaluation, the share of groups the gatekeeper filtered, the truncation rate of generated
-training responses (kept or filtered) and the policy entropy at the end. It writes `ablation.md`
-(the table), `ablation.json` (every figure, per run) and `ablation.svg` (accuracy and entropy
-against generated responses, mean and standard deviation over seeds).
+From each run's `summary.json`, `metrics.jsonl` and `eval_rounds.jsonl` the report takes: every
+evaluation round problem by problem, credited to the responses generated up to the step whose
+weights it measured; the share of groups the gatekeeper filtered; the truncation rate of generated
+training responses (kept or filtered); and the policy entropy at the end. Evaluation is paired
+(`eval.seed`: the same problems and per-sample seeds in every run), so every run's first round
+measures the same base weights the same way: one common base for every rung. Per rung, the seeds'
+rounds are pooled problem by problem, and its final accuracy, its gain over naive GRPO and its mean
+gain over the base across the budget carry percentile-bootstrap 95% intervals over problems
+(`contracts.eval_stats`); the spread between seeds is shown beside them. It writes `ablation.md`
+(the table), `ablation.json` (every figure, per run and per rung) and `ablation.svg` (accuracy and
+entropy against generated responses, mean and standard deviation over seeds).
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from contracts.config import DapoConfig, load_config
+from contracts.eval_stats import EVAL_ROUNDS_FILE, accuracy_interval, read_rounds
 from contracts.keys import Counter
 from services.provenance import provenance
 
@@ -121,11 +129,14 @@ class RunResult:
     rung: str
     seed: int
     base_acc: float
+    """The run's first round (the base weights); the same in every run when evaluation is
+    paired."""
     final_acc: float
     samples: int
     """Responses requested for training over the run (issued prompt jobs x group size)."""
     samples_to_target: float | None
-    """Responses generated when an evaluation first reached base + gain; None: not reached."""
+    """Responses generated when an evaluation first reached the common base + gain; None: not
+    reached."""
     samples_to_early_target: float | None
     """The same for base + EARLY_GAIN (10 points): how fast a rung starts learning."""
     filtered_share: float
@@ -137,6 +148,34 @@ class RunResult:
     """(responses generated, eval accuracy) of every evaluation round."""
     entropy_curve: list[tuple[float, float]] = field(default_factory=list)
     """(responses generated, mean token entropy of the step's training batch)."""
+    base_problems: list[float] = field(default_factory=list, repr=False)
+    """Per-problem accuracy of the first round (the report's common base)."""
+    final_problems: list[float] = field(default_factory=list, repr=False)
+    """Per-problem accuracy of the last round."""
+    mean_problems: list[float] = field(default_factory=list, repr=False)
+    """Per-problem accuracy averaged over the budget (`mean_over_budget`)."""
+
+    def to_json(self) -> dict[str, object]:
+        """Every figure but the per-problem lists (the rung statistics summarise them)."""
+        out = asdict(self)
+        for key in ("base_problems", "final_problems", "mean_problems"):
+            out.pop(key)
+        return out
+
+
+def mean_over_budget(
+    xs: Sequence[float], per_problem: Sequence[Sequence[float]], end: float
+) -> list[float]:
+    """Each problem's accuracy averaged over generated responses from the first round to `end`
+    (the budget): each round's accuracy holds until the next round (the area under the step-wise
+    curve over its length). Linear in the rounds, so the pooled statistics resample it like an
+    accuracy. A second measure beside the final round: it counts how early a rung learned."""
+    rounds = np.asarray(per_problem, dtype=float)
+    bounds = np.asarray([*xs[1:], end], dtype=float)
+    widths = np.clip(bounds - np.asarray(xs, dtype=float), 0.0, None)
+    if widths.sum() <= 0:
+        return [float(v) for v in rounds[-1]]
+    return [float(v) for v in widths @ rounds / widths.sum()]
 
 
 # --- running ----------------------------------------------------------------------------------
@@ -233,7 +272,11 @@ def _run_subprocess(cmd: list[str], path: Path) -> int:
 
 
 # --- reading runs -----------------------------------------------------------------------------
-def read_run(path: Path, rung: str, seed: int, *, group_size: int, gain: float) -> RunResult:
+def read_run(
+    path: Path, rung: str, seed: int, *, group_size: int, gain: float, base: float | None = None
+) -> RunResult:
+    """One run's figures. `base`: the common base accuracy the targets are measured from (None:
+    this run's own first round)."""
     summary = json.loads((path / "summary.json").read_text())
     metrics = [
         json.loads(line)
@@ -242,12 +285,20 @@ def read_run(path: Path, rung: str, seed: int, *, group_size: int, gain: float) 
     ]
     issued_at = {int(m["step"]): float(m.get("ledger/issued", 0.0)) * group_size for m in metrics}
     issued_at[0] = 0.0
-    evals = [(int(step), float(acc)) for step, acc, *_ in summary["eval_history"]]
-    acc_curve = [(issued_at.get(step, math.nan), acc) for step, acc in evals]
-    base = float(summary["base_eval_acc"])
+    if not (path / EVAL_ROUNDS_FILE).exists():
+        raise ValueError(
+            f"{path} has no {EVAL_ROUNDS_FILE}: the ladder needs every run's rounds per problem "
+            "(runs from before evaluation was paired cannot be reported; run them again)"
+        )
+    # Each round is credited to the step whose weights produced it (Round.step).
+    rounds = [r for r in read_rounds(path) if r.step in issued_at]
+    if not rounds:
+        raise ValueError(f"{path}: no evaluation round at a step the metrics know")
+    acc_curve = [(issued_at[r.step], r.acc) for r in rounds]
+    start = base if base is not None else rounds[0].acc
 
     def first_reaching(target: float) -> float | None:
-        return next((samples for samples, acc in acc_curve if acc >= base + target - 1e-9), None)
+        return next((samples for samples, acc in acc_curve if acc >= start + target - 1e-9), None)
 
     entropy_curve = [
         (issued_at[int(m["step"])], float(m["actor/entropy"]))
@@ -270,12 +321,13 @@ def read_run(path: Path, rung: str, seed: int, *, group_size: int, gain: float) 
             for m in metrics
             if "response_length/clip_ratio" in m
         ]
+    samples = int(max(issued_at.values()))
     return RunResult(
         rung=rung,
         seed=seed,
-        base_acc=base,
-        final_acc=float(summary["final_eval_acc"]),
-        samples=int(max(issued_at.values())),
+        base_acc=rounds[0].acc,
+        final_acc=rounds[-1].acc,
+        samples=samples,
         samples_to_target=first_reaching(gain),
         samples_to_early_target=first_reaching(EARLY_GAIN),
         filtered_share=ledger["filtered"] / gated if gated else 0.0,
@@ -285,20 +337,46 @@ def read_run(path: Path, rung: str, seed: int, *, group_size: int, gain: float) 
         steps=int(summary["steps"]),
         acc_curve=acc_curve,
         entropy_curve=entropy_curve,
+        base_problems=list(rounds[0].per_problem),
+        final_problems=list(rounds[-1].per_problem),
+        mean_problems=mean_over_budget(
+            [x for x, _ in acc_curve], [r.per_problem for r in rounds], samples
+        ),
     )
+
+
+def common_base(paths: Sequence[Path]) -> tuple[float, bool]:
+    """The base every target is measured from: the mean of the runs' first rounds, and whether
+    they were all the same (paired evaluation of the same base weights)."""
+    firsts = [read_rounds(p)[0].per_problem for p in paths if (p / EVAL_ROUNDS_FILE).exists()]
+    if not firsts:
+        return math.nan, False
+    if len({len(f) for f in firsts}) != 1:
+        raise ValueError("the runs evaluated different numbers of problems: not one ladder")
+    identical = all(f == firsts[0] for f in firsts)
+    return float(np.mean(firsts)), identical
+
+
+@dataclass
+class Ladder:
+    """The completed runs of a ladder, read against one common base."""
+
+    runs: list[RunResult]
+    base: float
+    """Accuracy of the base weights: the mean of the runs' first rounds."""
+    paired: bool
+    """Every run's first round was the same, problem by problem (paired evaluation)."""
 
 
 def read_ladder(
     out: Path, cfg: DapoConfig, *, seeds: int, gain: float, rungs: Sequence[Rung] = LADDER
-) -> list[RunResult]:
-    results = []
+) -> Ladder:
+    done = []
     for rung in rungs:
         for seed in range(seeds):
             path = run_dir(out, rung, seed)
             if completed(path):
-                results.append(
-                    read_run(path, rung.key, seed, group_size=cfg.rollout.group_size, gain=gain)
-                )
+                done.append((rung, seed, path))
             else:
                 log.warning(
                     "%s seed %d did not complete (see %s): left out of the table",
@@ -306,10 +384,68 @@ def read_ladder(
                     seed,
                     path / "run.log",
                 )
-    return results
+    base, paired = common_base([path for _, _, path in done])
+    runs = [
+        read_run(path, rung.key, seed, group_size=cfg.rollout.group_size, gain=gain, base=base)
+        for rung, seed, path in done
+    ]
+    return Ladder(runs, base, paired)
 
 
 # --- the report -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RungStats:
+    """A rung's seeds pooled problem by problem (each problem's accuracy averaged over the
+    seeds' rounds), with percentile-bootstrap 95% intervals over problems. The intervals say how
+    sure the evaluation is of these runs' figures; the seeds' own spread is shown beside them."""
+
+    rung: str
+    runs: int
+    final: float
+    final_ci: tuple[float, float]
+    seeds_final: list[float]
+    vs_first: float | None
+    """Final accuracy minus the first rung's (naive GRPO's), paired over problems."""
+    vs_first_ci: tuple[float, float] | None
+    mean_gain: float
+    """Accuracy averaged over the budget minus the common base (`mean_over_budget`)."""
+    mean_gain_ci: tuple[float, float]
+
+
+def rung_stats(ladder: Ladder, rungs: Sequence[Rung] = LADDER) -> list[RungStats]:
+    """One `RungStats` per rung that has runs; the first rung with runs is the reference."""
+    if not ladder.runs:
+        return []
+    base = np.mean([r.base_problems for r in ladder.runs], axis=0)
+    pooled = {}
+    for rung in rungs:
+        rows = [r for r in ladder.runs if r.rung == rung.key]
+        if rows:
+            pooled[rung.key] = (
+                rows,
+                np.mean([r.final_problems for r in rows], axis=0),
+                np.mean([r.mean_problems for r in rows], axis=0) - base,
+            )
+    first = next(iter(pooled))
+    out = []
+    for key, (rows, final, gain) in pooled.items():
+        diff = final - pooled[first][1] if key != first else None
+        out.append(
+            RungStats(
+                rung=key,
+                runs=len(rows),
+                final=float(final.mean()),
+                final_ci=accuracy_interval(final),
+                seeds_final=[r.final_acc for r in rows],
+                vs_first=float(diff.mean()) if diff is not None else None,
+                vs_first_ci=accuracy_interval(diff) if diff is not None else None,
+                mean_gain=float(gain.mean()),
+                mean_gain_ci=accuracy_interval(gain),
+            )
+        )
+    return out
+
+
 def _mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
     if not values:
         return "-"
@@ -324,27 +460,43 @@ def _reached(samples: Sequence[float | None]) -> str:
     hit = [s for s in samples if s is not None]
     if not hit:
         return f"not reached (0/{len(samples)})"
-    return f"{_mean_std(hit, 1000, 1)} ({len(hit)}/{len(samples)} reached)"
+    return f"{_mean_std(hit, 1000, 1)} ({len(hit)}/{len(samples)})"
 
 
-def table(results: Sequence[RunResult], *, gain: float, rungs: Sequence[Rung] = LADDER) -> str:
+def _points(value: float, ci: tuple[float, float]) -> str:
+    """A difference of accuracies in points with its interval: `+7.0 (+4.1..+9.8)`."""
+    return f"{value * 100:+.1f} ({ci[0] * 100:+.1f}..{ci[1] * 100:+.1f})"
+
+
+def table(ladder: Ladder, *, gain: float, rungs: Sequence[Rung] = LADDER) -> str:
+    first = next((r.label for r in rungs if any(x.rung == r.key for x in ladder.runs)), "-")
     head = (
-        "| rung | runs | final accuracy | base accuracy "
-        f"| responses to base + {gain * 100:.0f} pts (k) "
-        f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) | groups filtered | truncated "
+        "| rung | runs | final accuracy (95% CI) | seeds | "
+        f"vs {first}, points (95% CI) | mean gain over the budget, points (95% CI) "
+        f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) "
+        f"| responses to base + {gain * 100:.0f} pts (k) | groups filtered | truncated "
         "| entropy at end | wall s / run |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
+    stats = {st.rung: st for st in rung_stats(ladder, rungs)}
     for rung in rungs:
-        rows = [r for r in results if r.rung == rung.key]
+        rows = [r for r in ladder.runs if r.rung == rung.key]
         if not rows:
-            lines.append(f"| {rung.label} | 0 | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {rung.label} | 0 |" + " - |" * 10)
             continue
+        st = stats[rung.key]
+        vs = (
+            "-"
+            if st.vs_first is None or st.vs_first_ci is None
+            else (_points(st.vs_first, st.vs_first_ci))
+        )
         lines.append(
-            f"| {rung.label} | {len(rows)} | {_mean_std([r.final_acc for r in rows])} "
-            f"| {_mean_std([r.base_acc for r in rows])} "
-            f"| {_reached([r.samples_to_target for r in rows])} "
+            f"| {rung.label} | {len(rows)} "
+            f"| {st.final:.3f} ({st.final_ci[0]:.3f}-{st.final_ci[1]:.3f}) "
+            f"| {' '.join(f'{a:.2f}' for a in st.seeds_final)} "
+            f"| {vs} | {_points(st.mean_gain, st.mean_gain_ci)} "
             f"| {_reached([r.samples_to_early_target for r in rows])} "
+            f"| {_reached([r.samples_to_target for r in rows])} "
             f"| {_mean_std([r.filtered_share for r in rows], digits=2)} "
             f"| {_mean_std([r.truncation_rate for r in rows])} "
             f"| {_mean_std([r.final_entropy for r in rows])} "
@@ -372,7 +524,12 @@ def _on_grid(
 
 
 def plot(
-    results: Sequence[RunResult], path: Path, *, rungs: Sequence[Rung] = LADDER, points: int = 24
+    results: Sequence[RunResult],
+    path: Path,
+    *,
+    rungs: Sequence[Rung] = LADDER,
+    points: int = 24,
+    base: float | None = None,
 ) -> None:
     """Two panels against generated responses: eval accuracy and policy entropy, per rung the mean
     over seeds (curves interpolated onto a common grid) with a band/bars of one standard
@@ -411,6 +568,8 @@ def plot(
                     [m + s for m, s in zip(means, stds, strict=True)],
                     alpha=0.15,
                 )
+    if base is not None and not math.isnan(base):
+        acc_ax.axhline(base, color="grey", linestyle=":", linewidth=1, label="base weights")
     acc_ax.set(
         title="evaluation accuracy (mean ± std over seeds)",
         xlabel="generated responses (thousands)",
@@ -437,7 +596,7 @@ class Report:
 
 
 def write_report(
-    results: Sequence[RunResult],
+    ladder: Ladder,
     out: Path,
     *,
     gain: float,
@@ -446,22 +605,35 @@ def write_report(
     rungs: Sequence[Rung] = LADDER,
 ) -> Report:
     md, data, fig = out / "ablation.md", out / "ablation.json", out / "ablation.svg"
-    plot(results, fig, rungs=rungs)
+    results = ladder.runs
+    plot(results, fig, rungs=rungs, base=ladder.base)
     why = "\n".join(f"- **{r.label}**: {r.why}." for r in rungs)
     made = provenance()
+    problems = len(results[0].final_problems) if results else 0
+    paired = (
+        "every run's first round was the same, problem by problem (paired evaluation)"
+        if ladder.paired
+        else "the runs' first rounds differed (evaluation not paired: the base is their mean)"
+    )
     md.write_text(
         "# DAPO ablation ladder\n\n"
         f"Command: `{command}`\n\n"
         f"Date {made['date']}, commit {made['commit']}, machine: {made['machine']}.\n\n"
-        f"{table(results, gain=gain, rungs=rungs)}\n\n"
-        "Columns: final accuracy is the last evaluation (avg@k on the eval set); responses to "
-        "target count the training responses requested until the first evaluation at least "
-        f"{gain * 100:.0f} points above the run's own base evaluation (the mean is over the runs "
-        f"that reached it), and the same for +{EARLY_GAIN * 100:.0f} points; groups filtered is "
-        "the share the gatekeeper dropped; truncated is the share of generated training "
-        "responses cut at max_response_len (kept or filtered); entropy is the mean token "
-        "entropy of the last tenth of training steps. Every run stops at the same sample "
-        "budget.\n\n"
+        f"Base weights: accuracy {ladder.base:.3f} on {problems} held-out problems; {paired}.\n\n"
+        f"{table(ladder, gain=gain, rungs=rungs)}\n\n"
+        "Columns: final accuracy is the last evaluation round (avg@k), each problem's accuracy "
+        "averaged over the rung's seeds, with a percentile-bootstrap 95% interval over problems "
+        "(how sure the evaluation is of these runs); seeds lists each seed's own final accuracy "
+        "(how much training itself varies). The comparison with the first rung is paired: the "
+        "same problems resampled in both. Mean gain over the budget is each round's accuracy "
+        "held until the next one, averaged over the generated responses of the whole budget, "
+        "minus the base: it rewards learning early, not only ending high. Responses to a target "
+        "count the training responses requested until the first evaluation that many points "
+        "above the common base (mean ± std over the seeds that reached it, and how many did); "
+        "groups filtered is the share the gatekeeper dropped; truncated is the share of "
+        "generated training responses cut at max_response_len (kept or filtered); entropy is the "
+        "mean token entropy of the last tenth of training steps. Every run stops at the same "
+        "sample budget.\n\n"
         f"What each rung adds:\n\n{why}\n\n"
         f"Wall time: {sum(r.wall_s for r in results) / 60:.1f} min for the {len(results)} runs "
         f"(each `dapo run` from start to exit); this invocation took {wall_s / 60:.1f} min "
@@ -475,7 +647,11 @@ def write_report(
                 "command": command,
                 "gain": gain,
                 "wall_s": wall_s,
-                "runs": [asdict(r) for r in results],
+                "base_acc": ladder.base,
+                "paired": ladder.paired,
+                "problems": problems,
+                "rungs": [asdict(st) for st in rung_stats(ladder, rungs)],
+                "runs": [r.to_json() for r in results],
             },
             indent=1,
         )
@@ -529,7 +705,7 @@ def ablate(
 
     prepare(cfg)  # the shared base model and data, built once before the first run's clock starts
     run_ladder(config, out, seeds=seeds, extra=extra, rungs=chosen)
-    results = read_ladder(out, cfg, seeds=seeds, gain=gain, rungs=chosen)
+    ladder = read_ladder(out, cfg, seeds=seeds, gain=gain, rungs=chosen)
     return write_report(
-        results, out, gain=gain, command=command, wall_s=time.monotonic() - t0, rungs=chosen
+        ladder, out, gain=gain, command=command, wall_s=time.monotonic() - t0, rungs=chosen
     )

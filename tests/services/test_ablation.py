@@ -9,13 +9,17 @@ from pathlib import Path
 import pytest
 
 from contracts.config import load_config
+from contracts.eval_stats import EVAL_ROUNDS_FILE, Round
 from services.ablation import (
     LADDER,
     NAIVE_GRPO,
+    Ladder,
+    common_base,
     read_run,
     run_dir,
     run_ladder,
     rung_overrides,
+    rung_stats,
     table,
     write_report,
 )
@@ -61,8 +65,10 @@ def fake_run(
     entropy: float = 1.0,
     clip_ratio: float = 0.1,
     counters: dict[str, int] | None = None,
+    problems: list[list[float]] | None = None,
 ) -> None:
-    """What `dapo run` leaves behind, in the shape `read_run` reads."""
+    """What `dapo run` leaves behind, in the shape `read_run` reads. Each round's per-problem
+    accuracies are `problems[i]` when given, else 4 problems at the round's accuracy."""
     path.mkdir(parents=True, exist_ok=True)
     summary = {
         "base_eval_acc": base,
@@ -86,6 +92,11 @@ def fake_run(
         for s in range(1, steps + 1)
     ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rounds = [
+        Round(step=s, rl_seconds=float(s), per_problem=tuple(problems[i] if problems else [a] * 4))
+        for i, (s, a) in enumerate(evals)
+    ]
+    (path / EVAL_ROUNDS_FILE).write_text("".join(json.dumps(r.to_json()) + "\n" for r in rounds))
 
 
 def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_entropy(
@@ -106,6 +117,9 @@ def test_a_run_is_read_into_samples_to_target_filter_share_truncation_and_final_
     assert run.samples_to_early_target == 10 * 32 * 8  # >= 0.30: step 10
     assert run.acc_curve[0] == (0.0, 0.2) and run.acc_curve[-1] == (30 * 32 * 8, 0.5)
     assert run.samples == 30 * 32 * 8
+    # Averaged over the budget: rounds at 0, 10 and 20 steps each hold for a third of it (the
+    # last round, at the budget's end, for none).
+    assert run.mean_problems == pytest.approx([(0.2 + 0.3 + 0.46) / 3] * 4)
     assert run.filtered_share == pytest.approx(160 / (480 + 160))
     assert run.truncation_rate == pytest.approx(0.25)
     assert run.final_entropy == pytest.approx(
@@ -140,12 +154,12 @@ def test_the_table_counts_runs_that_never_reached_the_target_honestly(tmp_path: 
         read_run(tmp_path / "b", "dapo", 1, group_size=8, gain=0.25),
         read_run(tmp_path / "c", "grpo", 0, group_size=8, gain=0.25),
     ]
-    text = table(runs, gain=0.25)
+    text = table(Ladder(runs, 0.2, True), gain=0.25)
     dapo_row = next(line for line in text.splitlines() if line.startswith("| + dynamic sampling"))
     grpo_row = next(line for line in text.splitlines() if line.startswith("| naive GRPO"))
     assert (
-        "(1/2 reached)" in dapo_row and "0.400 ± 0.141" in dapo_row
-    )  # final accuracy mean ± std over 2 seeds
+        "(1/2)" in dapo_row and "| 0.400 (0.400-0.400) | 0.50 0.30 |" in dapo_row
+    )  # final accuracy pooled over the 2 seeds' problems, then each seed's
     assert "not reached (0/1)" in grpo_row
     assert (
         next(line for line in text.splitlines() if line.startswith("| + clip-higher"))
@@ -223,10 +237,18 @@ def test_the_report_writes_the_table_the_data_and_the_plot(tmp_path: Path) -> No
     )
     runs = [read_run(tmp_path / "r", "grpo", 0, group_size=8, gain=0.25)]
     report = write_report(
-        runs, tmp_path, gain=0.25, command="dapo ablate --config x", wall_s=60.0, rungs=LADDER[:1]
+        Ladder(runs, 0.2, True),
+        tmp_path,
+        gain=0.25,
+        command="dapo ablate --config x",
+        wall_s=60.0,
+        rungs=LADDER[:1],
     )
-    assert "| naive GRPO | 1 | 0.600 ± 0.000" in report.markdown.read_text()
-    assert json.loads(report.data.read_text())["runs"][0]["samples_to_target"] == 10 * 16 * 8
+    assert "| naive GRPO | 1 | 0.600 (0.600-0.600) | 0.60 |" in report.markdown.read_text()
+    data = json.loads(report.data.read_text())
+    assert data["runs"][0]["samples_to_target"] == 10 * 16 * 8
+    assert "final_problems" not in data["runs"][0]  # the rung figures summarise them
+    assert data["rungs"][0]["final"] == pytest.approx(0.6)
     assert report.figure.read_text().lstrip().startswith("<?xml")
 
 
@@ -260,3 +282,48 @@ def test_a_ladder_whose_config_skips_prompts_is_refused_before_any_run(
     err = capsys.readouterr().err
     assert "algorithm.prompt_skip.enabled=true needs algorithm.gatekeeper=true" in err
     assert not any(tmp_path.iterdir())  # no run was started
+
+
+def test_rungs_are_pooled_problem_by_problem_and_compared_paired_against_one_common_base(
+    tmp_path: Path,
+) -> None:
+    """Two rungs, two seeds each, ten problems: the first rounds are identical (paired), so the
+    common base is that round; a rung's final accuracy pools its seeds per problem; the
+    difference between rungs resamples the same problems in both, so a gain every problem shares
+    has a tight interval even though the problems' accuracies spread widely."""
+    base = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    paths = []
+    for rung, lift in (("grpo", 0.0), ("dapo", 0.05)):
+        for seed in range(2):
+            path = tmp_path / rung / f"seed{seed}"
+            final = [min(1.0, b + lift + 0.02 * seed) for b in base]
+            fake_run(
+                path,
+                base=0.45,
+                evals=[(0, 0.45), (10, sum(final) / 10)],
+                issued_per_step=16,
+                steps=10,
+                problems=[base, final],
+            )
+            paths.append((rung, seed, path))
+    assert common_base([p for *_, p in paths]) == (pytest.approx(0.45), True)
+    runs = [read_run(p, r, s, group_size=8, gain=0.25, base=0.45) for r, s, p in paths]
+    grpo, dapo = rung_stats(Ladder(runs, 0.45, True), LADDER)
+    assert grpo.final == pytest.approx(0.46) and grpo.vs_first is None
+    assert grpo.final_ci[1] - grpo.final_ci[0] > 0.2  # the problems spread from 0.0 to 0.9
+    assert dapo.vs_first == pytest.approx(0.05)  # every problem 5 points up, in both seeds
+    assert dapo.vs_first_ci is not None and 0.04 < dapo.vs_first_ci[0] < dapo.vs_first_ci[1] < 0.06
+    # Mean gain over the budget: the base round holds for the whole budget (the final round is at
+    # its end), so no rung has gained anything on average yet.
+    assert dapo.mean_gain == pytest.approx(0.0)
+    # Unpaired first rounds are reported as such.
+    other = tmp_path / "other"
+    fake_run(
+        other,
+        base=0.5,
+        evals=[(0, 0.5), (10, 0.6)],
+        issued_per_step=16,
+        steps=10,
+        problems=[[0.5] * 10, [0.6] * 10],
+    )
+    assert common_base([paths[0][2], other])[1] is False
