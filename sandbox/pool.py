@@ -15,11 +15,18 @@ each returning a `CallResult`; nothing a call does can make it raise or hang:
 
 Each worker runs as `python -I` (no PYTHON* variables, no working directory on the import
 path) in a new session, in a private empty working directory, with an environment of PATH,
-HOME, TMPDIR and LANG only (no credentials of this process), under the limits of
-`sandbox.worker` (address space, file sizes, open files; no network sockets; no new processes
-unless `allow_processes`). Where the host allows user namespaces (`unshare -rn`), the worker
-also runs in a network namespace of its own (`Sandbox.network_isolation` says which applies).
-The function itself runs with this user's file permissions: it can read what this user can.
+HOME, TMPDIR and LANG only (no credentials of this process) and no inherited descriptor but its
+pipes, under the limits of `sandbox.worker` and the confinement of `sandbox.confine` (Landlock
+and seccomp: no file outside its directory written, no run directory read, no network, no new
+process, no signal or ptrace to another process). Where the host allows user namespaces
+(`unshare -rn`) the worker also gets a network namespace of its own; when this process runs as
+root the worker runs as `nobody` (uid 65534), with RLIMIT_NPROC. A worker that got neither
+Landlock nor seccomp is refused (`SandboxStartError`) unless `DAPO_SANDBOX_ALLOW_UNCONFINED=1`;
+`Sandbox.confinement` says what the workers got.
+
+Workers are started from one thread that lives as long as the sandbox: the parent-death signal
+fires when the starting thread ends, so a worker dies with the sandbox, not with a caller's
+thread.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import functools
 import logging
 import os
 import queue
+import secrets
 import shutil
 import signal
 import subprocess
@@ -42,6 +50,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final
 
+from sandbox.confine import LAYERS, UNCONFINED_ENV, UNPRIVILEGED_UID, Confinement
 from sandbox.frames import FrameError, FrameReader, FrameTimeout, encode
 
 log = logging.getLogger(__name__)
@@ -76,19 +85,59 @@ def _result(reply: dict[str, Any]) -> CallResult:
 
 @functools.cache
 def network_namespace_available() -> bool:
-    """Whether `unshare -rn` can start a process here (user namespaces allowed, the tool on
-    PATH); containers with the default seccomp profile usually refuse it."""
+    """Whether `unshare` can start a process in a network namespace here (as root directly,
+    else in a user namespace of its own, `-rn`); containers with the default seccomp profile
+    usually refuse it."""
     if shutil.which("unshare") is None:
         return False
+    probe = ["unshare", "-n", "true"] if os.geteuid() == 0 else ["unshare", "-rn", "true"]
     try:
-        return (
-            subprocess.run(
-                ["unshare", "-rn", "true"], capture_output=True, timeout=10, check=False
-            ).returncode
-            == 0
+        return subprocess.run(probe, capture_output=True, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@functools.cache
+def other_uid_available() -> bool:
+    """Whether workers can run as `nobody`: this process is root and `nobody` can start the
+    interpreter (a Python installed under /root is not readable by it: the workers then keep
+    this uid, and the log says so)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", "pass"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+            cwd="/",
+            user=UNPRIVILEGED_UID,
+            group=UNPRIVILEGED_UID,
+            extra_groups=[],
         )
     except (OSError, subprocess.SubprocessError):
         return False
+    if done.returncode != 0:
+        log.warning(
+            "sandbox workers keep the services' uid: uid %d cannot run %s",
+            UNPRIVILEGED_UID,
+            sys.executable,
+        )
+    return done.returncode == 0
+
+
+def _launch(network_namespace: bool, own_uid: bool) -> tuple[list[str], dict[str, Any]]:
+    """The command prefix and Popen arguments that start a worker: in a network namespace where
+    allowed, as `nobody` when this process is root (unshare drops the uid and the supplementary
+    groups after it made the namespace; without unshare, Popen does)."""
+    if os.geteuid() != 0:
+        return (["unshare", "-rn", "--"] if network_namespace else []), {}
+    if not own_uid:
+        return (["unshare", "-n", "--"] if network_namespace else []), {}
+    ids = str(UNPRIVILEGED_UID)
+    if network_namespace:
+        return ["unshare", "-n", "-S", ids, "-G", ids, "--"], {}
+    return [], {"user": UNPRIVILEGED_UID, "group": UNPRIVILEGED_UID, "extra_groups": []}
 
 
 class _Worker:
@@ -96,13 +145,15 @@ class _Worker:
 
     def __init__(self, sandbox: Sandbox) -> None:
         self.home = tempfile.mkdtemp(prefix="dapo-sandbox-")
+        if sandbox.own_uid:
+            os.chown(self.home, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": self.home,
             "TMPDIR": self.home,
             "LANG": "C.UTF-8",
         }
-        prefix = ["unshare", "-rn", "--"] if sandbox.network_isolation == "namespace" else []
+        prefix, drop = _launch(sandbox.network_isolation == "namespace", sandbox.own_uid)
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-I", str(WORKER_SCRIPT)],
             stdin=subprocess.PIPE,
@@ -112,6 +163,7 @@ class _Worker:
             cwd=self.home,
             start_new_session=True,  # its own process group: a kill takes its children too
             close_fds=True,
+            **drop,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin: IO[bytes] = self.proc.stdin
@@ -156,6 +208,7 @@ class Sandbox:
         start_timeout_s: float = 30.0,
         calls_per_worker: int | None = None,
         paths: list[str] | None = None,
+        layers: tuple[str, ...] = LAYERS,
     ) -> None:
         if workers < 1 or timeout_s <= 0:
             raise ValueError("a sandbox needs at least one worker and a positive time limit")
@@ -163,7 +216,10 @@ class Sandbox:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.calls_per_worker = calls_per_worker
-        self.network_isolation = "namespace" if network_namespace_available() else "audit-hook"
+        self.network_isolation = "namespace" if network_namespace_available() else "none"
+        self.own_uid = other_uid_available()
+        self.confinement: Confinement | None = None
+        """What the last worker started got (`sandbox.confine`)."""
         self.hello = {
             "function": function,
             # The caller's import path, absolute: the worker finds the function where we do.
@@ -172,7 +228,13 @@ class Sandbox:
             "max_result_chars": max_result_chars,
             "allow_processes": allow_processes,
             "cpu_seconds": timeout_s,  # a call cannot burn more CPU than its wall-clock limit
+            "parent": os.getpid(),
+            "network_namespace": self.network_isolation == "namespace",
+            "own_uid": self.own_uid,
+            "layers": list(layers),
         }
+        # Every worker is started from this one thread (see the module docstring).
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="sandbox-spawn")
         self.calls = self.errors = self.timeouts = self.restarts = 0
         self._count = threading.Lock()
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -189,7 +251,7 @@ class Sandbox:
 
     # --- workers ---------------------------------------------------------------------------
     def _start(self) -> _Worker:
-        worker = _Worker(self)
+        worker = self._spawner.submit(_Worker, self).result()
         try:
             worker.send(self.hello)
             reply = worker.reader.read(time.monotonic() + self.start_timeout_s)
@@ -200,9 +262,27 @@ class Sandbox:
             ) from None
         if reply.get("ready") is not True:
             worker.kill()
-            raise SandboxStartError(
-                f"{self.function} could not be loaded in the sandbox: {reply.get('error')}"
+            hint = (
+                f" (the worker runs as uid {UNPRIVILEGED_UID}: the function's files must be "
+                "readable by every user)"
+                if self.own_uid and "Error" in str(reply.get("error"))
+                else ""
             )
+            raise SandboxStartError(
+                f"{self.function} could not be loaded in the sandbox: {reply.get('error')}{hint}"
+            )
+        confinement = Confinement.from_json(reply.get("confinement"))
+        if not confinement.contained and os.environ.get(UNCONFINED_ENV) != "1":
+            worker.kill()
+            raise SandboxStartError(
+                f"the kernel gave the sandbox worker for {self.function} neither Landlock nor "
+                f"seccomp ({'; '.join(confinement.errors) or 'no reason given'}): its code "
+                "could read every file this uid can, signal the services and open network "
+                f"connections. Set {UNCONFINED_ENV}=1 to run it anyway."
+            )
+        if self.confinement is None:
+            log.info("sandbox for %s: %s", self.function, confinement.describe())
+        self.confinement = confinement
         return worker
 
     def _replace(self, slot: int) -> None:
@@ -247,7 +327,10 @@ class Sandbox:
         for _attempt in range(2):  # a worker found dead before it read the call: once more
             try:
                 worker = self._worker(slot)
-                worker.send({"args": args})
+                # Not a counter: the function can read this call's id off the worker's stack, and
+                # must not be able to guess the next call's.
+                request = secrets.token_hex(8)
+                worker.send({"args": args, "id": request})
                 break
             except SandboxStartError as exc:
                 return CallResult(False, f"error: {exc}")
@@ -282,6 +365,13 @@ class Sandbox:
                 f"error: the sandbox worker sent a bad reply ({exc})",
                 seconds=time.monotonic() - started,
             )
+        if reply.get("id") != request:  # a frame the function wrote for a call to come
+            self._replace(slot)
+            return CallResult(
+                False,
+                "error: the sandbox worker sent a bad reply (not this call's)",
+                seconds=time.monotonic() - started,
+            )
         result = _result(reply)
         result.seconds = time.monotonic() - started
         spent = self.calls_per_worker is not None and worker.calls >= self.calls_per_worker
@@ -296,6 +386,7 @@ class Sandbox:
             if worker is not None:
                 worker.kill()
                 self._workers[slot] = None
+        self._spawner.shutdown(wait=True)
 
     def __enter__(self) -> Sandbox:
         return self

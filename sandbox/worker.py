@@ -1,18 +1,25 @@
 """What runs in a sandbox worker process (`sandbox.pool` starts it as a script: `python -I`, so
 neither the environment's PYTHON* variables nor the working directory reach its import path).
 
-It reads a hello frame (the function to load, the import path, the limits), applies the limits,
-loads the function and says whether it is ready; then, one frame at a time, calls the function
-on the frame's `args` string and answers with its result string or an error text. The limits,
-applied before any code of the function is imported:
+It reads a hello frame (the function to load, the import path, the limits), applies the limits
+and the confinement, loads the function and says whether it is ready and what confinement it
+got; then, one frame at a time, calls the function on the frame's `args` string and answers with
+its result string or an error text, echoing the request's `id` (a reply the function forged on
+the pipe for a later call cannot pass for that call's). Applied before any code of the function
+is imported:
+
+- `sandbox.confine.confine`: a parent-death signal, no-new-privileges, Landlock (writes only in
+  the private directory, reads only the interpreter and the import path's packages, no TCP, no
+  signal out of the sandbox) and a seccomp filter (no network socket, no new process, no exec,
+  no signal to another process, no ptrace); RLIMIT_NPROC under a uid of its own;
 
 - an address-space cap (RLIMIT_AS), a CPU-time budget per call (RLIMIT_CPU), no core files,
   a cap on file sizes and open files;
 - an audit hook (it cannot be removed once installed) that refuses network sockets (every
   family but AF_UNIX) and, unless allowed, starting processes (fork, exec, spawn, subprocess,
-  os.system). The sandbox also starts the worker in a network namespace of its own where the
-  host allows one; the hook is the guard where it does not (code that calls libc through ctypes
-  gets past a hook, not past a namespace).
+  os.system), with a clear error for honest code; the kernel's layers above are what hold
+  against code that calls libc through ctypes. The sandbox also starts the worker in a network
+  namespace of its own where the host allows one.
 
 Frames go out on a private copy of the original stdout; fd 1 and 2 are pointed at /dev/null, so
 whatever the function prints never mixes with them.
@@ -31,6 +38,7 @@ from typing import Any
 if __name__ == "__main__":  # run as a script: make `sandbox` importable (the project root)
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from sandbox.confine import LAYERS, confine, die_with_parent
 from sandbox.frames import FrameError, read_frame_blocking, write_frame
 
 PROCESS_EVENTS = frozenset(
@@ -105,14 +113,25 @@ def serve(inbox: int, outbox: int) -> int:
         return 0
     sys.path[:] = [str(p) for p in hello.get("paths", [])] + sys.path
     max_chars = int(hello.get("max_result_chars", 4096))
+    allow_processes = bool(hello.get("allow_processes", False))
     try:
+        if isinstance(hello.get("parent"), int):
+            die_with_parent(hello["parent"])
         apply_limits(hello.get("memory_bytes"))
-        install_guard(allow_processes=bool(hello.get("allow_processes", False)))
+        confinement = confine(
+            private_dir=os.getcwd(),
+            import_path=sys.path,
+            allow_processes=allow_processes,
+            network_namespace=bool(hello.get("network_namespace")),
+            own_uid=bool(hello.get("own_uid")),
+            layers=[str(x) for x in hello.get("layers", LAYERS)],
+        )
+        install_guard(allow_processes=allow_processes)
         function = load_function(str(hello["function"]))
     except BaseException as exc:  # anything the function's import does: say it, then exit
         write_frame(outbox, {"ready": False, "error": describe(exc)})
         return 1
-    write_frame(outbox, {"ready": True})
+    write_frame(outbox, {"ready": True, "confinement": confinement.to_json()})
     while True:
         try:
             request = read_frame_blocking(inbox)
@@ -130,7 +149,7 @@ def serve(inbox: int, outbox: int) -> int:
             reply = {"ok": False, "error": "MemoryError: the call ran out of memory"}
         except BaseException as exc:  # the function's failure (SystemExit too) is its result
             reply = {"ok": False, "error": describe(exc)}
-        write_frame(outbox, reply)
+        write_frame(outbox, {**reply, "id": request.get("id")})
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from contracts.config import ConfigError, DapoConfig, load_config
 from contracts.runtime import EXIT_BAD_CONFIG
+from sandbox.confine import make_undumpable
 from services.demo.synthetic import DIFFICULTY_LEVELS, TEMPLATES
 
 log = logging.getLogger("dapo")
@@ -565,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before anything reads a secret: a process of the same uid (a tool's code, say) can no
+    # longer read this one's environment, memory or descriptors (sandbox/confine.py).
+    make_undumpable()
     args = build_parser().parse_args(argv)
     setup_logging(args.command)
     try:

@@ -198,6 +198,8 @@ def prepare_data(cfg: DapoConfig) -> None:
 
 BASE_TRAIN_ROWS = 20_000
 """Problems the tiny base is warm-started on (at most)."""
+BASE_SEED = 0
+"""The draw of the tiny base's synthetic problems: the same base whatever `data.seed` a run has."""
 
 
 def _base_train_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
@@ -205,7 +207,9 @@ def _base_train_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
     the configured kind (tiny.yaml's training set), whatever the run trains on, so every preset
     that names the same `model.path` gets the same base (a preset over 1,000 problems once
     built a base from those 1,000, and every later run of the demo started from a weaker
-    model); without it, the first `BASE_TRAIN_ROWS` rows of `data.train_path`."""
+    model); without it, the first `BASE_TRAIN_ROWS` rows of `data.train_path`. Drawn with
+    `BASE_SEED`, not `data.seed`: seeds of a comparison (`dapo ablate --seeds 3`) vary the data
+    order, never the base they all start from."""
     from contracts.data import load_prompts, parse_row
     from services.demo.synthetic import synth_rows
 
@@ -214,7 +218,7 @@ def _base_train_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
         rows = synth_rows(
             BASE_TRAIN_ROWS,
             difficulty=d.synth.difficulty,
-            seed=d.seed,
+            seed=BASE_SEED,
             template=d.synth.template,
             tool_traces=d.synth.tool_traces,
             split="train",  # the base never sees an evaluation fact either
@@ -235,7 +239,7 @@ def _base_selection_rows(cfg: DapoConfig) -> list[dict[str, Any]]:
         rows = synth_rows(
             128,
             difficulty=d.synth.difficulty,
-            seed=d.seed + 2_000_003,
+            seed=BASE_SEED + 2_000_003,
             template=d.synth.template,
             split="train",
         )

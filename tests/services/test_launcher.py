@@ -326,6 +326,9 @@ def test_the_tiny_base_learns_from_the_same_rows_whatever_the_run_trains_on(
     rows = launcher._base_train_rows(small)
     assert len(rows) == launcher.BASE_TRAIN_ROWS
     assert rows == launcher._base_train_rows(large)
+    # Nor does the data seed: `dapo ablate --seeds 3` runs seeds 1 and 2 on seed 0's cached base.
+    reseeded = small.model_copy(update={"data": small.data.model_copy(update={"seed": 2})})
+    assert launcher._base_train_rows(reseeded) == rows
 
 
 def test_a_cached_tiny_base_built_from_other_rows_is_refused(tmp_path: Path) -> None:
