@@ -19,7 +19,8 @@ reward before overlong shaping), ``acc`` (a bool: what the gatekeeper and the ac
 count), and optionally ``pred`` (a string to report, cut to ``PRED_MAX_CHARS``) and ``metrics``
 (up to ``MAX_METRICS`` names mapped to finite numbers; the reward worker reports their means).
 
-It runs in the same killable worker processes as math-verify (``reward.sandbox_pool``), under
+It runs in the same sandbox workers as math-verify and the tools (``reward.sandbox_pool``, over
+``sandbox.pool``), under
 ``reward.timeout_s`` per response, ``reward.sandbox_workers`` processes and the same 2 GiB
 address-space cap (a function that needs more fails with ``MemoryError``): a function that
 raises, returns something else, runs past the timeout or kills its process scores that
@@ -28,9 +29,12 @@ reason, and the reward service carries on. A setting that cannot be used (no ``:
 or file that is not there, a name that is not a callable, a function that cannot take the
 three arguments) stops the service at start with a message naming ``reward.function``.
 
-What this does NOT give: the function is trusted code. The worker bounds its time and
-address space, not what it can reach (files, network); the function is loaded once per worker
-process, so module state is per process and is lost when a worker is replaced.
+The function is untrusted code: its worker is a fresh interpreter holding none of the services'
+secrets, confined by Landlock and seccomp (``sandbox.confine``): no network, no new process, no
+write outside its own directory, no read beyond the interpreter, the import path's packages and
+a function given as a file (that file only, not its directory). A function that needs more (an
+LLM judge over the network, a data file beside it) cannot run here. The function is loaded once
+per worker process, so module state is per process and is lost when a worker is replaced.
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from reward.checking import Checker, CheckerLoadError, Job, Outcome
 from reward.result import ERROR_PRED
-from reward.sandbox_worker import Checker, CheckerLoadError, Job, Outcome
 from reward.text import clean_text, ground_truth_text
 
 #: The setting every error message names.

@@ -1,7 +1,7 @@
 """The math-verify checker: the only place untrusted text meets SymPy (docs/algorithm.md s1).
 
 ``MathVerifyChecker`` is the ``CheckerSpec`` a ``reward.math_verify_pool.MathVerifyPool`` hands
-to its workers (``reward.sandbox_worker``): in the parent it cuts each response to its tail and
+to its sandbox workers (``reward.checking.serve``): in the parent it cuts each response to its tail and
 checks the ground truth's length; in a worker it imports math-verify, warms it up and checks
 pairs with ``check_pair``. The parent owns the clock: math-verify's own ``signal.alarm``
 timeouts are switched off here on purpose.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final
 
+from reward.checking import Checker, CheckerLoadError, Job, Outcome
 from reward.result import ERROR_PRED, INVALID
-from reward.sandbox_worker import Checker, CheckerLoadError, Job, Outcome
 from reward.text import clean_text, ground_truth_text, tail
 
 logger = logging.getLogger(__name__)

@@ -46,21 +46,17 @@ def open_scorer(rw: RewardConfig, *, workers: int | None = None) -> Scorer:
         ConfigError: `reward.function` cannot be loaded; the message names the setting.
     """
     n = rw.sandbox_workers if workers is None else workers
-    try:
+    try:  # the sandbox workers load the checker before this returns
         scorer = make_scorer(rw.verifier, timeout_s=rw.timeout_s, workers=n, function=rw.function)
     except RewardFunctionError as exc:  # malformed; caught before any process starts
         raise ConfigError(str(exc)) from None
-    if rw.function is None or not isinstance(scorer, SandboxPool):
-        return scorer
-    log.info("scoring with reward.function=%r (reward.verifier is not used)", rw.function)
-    try:
-        scorer.wait_ready()
     except WorkerStartError as exc:
-        scorer.close()
         message = str(exc)
-        if "reward.function" not in message:
+        if rw.function is not None and "reward.function" not in message:
             message = f"reward.function={rw.function!r}: {message}"
         raise ConfigError(message) from None
+    if rw.function is not None and isinstance(scorer, SandboxPool):
+        log.info("scoring with reward.function=%r (reward.verifier is not used)", rw.function)
     return scorer
 
 

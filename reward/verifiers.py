@@ -20,6 +20,7 @@ them as context managers).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Protocol
 
@@ -153,21 +154,33 @@ def make_scorer(
         timeout_s: per-item hard timeout of the worker processes (math-verify, ``function``).
         workers: worker processes of math-verify or ``function``.
         function: a ``reward.function`` setting (``"module:function"`` or ``"file.py:function"``);
-            it replaces the verifier. Its workers load it in the background: call
-            ``wait_ready()`` on the result to fail at once on a setting that cannot be loaded.
+            it replaces the verifier. A relative file is read from this process's working
+            directory; the sandbox workers may read that file, not its directory.
 
     Raises:
         ValueError: ``name`` is not a known verifier.
         reward.custom.RewardFunctionError: ``function`` is not of a valid form (no code run).
+        reward.sandbox_pool.WorkerStartError: a worker could not load the function.
     """
     if function is not None:
-        parse_function_ref(function)  # a malformed setting fails here, before any process starts
-        return SandboxPool(
-            RewardFunctionChecker(function),
-            label="reward.function",
-            workers=workers,
-            timeout_s=timeout_s,
-        )
+        ref = parse_function_ref(function)  # a malformed setting fails here, before any process
+        read: tuple[str, ...] = ()
+        if ref.is_file:  # the workers run elsewhere: give them the file by its absolute path
+            path = Path(ref.location).resolve()
+            function, read = f"{path}:{ref.attribute}", (str(path),)
+        try:
+            return SandboxPool(
+                RewardFunctionChecker(function),
+                label="reward.function",
+                workers=workers,
+                timeout_s=timeout_s,
+                read_paths=read,
+            )
+        except WorkerStartError as exc:  # in the user's words: the file as they wrote it
+            text = str(exc)
+            if ref.is_file:
+                text = text.replace(function, ref.setting).replace(read[0], ref.location)
+            raise WorkerStartError(text) from None
     name = canonical_verifier(name)
     if name == "math-verify":
         return MathVerifyPool(workers=workers, timeout_s=timeout_s)

@@ -57,7 +57,11 @@ log = logging.getLogger(__name__)
 
 WORKER_SCRIPT: Final = Path(__file__).with_name("worker.py")
 MAX_ARGS_CHARS: Final = 32_768
-"""The longest argument string sent to a worker (a longer one fails the call unsent)."""
+"""The longest argument string sent to a worker by default (a longer one fails the call
+unsent); a frame holds at most 1 MiB of JSON (`sandbox.frames`)."""
+MAX_CALL_RETRIES: Final = 2
+"""Times a call goes to a new worker after the one it was sent to died before reading it (it
+said nothing, not even that it started): bounds the work of a pool whose workers keep dying."""
 
 
 class SandboxStartError(RuntimeError):
@@ -71,6 +75,8 @@ class CallResult:
     """The function's result, or why the call failed (what a tool call returns to the model)."""
     timed_out: bool = False
     seconds: float = 0.0
+    died: bool = False
+    """The worker died while running the call (a crash, the CPU limit, a kill from outside)."""
 
 
 def _result(reply: dict[str, Any]) -> CallResult:
@@ -171,9 +177,9 @@ class _Worker:
         self.calls = 0
         os.set_blocking(self.stdin.fileno(), False)  # a worker that stops reading can't block us
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any] | bytes) -> None:
         """Raises OSError (BrokenPipeError, BlockingIOError) when the worker can't take it."""
-        data = memoryview(encode(message))
+        data = memoryview(message if isinstance(message, bytes) else encode(message))
         while data:
             data = data[os.write(self.stdin.fileno(), data) :]
 
@@ -191,7 +197,11 @@ class _Worker:
 
 class Sandbox:
     """Worker processes calling `function` (`"module:function"`, a function of one string that
-    returns a string); see the module docstring.
+    returns a string); see the module docstring. With `factory_args`, `function` is a factory:
+    each worker calls it once with that string, before it says it is ready (where a checker
+    loads what it needs: math-verify's SymPy, a user's module), and calls what it returns.
+    `read_paths`: files or directories the worker may read besides the interpreter and the
+    import path's packages (a reward function's file).
 
     Attributes (counts since start): `calls`, `errors` (failed calls, time-outs included),
     `timeouts`, `restarts` (workers replaced after a kill or a death)."""
@@ -209,6 +219,9 @@ class Sandbox:
         calls_per_worker: int | None = None,
         paths: list[str] | None = None,
         layers: tuple[str, ...] = LAYERS,
+        factory_args: str | None = None,
+        read_paths: tuple[str, ...] = (),
+        max_args_chars: int = MAX_ARGS_CHARS,
     ) -> None:
         if workers < 1 or timeout_s <= 0:
             raise ValueError("a sandbox needs at least one worker and a positive time limit")
@@ -216,6 +229,7 @@ class Sandbox:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.calls_per_worker = calls_per_worker
+        self.max_args_chars = max_args_chars
         self.network_isolation = "namespace" if network_namespace_available() else "none"
         self.own_uid = other_uid_available()
         self.confinement: Confinement | None = None
@@ -232,7 +246,10 @@ class Sandbox:
             "network_namespace": self.network_isolation == "namespace",
             "own_uid": self.own_uid,
             "layers": list(layers),
+            "read_paths": list(read_paths),
         }
+        if factory_args is not None:
+            self.hello["factory_args"] = factory_args
         # Every worker is started from this one thread (see the module docstring).
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="sandbox-spawn")
         self.calls = self.errors = self.timeouts = self.restarts = 0
@@ -242,9 +259,9 @@ class Sandbox:
             self._free.put(slot)
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
         self._workers: list[_Worker | None] = [None] * workers
-        try:
-            for slot in range(workers):
-                self._workers[slot] = self._start()
+        try:  # at once: a worker may take seconds to load what its function imports
+            started = list(self._threads.map(lambda _: self._start(), range(workers)))
+            self._workers[:] = started
         except BaseException:
             self.close()
             raise
@@ -285,13 +302,18 @@ class Sandbox:
         self.confinement = confinement
         return worker
 
-    def _replace(self, slot: int) -> None:
+    def _replace(self, slot: int) -> int | None:
+        """Kill the worker of `slot` (a new one starts when the slot is next used); returns its
+        exit code."""
         old = self._workers[slot]
+        code = None
         if old is not None:
             old.kill()
+            code = old.proc.returncode
         self._workers[slot] = None
         with self._count:
             self.restarts += 1
+        return code
 
     def _worker(self, slot: int) -> _Worker:
         """The live worker of `slot`, started anew if it is gone."""
@@ -321,42 +343,69 @@ class Sandbox:
         return list(self._threads.map(self.call, args))
 
     def _call_on(self, slot: int, args: str) -> CallResult:
-        if len(args) > MAX_ARGS_CHARS:
-            return CallResult(False, f"error: the call is over {MAX_ARGS_CHARS} characters")
-        worker: _Worker | None = None
-        for _attempt in range(2):  # a worker found dead before it read the call: once more
+        if len(args) > self.max_args_chars:
+            return CallResult(False, f"error: the call is over {self.max_args_chars} characters")
+        exit_code: int | None = None
+        for _attempt in range(MAX_CALL_RETRIES + 1):
             try:
                 worker = self._worker(slot)
-                # Not a counter: the function can read this call's id off the worker's stack, and
-                # must not be able to guess the next call's.
-                request = secrets.token_hex(8)
-                worker.send({"args": args, "id": request})
-                break
             except SandboxStartError as exc:
                 return CallResult(False, f"error: {exc}")
-            except (OSError, FrameError):
+            # Not a counter: the function can read this call's id off the worker's stack, and
+            # must not be able to guess the next call's.
+            request = secrets.token_hex(8)
+            try:
+                message = encode({"args": args, "id": request})
+            except FrameError as exc:
+                return CallResult(False, f"error: the call cannot be sent ({exc})")
+            started = time.monotonic()
+            deadline = started + self.timeout_s
+            try:
+                worker.send(message)
+                ack = worker.reader.read(deadline)
+            except FrameTimeout:
                 self._replace(slot)
-                worker = None
-        if worker is None:
-            return CallResult(False, "error: the sandbox worker was not ready")
-        worker.calls += 1
-        started = time.monotonic()
+                return self._timed_out(started)
+            except (OSError, EOFError, FrameError):
+                # It died (or broke) before it read the call: the call is not charged, and goes
+                # to a new worker, a bounded number of times.
+                exit_code = self._replace(slot)
+                continue
+            if ack.get("started") != request:
+                self._replace(slot)
+                return CallResult(False, "error: the sandbox worker sent a bad reply", seconds=0.0)
+            worker.calls += 1
+            return self._reply(slot, worker, request, started, deadline)
+        return CallResult(
+            False,
+            f"error: not run: {MAX_CALL_RETRIES + 1} sandbox workers died before reading it "
+            f"(last exit code {exit_code})",
+        )
+
+    def _timed_out(self, started: float) -> CallResult:
+        return CallResult(
+            False,
+            f"error: the call ran past its {self.timeout_s:g} s limit and was stopped",
+            timed_out=True,
+            seconds=time.monotonic() - started,
+        )
+
+    def _reply(
+        self, slot: int, worker: _Worker, request: str, started: float, deadline: float
+    ) -> CallResult:
+        """The reply to the call the worker said it started."""
         try:
-            reply = worker.reader.read(started + self.timeout_s)
+            reply = worker.reader.read(deadline)
         except FrameTimeout:
             self._replace(slot)
-            return CallResult(
-                False,
-                f"error: the call ran past its {self.timeout_s:g} s limit and was stopped",
-                timed_out=True,
-                seconds=time.monotonic() - started,
-            )
+            return self._timed_out(started)
         except (EOFError, OSError):
-            self._replace(slot)
+            code = self._replace(slot)
             return CallResult(
                 False,
-                "error: the sandbox worker crashed during the call",
+                f"error: the sandbox worker died during the call (exit code {code})",
                 seconds=time.monotonic() - started,
+                died=True,
             )
         except FrameError as exc:
             self._replace(slot)

@@ -120,7 +120,7 @@ def serve(inbox: int, outbox: int) -> int:
         apply_limits(hello.get("memory_bytes"))
         confinement = confine(
             private_dir=os.getcwd(),
-            import_path=sys.path,
+            import_path=[*sys.path, *(str(p) for p in hello.get("read_paths", ()))],
             allow_processes=allow_processes,
             network_namespace=bool(hello.get("network_namespace")),
             own_uid=bool(hello.get("own_uid")),
@@ -128,6 +128,8 @@ def serve(inbox: int, outbox: int) -> int:
         )
         install_guard(allow_processes=allow_processes)
         function = load_function(str(hello["function"]))
+        if isinstance(hello.get("factory_args"), str):  # a factory: called once, here
+            function = function(hello["factory_args"])
     except BaseException as exc:  # anything the function's import does: say it, then exit
         write_frame(outbox, {"ready": False, "error": describe(exc)})
         return 1
@@ -139,6 +141,9 @@ def serve(inbox: int, outbox: int) -> int:
             return 1
         if request is None:
             return 0
+        # Read, and about to run: a death from here on is this call's (the parent charges it),
+        # a death before is not (the parent sends the call to a new worker).
+        write_frame(outbox, {"started": request.get("id")})
         try:
             limit_cpu(hello.get("cpu_seconds"))
             value = function(str(request.get("args", "")))

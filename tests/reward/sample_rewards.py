@@ -94,15 +94,14 @@ NOT_CALLABLE = 42
 
 
 def _write_on_pipes(data: bytes) -> None:
-    """Write raw bytes on every socket above stderr: the worker's pipe to the reward service
-    (whatever its number: a spawned worker keeps the fd number its parent had)."""
+    """Write raw bytes on every pipe above stderr: the worker's pipe to the reward service."""
     import contextlib
     import os
     import stat
 
     for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if int(name) > 2):
         with contextlib.suppress(OSError):
-            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
                 os.write(fd, data)
 
 
@@ -148,4 +147,24 @@ def reads_secrets(response: str, ground_truth: str, extra_info: dict[str, Any]) 
     import os
 
     leaked = sorted(k for k in os.environ if k not in ("PATH", "HOME", "TMPDIR", "LANG"))
+    # The process's own environment block too (what /proc/self/environ shows): a worker that
+    # only cleared os.environ kept the service's secrets there.
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read().decode(errors="replace")
+    leaked += ["environ-block"] if "hunter2" in block or "WANDB_API_KEY" in block else []
     return RewardOutput(score=1.0, acc=not leaked, pred=",".join(leaked))
+
+
+def connects_to_redis(response: str, ground_truth: str, extra_info: dict[str, Any]) -> RewardOutput:
+    """A TCP connection to the port in the ground truth, through libc (past any audit hook)."""
+    import ctypes
+    import socket
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.socket(2, 1, 0)  # AF_INET, SOCK_STREAM
+    if fd < 0:
+        return RewardOutput(score=0.0, acc=False, pred=f"socket refused {ctypes.get_errno()}")
+    address = struct.pack("<HH4s8x", 2, socket.htons(int(ground_truth)), bytes([127, 0, 0, 1]))
+    done = libc.connect(fd, address, len(address))
+    return RewardOutput(score=0.0, acc=done == 0, pred=f"connect {done}")

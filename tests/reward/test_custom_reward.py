@@ -17,8 +17,8 @@ import pytest
 
 from contracts.config import ConfigError, DapoConfig, RewardConfig, load_config
 from reward import RewardFunctionError, SandboxPool, VerifyResult, make_scorer
+from reward.checking import Outcome
 from reward.custom import load_reward_function, validate_output
-from reward.sandbox_worker import Outcome
 from reward.service import MetricMeans, check_reward_function, open_scorer, score_group
 from tests.reward.sample_rewards import RIGHT_SCORE, WRONG_SCORE, answer_digit
 from tests.reward.test_score_group import CharTokenizer, group_of
@@ -335,7 +335,7 @@ def test_a_pickle_written_on_the_pipe_is_never_unpickled(
     assert isinstance(scorer, SandboxPool)
     with scorer:
         result = scorer.verify("x", "1")
-    assert result.pred == "[ERROR]" and "malformed message" in (result.reason or "")
+    assert result.pred == "[ERROR]" and "sent a bad reply" in (result.reason or "")
     assert not marker.exists()
 
 
@@ -359,3 +359,12 @@ def test_a_function_cannot_fork_or_read_the_services_secrets(
     with one_item_pool(f"{MODULE}:reads_secrets") as scorer:
         secrets = scorer.verify("x", "1")
     assert secrets.acc and secrets.pred == "", secrets
+    # Nor reach the run's Redis (a listening port here), even through libc.
+    import socket
+
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        one_item_pool(f"{MODULE}:connects_to_redis") as scorer,
+    ):
+        reached = scorer.verify("x", str(server.getsockname()[1]))
+    assert not reached.acc and "refused" in reached.pred, reached

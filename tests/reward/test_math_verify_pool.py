@@ -31,16 +31,17 @@ DEEP_FRACS = "Answer: $" + "\\frac{" * 5000 + "1" + "}{2}" * 5000 + "$"
 BLOCK = "BLOCK"
 
 #: A stand-in for math_verify, put first on the path of the workers a test starts: "Answer: X"
-#: parses to ["X"] and equal strings verify. A response "BLOCK <path>" creates <path>, so the
-#: test knows the worker is checking it, and then hangs until the worker is killed.
+#: parses to ["X"] and equal strings verify. A response "BLOCK" creates `started` in the worker's
+#: own directory (the only one it may write), so the test knows the worker is checking it, and
+#: then hangs until the worker is killed.
 FAKE_MATH_VERIFY = f"""
 import pathlib
 import time
 
 
 def parse(text, **kwargs):
-    if text.startswith("{BLOCK} "):
-        pathlib.Path(text[len("{BLOCK} "):]).touch()
+    if text.startswith("{BLOCK}"):
+        pathlib.Path("started").touch()
         time.sleep(3600)
     return [text.rsplit(":", 1)[-1].strip().strip("$")]
 
@@ -49,17 +50,17 @@ def verify(gold, answer, **kwargs):
     return gold == answer
 """
 
-#: A stand-in whose worker starts, says Ready, then exits (code 3) instead of reading a job.
+#: A stand-in whose worker starts, says it is ready, then exits (code 3) instead of reading a job.
 DIES_WHEN_IDLE = """
 import os
-from multiprocessing.connection import Connection
+import sys
 
 
-def _exit_instead_of_reading(self, *args, **kwargs):
+def _exit_instead_of_reading(*args, **kwargs):
     os._exit(3)
 
 
-Connection.recv = _exit_instead_of_reading
+sys.modules["__main__"].read_frame_blocking = _exit_instead_of_reading  # the worker's loop
 
 
 def parse(text, **kwargs):
@@ -214,22 +215,24 @@ def test_order_is_kept_around_timeouts(pool: MathVerifyPool) -> None:
 
 
 def test_a_worker_that_dies_gives_an_error_result(fake_math_verify: Path) -> None:
-    started = fake_math_verify / "started"
     with MathVerifyPool(workers=2, timeout_s=120.0) as pool:
         pool.wait_ready()
         victims = [pid for pid in pool.pids if pid is not None]
+        homes = [Path(os.readlink(f"/proc/{pid}/cwd")) for pid in victims]
 
         def kill_all_once_busy() -> None:
-            # Only once the worker is checking the item (it created the file), never before.
+            # Only once a worker is checking the item (it created the file), never before.
             deadline = time.monotonic() + 60.0
-            while not started.exists() and time.monotonic() < deadline:
+            while not any((h / "started").exists() for h in homes):
+                if time.monotonic() > deadline:
+                    break
                 time.sleep(0.01)
             for pid in victims:  # the busy worker and the idle one
                 os.kill(pid, signal.SIGKILL)
 
         killer = threading.Thread(target=kill_all_once_busy)
         killer.start()
-        result = pool.verify(f"{BLOCK} {started}", 1)
+        result = pool.verify(BLOCK, 1)
         killer.join()
         assert (result.score, result.acc, result.pred) == (-1.0, False, "[ERROR]")
         assert result.reason == (
@@ -274,7 +277,7 @@ def test_workers_that_keep_dying_give_error_results(
     with MathVerifyPool(workers=1, timeout_s=60.0, start_timeout_s=60.0) as pool:
         results = pool.verify_many([("Answer: 1", 1), ("Answer: 2", 2)])
         reason = (
-            f"not checked: {MAX_ITEM_RETRIES + 1} math-verify workers died before reading it "
+            f"not run: {MAX_ITEM_RETRIES + 1} math-verify workers died before reading it "
             "(last exit code 3)"
         )
         assert results == [VerifyResult(-1.0, False, "[ERROR]", reason=reason)] * 2
@@ -312,11 +315,12 @@ def test_workers_have_an_address_space_cap(pool: MathVerifyPool) -> None:
 
 def test_a_worker_that_cannot_start_is_an_error() -> None:
     # 32 MiB of address space is too little to import SymPy (about 60 MiB are needed).
-    broken = MathVerifyPool(workers=1, memory_limit_bytes=32 << 20, start_timeout_s=30.0)
-    with pytest.raises(WorkerStartError, match="cannot import math_verify"):
-        broken.verify("Answer: 1", 1)
+    with pytest.raises(WorkerStartError, match=r"^cannot import math_verify: MemoryError"):
+        MathVerifyPool(workers=1, memory_limit_bytes=32 << 20, start_timeout_s=30.0)
+    pool = MathVerifyPool(workers=1)
+    pool.close()
     with pytest.raises(RuntimeError, match="closed"):
-        broken.verify("Answer: 1", 1)
+        pool.verify("Answer: 1", 1)
 
 
 def test_close_stops_the_workers() -> None:

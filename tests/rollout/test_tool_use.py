@@ -101,7 +101,7 @@ def test_the_result_is_inserted_as_context_the_model_did_not_sample(tokenizer: A
     ("function", "expected"),
     [
         ("hang", "ran past its 1 s limit"),
-        ("crash", "crashed during the call"),
+        ("crash", "died during the call"),
         ("spawn", "starting processes is not allowed"),
         ("secret", "none"),
     ],
