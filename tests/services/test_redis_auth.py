@@ -1,5 +1,6 @@
-"""Credentials for Redis: the embedded server requires its password and keeps it in a 0600 file
-(never on a command line), logs and config dumps show URLs with the password masked."""
+"""Credentials for Redis: the embedded server requires its password, reads it from a 0600 file
+(never a command line) that is gone once the server answers, and logs and config dumps show URLs
+with the password masked."""
 
 from __future__ import annotations
 
@@ -20,12 +21,24 @@ def test_the_embedded_server_requires_its_password(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    with RedisServer(tmp_path, appendonly=False, password="pa/ss:word@1") as server:
+    conf = tmp_path / "redis.conf"
+    modes = []
+    unlink = Path.unlink
+
+    def seen_before_removal(path: Path, missing_ok: bool = False) -> None:
+        if path == conf and path.exists():
+            modes.append((stat.S_IMODE(path.stat().st_mode), "pa/ss:word@1" in path.read_text()))
+        unlink(path, missing_ok=missing_ok)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "unlink", seen_before_removal)
+        server = RedisServer(tmp_path, appendonly=False, password="pa/ss:word@1").start()
+    with server:
         assert redis.Redis.from_url(server.url).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=server.port).ping()
-        conf = tmp_path / "redis.conf"
-        assert stat.S_IMODE(conf.stat().st_mode) == 0o600 and "pa/ss:word@1" in conf.read_text()
+        assert modes[-1] == (0o600, True)  # it was there, for the server only, ...
+        assert not conf.exists()  # ... and is gone while the run goes on
         assert server.proc is not None and "pa/ss:word@1" not in " ".join(
             map(str, server.proc.args)
         )  # type: ignore[arg-type]
