@@ -574,6 +574,32 @@ def check_vocabulary(group: RolloutGroup, vocab_size: int) -> None:
     )
 
 
+def check_sizes(
+    group: RolloutGroup, *, max_prompt_tokens: int, max_response_tokens: int, max_responses: int
+) -> None:
+    """The group is no larger than the run could have generated: its prompt within
+    `data.max_prompt_len`, each response within `rollout.max_response_len` plus what tools may
+    insert, no more responses than a job asks for. Checked by the learner before it batches: a
+    group planted with a million-token response would otherwise be padded into every row of a
+    batch (memory the learner does not have) instead of dead-lettered."""
+    where = f"group {group.job.group_id}"
+    if len(group.job.prompt_ids) > max_prompt_tokens:
+        raise SchemaError(
+            f"{where}: a prompt of {len(group.job.prompt_ids)} tokens, over the run's "
+            f"{max_prompt_tokens}"
+        )
+    if len(group.responses) > max_responses:
+        raise SchemaError(
+            f"{where}: {len(group.responses)} responses, over the {max_responses} a job asks for"
+        )
+    for i, r in enumerate(group.responses):
+        if len(r.token_ids) > max_response_tokens:
+            raise SchemaError(
+                f"{where}: response {i} has {len(r.token_ids)} tokens, over the run's "
+                f"{max_response_tokens}"
+            )
+
+
 def _check_token_range(group: RolloutGroup, *, low: int, high: int | None, what: str) -> None:
     rows = [("prompt", group.job.prompt_ids)] + [
         (f"response {i}", r.token_ids) for i, r in enumerate(group.responses)

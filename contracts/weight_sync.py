@@ -14,9 +14,10 @@ decision); the learner's publisher (`learner.weight_publisher`) and the replica'
 (`rollout.weight_receiver`) each hold one and own their side of the protocol.
 
 Only the learner can announce: every announcement and every go/abort decision carries an
-HMAC-SHA256 under the run's weight-sync key (`DAPO_WEIGHTS_KEY`, held by the learner and the
-replicas, never by the reward workers, the gatekeeper or the API), so a pod that has the Redis
-password but not the key cannot make a replica join a rendezvous of its choosing. A replica
+Ed25519 signature under the run's weight-sync private key (`DAPO_WEIGHTS_KEY`, held by the
+learner alone); the replicas hold the public key (`DAPO_WEIGHTS_PUBLIC_KEY`), which verifies and
+cannot sign. So neither a pod that has a Redis password nor a replica itself (a compromised
+one, with every secret it holds) can make a replica join a rendezvous of its choosing. A replica
 also checks what a signed announcement asks before it allocates anything: the version, epoch,
 port and time-out in range, the host the one it was told to expect (`DAPO_WEIGHTS_HOST`, where
 set), dtypes from `DTYPES` only, and every bucket's names and shapes those of its own model
@@ -30,8 +31,6 @@ in the rollout process (transformers engine) and inside vLLM's worker process.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import math
@@ -45,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from contracts.config import ConfigError
 
@@ -57,8 +58,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """Every dtype weights travel in; an announcement naming another is refused."""
 
 KEY_ENV = "DAPO_WEIGHTS_KEY"
-"""The environment variable holding the weight-sync signing key (learner and replicas only)."""
-MIN_KEY_CHARS = 32
+"""The environment variable holding the weight-sync private key (the learner only): an Ed25519
+key as 64 hex characters (`dapo secrets` makes one)."""
+HOST_ENV = "DAPO_WEIGHTS_HOST"
+"""The learner's weight-sync host: where it listens, and the one host a replica accepts in an
+announcement (`dapo run` pins it for the replicas it starts)."""
+PUBLIC_KEY_ENV = "DAPO_WEIGHTS_PUBLIC_KEY"
+"""The environment variable holding its public key (the replicas), 64 hex characters."""
 PORT_ENV = "DAPO_WEIGHTS_PORT"
 """The port of the learner's weight-sync store (unset or 0: any free port). Kubernetes fixes it,
 so a NetworkPolicy can open it, and only it beside the collectives' ports, to the replicas."""
@@ -71,22 +77,55 @@ MAX_NAME_CHARS = 512
 
 
 class WeightKeyError(ConfigError):
-    """The weight-sync key is missing or too short (a configuration error: exit 2)."""
+    """The weight-sync key is missing or malformed (a configuration error: exit 2)."""
 
 
-def weights_key(env: dict[str, str] | None = None) -> bytes:
-    """The signing key from `DAPO_WEIGHTS_KEY`; WeightKeyError naming the fix when it is unset or
-    shorter than MIN_KEY_CHARS (`dapo run` makes one for the services it starts)."""
-    value = (os.environ if env is None else env).get(KEY_ENV, "")
-    if len(value) < MIN_KEY_CHARS:
-        problem = "is not set" if not value else f"is {len(value)} characters"
+SigningKey = Ed25519PrivateKey
+VerifyKey = Ed25519PublicKey
+WeightKey = Ed25519PrivateKey | Ed25519PublicKey
+"""What a `WeightChannel` holds: the learner the private key, a replica the public one."""
+
+
+def new_weights_key() -> tuple[str, str]:
+    """A fresh (private, public) pair, each as 64 hex characters."""
+    private = Ed25519PrivateKey.generate()
+    return private.private_bytes_raw().hex(), private.public_key().public_bytes_raw().hex()
+
+
+def public_key_text(private_hex: str) -> str:
+    """The public half of a private key given as hex (WeightKeyError if it is not one)."""
+    return _private(private_hex, KEY_ENV).public_key().public_bytes_raw().hex()
+
+
+def _raw(value: str, name: str) -> bytes:
+    try:
+        raw = bytes.fromhex(value.strip())
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        problem = "is not set" if not value else "is not 64 hex characters"
         raise WeightKeyError(
-            f"{KEY_ENV} {problem}: the learner signs its weight announcements with it and the "
-            f"replicas accept only those it signed; give both the same secret of at least "
-            f"{MIN_KEY_CHARS} characters (generate one: openssl rand -hex 32). `dapo run` makes "
-            "one itself."
+            f"{name} {problem}: the learner signs its weight announcements with an Ed25519 key "
+            f"({KEY_ENV}, the learner only) and the replicas accept only what its public key "
+            f"({PUBLIC_KEY_ENV}) verifies. `dapo secrets` makes a pair; `dapo run` makes one "
+            "itself."
         )
-    return value.encode()
+    return raw
+
+
+def _private(value: str, name: str) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(_raw(value, name))
+
+
+def weights_key(env: Mapping[str, str] | None = None) -> Ed25519PrivateKey:
+    """The learner's signing key from `DAPO_WEIGHTS_KEY`; WeightKeyError naming the fix."""
+    return _private((os.environ if env is None else env).get(KEY_ENV, ""), KEY_ENV)
+
+
+def weights_public_key(env: Mapping[str, str] | None = None) -> Ed25519PublicKey:
+    """A replica's key from `DAPO_WEIGHTS_PUBLIC_KEY`; WeightKeyError naming the fix."""
+    value = (os.environ if env is None else env).get(PUBLIC_KEY_ENV, "")
+    return Ed25519PublicKey.from_public_bytes(_raw(value, PUBLIC_KEY_ENV))
 
 
 def weights_port(environ: Mapping[str, str] | None = None) -> int:
@@ -98,16 +137,24 @@ def weights_port(environ: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
-def sign(key: bytes, message: bytes) -> str:
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+def sign(key: WeightKey, message: bytes) -> str:
+    """The Ed25519 signature of `message`, hex; only a private key signs."""
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TypeError("only the learner's private key signs weight-sync messages")
+    return key.sign(message).hex()
 
 
-def signature_holds(key: bytes, message: bytes, signature: bytes | str | None) -> bool:
-    """True when `signature` is `sign(key, message)` (compared in constant time)."""
+def signature_holds(key: WeightKey, message: bytes, signature: bytes | str | None) -> bool:
+    """True when `signature` (hex) is the learner's signature of `message`."""
     if signature is None:
         return False
-    given = signature if isinstance(signature, bytes) else signature.encode("utf-8", "replace")
-    return hmac.compare_digest(sign(key, message).encode(), given)  # bytes: any value compares
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    text = signature.decode("ascii", "replace") if isinstance(signature, bytes) else signature
+    try:
+        public.verify(bytes.fromhex(text), message)
+    except (ValueError, InvalidSignature):
+        return False
+    return True
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -491,7 +538,9 @@ class WeightChannel:
     stream (`Keys.weights`), each sync's join set and its go/abort decision. Writes go through
     the bus's fence, so a learner that lost its lease cannot announce."""
 
-    def __init__(self, bus: StreamBus, key: bytes) -> None:
+    def __init__(self, bus: StreamBus, key: WeightKey) -> None:
+        """`key`: the learner's private key (it announces and decides), or a replica's public
+        key (it verifies only)."""
         self.bus, self.key = bus, key
         self.stream = bus.keys.weights
 

@@ -11,7 +11,8 @@ a completed run, so every issued job is accounted for.
 
 A group that does not decode, or whose numbers no model could train on (NaN or infinite rewards
 or log-probs, positive log-probs: checked by the schema's decode), or whose token ids fall outside
-the model's vocabulary (checked here, where the vocabulary is known), is dead-lettered with the
+the model's vocabulary or whose prompt, responses or response count exceed what the run can
+generate (checked here, where the model and the config are known), is dead-lettered with the
 reason (counted `dead` in the ledger) and never reaches the trainer.
 """
 
@@ -29,6 +30,7 @@ from contracts.runtime import StopFlag
 from contracts.schemas import (
     SchemaError,
     ScoredGroup,
+    check_sizes,
     check_vocabulary,
     decode_scored_group,
     is_evaluation,
@@ -108,12 +110,15 @@ class StreamSource:
         stop: StopFlag,
         catch_up: Callable[[], None],
         vocab_size: int,
+        sizes: dict[str, int] | None = None,
         budget_s: float = 5.0,
         drain_timeout_s: float = 120.0,
     ) -> None:
         self.bus, self.feeder, self.stop, self.catch_up = bus, feeder, stop, catch_up
         self.vocab_size = vocab_size
         """Rows of the model's embedding: token ids must be below it (`check_vocabulary`)."""
+        self.sizes = sizes
+        """The largest group the run can generate (`check_sizes`'s keywords); None: unchecked."""
         self.batch_groups, self.max_staleness, self.max_deliveries = (
             batch_groups,
             max_staleness,
@@ -213,6 +218,8 @@ class StreamSource:
     def _decode(self, fields: Fields) -> ScoredGroup:
         group = decode_scored_group(fields)
         check_vocabulary(group, self.vocab_size)
+        if self.sizes is not None:
+            check_sizes(group, **self.sizes)
         return group
 
     def _stale(self, picked: Picked, policy_version: int) -> bool:

@@ -172,6 +172,12 @@ def rank0_collaborators(
         vocab_size=AutoConfig.from_pretrained(
             cfg.model.path
         ).vocab_size,  # the model's embedding rows
+        sizes={
+            "max_prompt_tokens": cfg.data.max_prompt_len,
+            "max_response_tokens": cfg.rollout.max_response_len
+            + cfg.rollout.tools.inserted_tokens_max,
+            "max_responses": max(cfg.rollout.group_size, cfg.eval.samples_per_problem),
+        },
     )
     reporter = RunReporter(
         bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode)

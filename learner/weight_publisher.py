@@ -37,6 +37,7 @@ from contracts.weight_sync import (
     Announcement,
     Bucket,
     WeightChannel,
+    WeightKey,
     bound_store,
     broadcast_bucket,
     empty_bucket,
@@ -70,7 +71,7 @@ class WeightPublisher:
         timeout_s: float,
         bucket_mb: int,
         dtype: str | None = None,
-        key: bytes,
+        key: WeightKey,
     ) -> None:
         self.bus, self.host, self.backend, self.dtype = bus, host, backend, dtype
         self.channel = WeightChannel(bus, key)  # signs every announcement and decision

@@ -1,9 +1,9 @@
 """The math-verify checker: the only place untrusted text meets SymPy (docs/algorithm.md s1).
 
 ``MathVerifyChecker`` is the ``CheckerSpec`` a ``reward.math_verify_pool.MathVerifyPool`` hands
-to its sandbox workers (``reward.checking.serve``): in the parent it cuts each response to its tail and
-checks the ground truth's length; in a worker it imports math-verify, warms it up and checks
-pairs with ``check_pair``. The parent owns the clock: math-verify's own ``signal.alarm``
+to its sandbox workers (``reward.checking.serve``): in the parent it cuts each response to its
+tail and checks the ground truth's length; in a worker it imports math-verify, warms it up and
+checks pairs with ``check_pair``. The parent owns the clock: math-verify's own ``signal.alarm``
 timeouts are switched off here on purpose.
 """
 

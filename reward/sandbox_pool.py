@@ -45,6 +45,7 @@ TIMEOUT_PRED: Final = "[TIMEOUT]"
 #: The longest job sent to a worker, in characters of JSON (a frame holds 1 MiB).
 MAX_JOB_CHARS: Final = 256 << 10
 
+
 class WorkerStartError(SandboxStartError):
     """A worker could not start: its checker could not be loaded, or the sandbox refused it."""
 

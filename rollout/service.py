@@ -43,7 +43,7 @@ from contracts.schemas import (
     decode_job,
     encode_group,
 )
-from contracts.weight_sync import weights_key
+from contracts.weight_sync import weights_public_key
 from rollout.engine import BetweenSteps, Engine, eval_seeds, make_engine, seed_name
 from rollout.tool_use import ToolBox, generate_with_tools
 from rollout.weight_receiver import WeightReceiver
@@ -285,7 +285,7 @@ def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, Prom
 
 def main(cfg: DapoConfig) -> int:
     cfg = with_local_model(cfg)  # an hf:// model: its snapshot in the Hugging Face cache
-    weights_key()  # only announcements signed with it are taken: refuse to start without it
+    weights_public_key()  # only announcements it verifies are taken: refuse to start without it
     ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
     engine = make_engine(cfg, replica_id=seed_name(ctx.inst))  # a seed of its own per replica

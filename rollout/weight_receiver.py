@@ -65,9 +65,10 @@ from contracts.schemas import SMALL_JSON_BYTES, parse_json
 from contracts.weight_sync import (
     Announcement,
     WeightChannel,
+    WeightKey,
     WeightStream,
     check_buckets,
-    weights_key,
+    weights_public_key,
 )
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class WeightReceiver:
         stop: StopFlag,
         on_change: Callable[[], None] | None = None,
         watch_also: tuple[str, ...] = (),
-        key: bytes,
+        key: WeightKey,
         expected: dict[str, tuple[int, ...]],
         expected_host: str | None = None,
     ) -> None:
@@ -172,7 +173,7 @@ class WeightReceiver:
             stop=stop,
             on_change=on_change,
             watch_also=watch_also,
-            key=weights_key(),
+            key=weights_public_key(),
             expected=model_param_shapes(
                 cfg.model.path, cfg.learner.lora if cfg.learner.lora.enabled else None
             ),

@@ -85,6 +85,13 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def term_with_parent() -> None:
+    """A `preexec_fn` for the processes `dapo run` starts: SIGTERM (a graceful stop) when the
+    launcher dies, even by SIGKILL, so no service or embedded redis-server outlives it. Only a
+    prctl between fork and exec: nothing that takes a lock."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 # --- Landlock ---------------------------------------------------------------------------------
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # one table, every arch
 _CREATE_RULESET_VERSION = 1

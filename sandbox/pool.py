@@ -37,6 +37,7 @@ import logging
 import os
 import queue
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -177,11 +178,22 @@ class _Worker:
         self.calls = 0
         os.set_blocking(self.stdin.fileno(), False)  # a worker that stops reading can't block us
 
-    def send(self, message: dict[str, Any] | bytes) -> None:
-        """Raises OSError (BrokenPipeError, BlockingIOError) when the worker can't take it."""
+    def send(self, message: dict[str, Any] | bytes, deadline: float) -> None:
+        """Write the whole frame, waiting for the pipe to drain until `deadline` (a frame may be
+        larger than the pipe's buffer). Raises FrameTimeout when the worker stops reading,
+        OSError (BrokenPipeError) when it is gone."""
         data = memoryview(message if isinstance(message, bytes) else encode(message))
+        fd = self.stdin.fileno()
         while data:
-            data = data[os.write(self.stdin.fileno(), data) :]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FrameTimeout("the sandbox worker stopped reading its pipe")
+            _, writable, _ = select.select([], [fd], [], left)
+            if writable:
+                try:
+                    data = data[os.write(fd, data) :]
+                except BlockingIOError:
+                    continue
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -270,8 +282,9 @@ class Sandbox:
     def _start(self) -> _Worker:
         worker = self._spawner.submit(_Worker, self).result()
         try:
-            worker.send(self.hello)
-            reply = worker.reader.read(time.monotonic() + self.start_timeout_s)
+            deadline = time.monotonic() + self.start_timeout_s
+            worker.send(self.hello, deadline)
+            reply = worker.reader.read(deadline)
         except (OSError, EOFError, FrameError, FrameTimeout) as exc:
             worker.kill()
             raise SandboxStartError(
@@ -361,7 +374,7 @@ class Sandbox:
             started = time.monotonic()
             deadline = started + self.timeout_s
             try:
-                worker.send(message)
+                worker.send(message, deadline)
                 ack = worker.reader.read(deadline)
             except FrameTimeout:
                 self._replace(slot)

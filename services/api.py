@@ -259,17 +259,23 @@ def host_name(header: str) -> str:
 
 
 class HostCheck:
-    """ASGI middleware: a request whose Host header names none of `allowed` gets 400."""
+    """ASGI middleware: a request whose Host header names none of `allowed` gets 400, and so
+    does one with more than one Host header (a proxy and the app could each read another)."""
 
     def __init__(self, app: ASGIApp, *, allowed: frozenset[str] | None) -> None:
         self.app, self.allowed = app, allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.allowed is not None:
-            name = host_name(Headers(scope=scope).get("host", ""))
-            if name not in self.allowed:
-                response = PlainTextResponse(f"Host {name!r} is not served here", status_code=400)
-                await response(scope, receive, send)
+        if scope["type"] == "http":
+            hosts = Headers(scope=scope).getlist("host")
+            name = host_name(hosts[0] if hosts else "")
+            refusal = None
+            if len(hosts) > 1:
+                refusal = "more than one Host header"
+            elif self.allowed is not None and name not in self.allowed:
+                refusal = f"Host {name!r} is not served here"
+            if refusal is not None:
+                await PlainTextResponse(refusal, status_code=400)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

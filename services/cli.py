@@ -286,6 +286,9 @@ def _cmd_secrets(args: argparse.Namespace) -> int:
     import secrets
 
     from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
+    from contracts.weight_sync import new_weights_key
+
+    private, public = new_weights_key()
 
     def fresh() -> str:
         return secrets.token_hex(32)  # letters and digits: safe unescaped in URLs and configs
@@ -296,14 +299,15 @@ def _cmd_secrets(args: argparse.Namespace) -> int:
         sys.stdout.write(
             f"kubectl create secret generic dapo-redis --namespace dapo {literals}\n"
             f"kubectl create secret generic dapo-weights --namespace dapo "
-            f"--from-literal=key={fresh()}\n"
+            f"--from-literal=key={private} --from-literal=public={public}\n"
             f"(umask 077; printf %s {fresh()} > api-token.txt)  # the API token, for your "
             "overlay's dapo-api-token secretGenerator (deploy/README.md)\n"
         )
         return 0
     lines = [
         f"DAPO_API_TOKEN={fresh()}",
-        f"DAPO_WEIGHTS_KEY={fresh()}",
+        f"DAPO_WEIGHTS_KEY={private}",
+        f"DAPO_WEIGHTS_PUBLIC_KEY={public}",
         f"DAPO_REDIS_PASSWORD={redis_passwords['password']}",
         *(f"{PASSWORD_ENV_PREFIX}{role.name}={redis_passwords[role.value]}" for role in Role),
     ]

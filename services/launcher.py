@@ -39,12 +39,15 @@ from contracts.config import REDIS_URL_ENV, ConfigError, DapoConfig, TinyModelSp
 from contracts.keys import Counter, RunField, restarts_counter
 from contracts.model_source import Download, with_local_model
 from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
+from contracts.weight_sync import HOST_ENV as WEIGHTS_HOST_ENV
 from contracts.weight_sync import KEY_ENV as WEIGHTS_KEY_ENV
-from contracts.weight_sync import weights_key
+from contracts.weight_sync import PUBLIC_KEY_ENV as WEIGHTS_PUBLIC_KEY_ENV
+from contracts.weight_sync import new_weights_key, public_key_text
 from learner.evaluation import eval_problems
 from reward.service import check_reward_function
 from rollout.engine import REPLICA_NAME_ENV
 from rollout.tool_use import check_tools
+from sandbox.confine import term_with_parent
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
@@ -81,6 +84,7 @@ class Service:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=term_with_parent,  # a launcher killed outright takes its services along
         )
         log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
@@ -564,10 +568,10 @@ def run_local(
     from services.api import check_token_strength
 
     check_token_strength(cfg.api.token_env)  # before the API service would fail on it
-    # The weight-sync signing key: the caller's (replicas started by hand can then join), else
-    # a fresh one for this run.
-    weights_key_text = os.environ.get(WEIGHTS_KEY_ENV) or secrets.token_urlsafe(32)
-    weights_key({WEIGHTS_KEY_ENV: weights_key_text})  # one set too short is refused here
+    # The weight-sync key pair: the caller's (replicas started by hand can then join), else a
+    # fresh one for this run. The learner gets the private key, the replicas the public one.
+    weights_key_text = os.environ.get(WEIGHTS_KEY_ENV) or new_weights_key()[0]
+    weights_public_text = public_key_text(weights_key_text)  # a malformed one is refused here
     started = time.monotonic()
     out = Path(cfg.output_dir)
     logs = out / "logs"
@@ -599,7 +603,8 @@ def run_local(
     env = {**os.environ, **prepared.env, REDIS_URL_ENV: url, "PYTHONUNBUFFERED": "1"}
     for name in [n for n in env if n.startswith(f"{REDIS_URL_ENV}_")]:
         del env[name]  # a role's URL left in the caller's shell would outrank the run's own
-    env.pop(WEIGHTS_KEY_ENV, None)  # given to the learner and the replicas only, below
+    for name in (WEIGHTS_KEY_ENV, WEIGHTS_PUBLIC_KEY_ENV):
+        env.pop(name, None)  # given to the learner and the replicas only, below
     # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
     bus.check_memory_policy()
@@ -616,10 +621,13 @@ def run_local(
     api_port = cfg.api.port or free_port()
     services = _services(cfg, config_path, logs, api_port)
     for svc in services:
-        if svc.name == "learner" or svc.name.startswith("rollout"):
+        if svc.name == "learner":
             svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
-        if svc.name.startswith("rollout"):  # its seed survives a restart (a new pid)
-            svc.private_env[REPLICA_NAME_ENV] = svc.name
+        if svc.name.startswith("rollout"):
+            svc.private_env[WEIGHTS_PUBLIC_KEY_ENV] = weights_public_text
+            # Pinned: an announcement naming any other host than the learner's is refused.
+            svc.private_env[WEIGHTS_HOST_ENV] = os.environ.get(WEIGHTS_HOST_ENV) or "127.0.0.1"
+            svc.private_env[REPLICA_NAME_ENV] = svc.name  # its seed survives a restart
         if server is not None:
             svc.private_env[REDIS_URL_ENV] = server.role_url(service_role(svc.name))
     if placement.gpus:

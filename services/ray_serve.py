@@ -21,8 +21,9 @@ How a Serve replica differs from the CLI process:
 - Rollout replicas receive weights from the learner over the torch.distributed side group as
   before (a replica is a plain process): the learner's `DAPO_WEIGHTS_HOST` must be reachable from
   every Ray node, and the learner finds replicas by their heartbeats, not through Serve. They
-  take only announcements signed with `DAPO_WEIGHTS_KEY`, which must be in the Ray nodes'
-  environment (a rollout deployment without it fails in its constructor, naming it).
+  take only announcements that `DAPO_WEIGHTS_PUBLIC_KEY` (the learner's public key) verifies,
+  which must be in the Ray nodes' environment (a rollout deployment without it fails in its
+  constructor, naming it).
 """
 
 from __future__ import annotations

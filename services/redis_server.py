@@ -26,6 +26,7 @@ from contracts.bus.roles import Role, role_url, user_lines
 from contracts.config import redact_url
 from contracts.keys import Keys
 from contracts.runtime import free_port
+from sandbox.confine import term_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,12 @@ class RedisServer:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
         # Own session: a Ctrl-C aimed at `dapo run` must not kill Redis before the services hand
         # back their work; the launcher stops it last.
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=term_with_parent,  # never outlives whoever started it (a SIGKILLed run)
+        )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
         while True:

@@ -23,12 +23,14 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import TEST_WEIGHTS_KEY, TEST_WEIGHTS_PUBLIC_KEY
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The weight-sync signing key every learner and replica the tests start shares (`dapo run` uses
-# the caller's key when one is set, so replicas a test starts by hand can join its runs).
-TEST_WEIGHTS_KEY = "test-weights-key-0123456789abcdef-0123456789"
+# The weight-sync key pair every learner and replica the tests start shares (`dapo run` uses the
+# caller's key when one is set, so replicas a test starts by hand can join its runs).
 os.environ.setdefault("DAPO_WEIGHTS_KEY", TEST_WEIGHTS_KEY)
+os.environ.setdefault("DAPO_WEIGHTS_PUBLIC_KEY", TEST_WEIGHTS_PUBLIC_KEY)
 _ALONE_LIST = "dapo_alone_list"
 
 

@@ -16,11 +16,17 @@ from contracts.bus import StreamBus
 from contracts.config import DapoConfig, build_config
 from contracts.keys import Keys
 from contracts.schemas import RolloutGroup, ScoredGroup
+from contracts.weight_sync import KEY_ENV, weights_key
 
 REPO = Path(__file__).resolve().parents[1]
-WEIGHTS_KEY = os.environ.get("DAPO_WEIGHTS_KEY", "").encode()
-"""The weight-sync key the test session set (tests/conftest.py), for publishers and receivers
-built in a test."""
+TEST_WEIGHTS_KEY = "9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60"
+TEST_WEIGHTS_PUBLIC_KEY = "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"
+"""The weight-sync key pair of the tests (RFC 8032's first Ed25519 test vector): the session's
+environment holds it (tests/conftest.py), so `dapo run` and the services the tests start share
+it."""
+WEIGHTS_KEY = weights_key({KEY_ENV: os.environ.get(KEY_ENV) or TEST_WEIGHTS_KEY})
+"""The private key, for publishers (and, verifying with its public half, receivers) built in a
+test."""
 
 
 def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:

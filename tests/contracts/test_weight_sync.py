@@ -6,6 +6,7 @@ broadcast, and the catch-up from the checkpoint store."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from contracts.bus import StreamBus, connect
 from contracts.checkpoint_store import file_digest, write_manifest
@@ -23,9 +25,11 @@ from contracts.runtime import StopFlag, free_port
 from contracts.weight_sync import (
     PORT_ENV,
     Announcement,
+    WeightKey,
     WeightStream,
     plan_buckets,
     sign,
+    signature_holds,
     weights_port,
 )
 from learner.weight_publisher import WeightPublisher
@@ -369,7 +373,7 @@ def test_a_forged_announcement_is_refused_and_the_replica_keeps_going(
     bus.redis.set(bus.keys.weight_decision(probe.group_key), "go")
     assert sub.channel.decision(probe) is None  # a planted go is no decision
 
-    def signed(data: dict, key: bytes = WEIGHTS_KEY) -> dict[str, bytes | str]:
+    def signed(data: dict, key: WeightKey = WEIGHTS_KEY) -> dict[str, bytes | str]:
         body = json.dumps(data).encode()
         return {"ann": body, "sig": sign(key, body)}
 
@@ -379,7 +383,7 @@ def test_a_forged_announcement_is_refused_and_the_replica_keeps_going(
         spec["dtype"] = "int64"
     attempts = [
         {"ann": json.dumps(forged()).encode()},  # unsigned
-        signed(forged(), key=b"someone-else's-key-0123456789abcdef"),
+        signed(forged(), key=Ed25519PrivateKey.generate()),  # another learner's key
         signed(forged()),  # signed, but the host is not the learner's
         signed({**bad_shape, "store_host": "127.0.0.1"}),
         signed({**bad_dtype, "store_host": "127.0.0.1"}),
@@ -425,13 +429,42 @@ def test_a_forged_announcement_is_refused_and_the_replica_keeps_going(
 
 def test_the_replica_and_the_learner_refuse_to_start_without_the_key() -> None:
     from contracts.config import ConfigError
-    from contracts.weight_sync import KEY_ENV, weights_key
+    from contracts.weight_sync import (
+        KEY_ENV,
+        PUBLIC_KEY_ENV,
+        new_weights_key,
+        public_key_text,
+        weights_key,
+        weights_public_key,
+    )
 
     with pytest.raises(ConfigError, match=f"{KEY_ENV} is not set"):
         weights_key({})
-    with pytest.raises(ConfigError, match=r"is 8 characters.*at least 32"):
-        weights_key({KEY_ENV: "short-ky"})
-    assert weights_key({KEY_ENV: "k" * 32}) == b"k" * 32
+    with pytest.raises(ConfigError, match=f"{PUBLIC_KEY_ENV} is not set"):
+        weights_public_key({})
+    with pytest.raises(ConfigError, match=r"is not 64 hex characters.*dapo secrets"):
+        weights_key({KEY_ENV: "k" * 64})  # an HMAC secret of the old kind
+    private, public = new_weights_key()
+    assert public_key_text(private) == public
+    message = b"announcement"
+    assert signature_holds(
+        weights_public_key({PUBLIC_KEY_ENV: public}),
+        message,
+        sign(weights_key({KEY_ENV: private}), message),
+    )
+
+
+def test_a_replica_holds_a_key_that_verifies_and_cannot_sign() -> None:
+    """What a compromised replica holds cannot make an announcement another replica takes."""
+    from contracts.weight_sync import PUBLIC_KEY_ENV, weights_public_key
+
+    public = weights_public_key({PUBLIC_KEY_ENV: os.environ[PUBLIC_KEY_ENV]})
+    with pytest.raises(TypeError, match="only the learner's private key signs"):
+        sign(public, b"announcement")
+    forged = Ed25519PrivateKey.generate().sign(b"announcement").hex()
+    assert not signature_holds(public, b"announcement", forged)
+    assert not signature_holds(public, b"announcement", "zz" * 64)  # not even hex
+    assert signature_holds(public, b"announcement", sign(WEIGHTS_KEY, b"announcement"))
 
 
 def test_the_weight_sync_store_listens_on_the_port_a_network_policy_opens(

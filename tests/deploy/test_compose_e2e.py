@@ -37,6 +37,7 @@ import yaml
 
 from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
 from contracts.runtime import free_port
+from contracts.weight_sync import new_weights_key
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -286,11 +287,13 @@ def deployment(engine: Engine, tmp_path: Path) -> Deployment:
     token, password, port = secrets.token_hex(16), secrets.token_hex(16), free_port()
     text = (REPO / ".env.example").read_text(encoding="utf-8")
     assert "\nDAPO_API_TOKEN=\n" in text and "\nDAPO_REDIS_PASSWORD=\n" in text
-    assert "\nDAPO_WEIGHTS_KEY=\n" in text
+    assert "\nDAPO_WEIGHTS_KEY=\n" in text and "\nDAPO_WEIGHTS_PUBLIC_KEY=\n" in text
+    private, public = new_weights_key()
     text = (
         text.replace("\nDAPO_API_TOKEN=\n", f"\nDAPO_API_TOKEN={token}\n")
         .replace("\nDAPO_REDIS_PASSWORD=\n", f"\nDAPO_REDIS_PASSWORD={password}\n")
-        .replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={secrets.token_hex(32)}\n")
+        .replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={private}\n")
+        .replace("\nDAPO_WEIGHTS_PUBLIC_KEY=\n", f"\nDAPO_WEIGHTS_PUBLIC_KEY={public}\n")
     )
     # One Redis user per role, each with its own password (contracts/bus/roles.py).
     for role in Role:

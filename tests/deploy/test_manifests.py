@@ -338,7 +338,8 @@ def _env_file(tmp_path: Path, token: str, redis_password: str = "test-password")
     for role in ROLES:
         var = f"{REDIS_PASSWORD_VAR}_{role.upper()}"
         text = text.replace(f"\n{var}=\n", f"\n{var}=test-{role}-password\n")
-    text = text.replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={'k' * 64}\n")
+    text = text.replace("\nDAPO_WEIGHTS_KEY=\n", f"\nDAPO_WEIGHTS_KEY={'1' * 64}\n")
+    text = text.replace("\nDAPO_WEIGHTS_PUBLIC_KEY=\n", f"\nDAPO_WEIGHTS_PUBLIC_KEY={'2' * 64}\n")
     path = tmp_path / "env"
     path.write_text(text, encoding="utf-8")
     return path
@@ -1751,3 +1752,27 @@ def test_pinning_names_the_image_a_registry_does_not_answer_for(
     monkeypatch.setenv("DIGEST_COMMAND", "echo")
     with pytest.raises(SystemExit, match=r"no digest for reg\.example/a:1"):
         pin_images.resolve("reg.example/a:1")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_learner_holds_the_weight_signing_key(overlay: str) -> None:
+    """The private key signs weight announcements: the learner alone gets it; the replicas get
+    the public key, which verifies and cannot sign (compose and Kubernetes alike)."""
+    holders = {}
+    for doc in render(overlay):
+        for c in containers(doc) if doc["kind"] in ("Job", "Deployment", "StatefulSet") else ():
+            env = env_of(c)
+            holders[(doc["metadata"]["name"], c["name"])] = (
+                "DAPO_WEIGHTS_KEY" in env,
+                env.get("DAPO_WEIGHTS_PUBLIC_KEY"),
+            )
+    private = [name for name, (has, _) in holders.items() if has]
+    assert private == [("dapo-learner", "learner")], private
+    rollout = holders[("dapo-rollout", "rollout")]
+    assert rollout[1] == {"secretKeyRef": {"name": "dapo-weights", "key": "public"}}
+    services = compose()["services"]
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        assert ("DAPO_WEIGHTS_KEY" in env) == name.startswith("learner"), name
+        if name.startswith("rollout"):
+            assert "DAPO_WEIGHTS_PUBLIC_KEY" in env, name

@@ -4,9 +4,12 @@ resumes from the checkpoint it wrote on the way out); nothing is lost or dead-le
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +70,56 @@ def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Pa
         and counters.get("replica_version_regressions", 0) == 0
     )
     assert logs.count("received SIGTERM") == 4  # before the end of the run: the four sent above
+
+
+def test_a_launcher_killed_outright_leaves_no_process_behind(tmp_path: Path) -> None:
+    """`dapo run` SIGKILLed (an OOM kill, `kill -9`) cannot stop its services itself: each
+    service and the embedded redis-server gets SIGTERM from the kernel when it dies (a
+    parent-death signal), stops as on any SIGTERM and nothing of the run is left running."""
+    log = (tmp_path / "dapo-run.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "run",
+            "--config",
+            "configs/tiny.yaml",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "learner.total_steps=100000",  # still running when it is killed
+            "eval.every_steps=0",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started: list[int] = []
+
+    def every_service_started() -> bool:
+        text = (tmp_path / "dapo-run.log").read_text()
+        started[:] = [
+            int(pid)
+            for groups in re.findall(r"started \S+ \(pid (\d+)\)|redis-server pid (\d+)", text)
+            for pid in groups
+            if pid
+        ]
+        return "started rollout-0" in text and len(started) >= 6  # redis and five services
+
+    try:
+        wait_for("the run's processes", every_service_started, timeout_s=120)
+        time.sleep(3)
+        proc.kill()
+        proc.wait()
+        wait_for(
+            "every process of the run to exit",
+            lambda: all(process_gone(pid) for pid in started),
+            timeout_s=GRACE_S + 30,
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in started:  # never leave one behind, whatever failed above
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

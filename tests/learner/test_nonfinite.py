@@ -46,6 +46,7 @@ from tests.learner.test_loop import FakeSource, rank0
 REPO = Path(__file__).resolve().parents[2]
 NAN, INF = float("nan"), float("inf")
 VOCAB = 100  # make_group's token ids stay below 4 + 50
+MAX_RESPONSE = 64  # the run's largest response (make_group's are 50 tokens)
 
 
 # --- groups on the streams ------------------------------------------------------------------------
@@ -99,7 +100,30 @@ NUMBERS = [  # what every consumer's decode rejects: (corruption, reason)
         id="negative-token",
     ),
 ]
-VOCABULARY = [  # what only the learner, which knows the model, rejects
+
+
+def lengthen(i: int, tokens: int) -> Callable[[ScoredGroup], None]:
+    def corrupt(g: ScoredGroup) -> None:
+        g.responses[i].token_ids += [5] * tokens
+        g.responses[i].logprobs += [-1.0] * tokens
+
+    return corrupt
+
+
+def add_responses(n: int) -> Callable[[ScoredGroup], None]:
+    def corrupt(g: ScoredGroup) -> None:
+        extra = judged(make_group(), [True] * len(g.responses))
+        for _ in range(n // len(g.responses)):
+            g.responses += extra.responses
+            g.scores += extra.scores
+            g.acc += extra.acc
+            g.rewards += extra.rewards
+            g.preds += extra.preds
+
+    return corrupt
+
+
+VOCABULARY = [  # what only the learner, which knows the model and the run's sizes, rejects
     pytest.param(
         set_token(2, 4, VOCAB),
         f"response 2 token 4 is id {VOCAB}, outside the model's vocabulary of {VOCAB} ids",
@@ -109,6 +133,16 @@ VOCABULARY = [  # what only the learner, which knows the model, rejects
         set_prompt_token(1, VOCAB + 5),
         f"prompt token 1 is id {VOCAB + 5}, outside the model's vocabulary of {VOCAB} ids",
         id="oov-prompt-token",
+    ),
+    pytest.param(
+        lengthen(2, 10_000),
+        f"group g1: response 2 has {10_000 + 50} tokens, over the run's {MAX_RESPONSE}",
+        id="oversized-response",
+    ),
+    pytest.param(
+        add_responses(8),
+        "group g1: 12 responses, over the 8 a job asks for",
+        id="too-many-responses",
     ),
 ]
 
@@ -167,6 +201,7 @@ def stream_source(bus: StreamBus, batch_groups: int) -> StreamSource:
         stop=StopFlag(),
         catch_up=lambda: None,
         vocab_size=VOCAB,
+        sizes={"max_prompt_tokens": 16, "max_response_tokens": MAX_RESPONSE, "max_responses": 8},
         budget_s=5.0,
     )
 

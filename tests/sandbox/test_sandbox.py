@@ -138,3 +138,13 @@ def test_each_call_has_a_cpu_time_budget_of_its_wall_clock_limit() -> None:
     for result in (first, second):
         assert result.ok, result
         assert 3.0 <= float(result.text) <= 4.5  # the budget left: 3 s, rounded up to a second
+
+
+def test_a_call_larger_than_the_pipe_buffer_is_written_whole() -> None:
+    """A frame of 300 KB is several pipe buffers: the parent waits for the worker to drain the
+    pipe (until the call's deadline) instead of failing on a full one."""
+    big = "x" * 300_000
+    with Sandbox(f"{HOSTILE}:echo", workers=1, max_args_chars=len(big)) as box:
+        result = box.call(big)
+    assert result.ok and result.text == big[:4096]  # the reply is cut to max_result_chars
+    assert box.restarts == 0

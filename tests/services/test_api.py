@@ -362,3 +362,44 @@ def test_host_header_names_outside_the_allowed_ones_get_400(
     assert response.status_code == code, response.text
     if code == 400:
         assert "is not served here" in response.text
+
+
+def test_a_request_with_two_host_headers_gets_400() -> None:
+    """A proxy that checks the first Host header and an app that reads the last would disagree
+    about where a request goes: two are refused, whatever they say."""
+    from starlette.types import Message, Scope
+
+    cfg = build_config(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "queue": {"redis_url": "redis://127.0.0.1:1/0"},
+        }
+    )
+    app = create_app(cfg)
+    scope: Scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/healthz",
+        "raw_path": b"/healthz",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1"), (b"host", b"evil.example")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 5555),
+        "root_path": "",
+    }
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    import asyncio
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert b"more than one Host header" in b"".join(m.get("body", b"") for m in sent[1:])
