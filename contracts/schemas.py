@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from contracts.signing import SigningKey, WeightKey, sign, signature_holds
+
 SCHEMA_VERSION = 6
 """2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
 3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message.
@@ -168,6 +170,11 @@ class PromptJob(_Msg):
     """The data row's `extra_info`, for a `reward.function` (training and evaluation jobs).
     Optional with a default, so jobs encoded before it existed still decode.
     Values JSON cannot hold (a parquet timestamp, say) travel as their `str()`."""
+    sig: str = Field("", max_length=128)
+    """The learner's Ed25519 signature of everything else in the job (`job_message`), hex; the
+    reward workers and the learner refuse a group whose job it does not verify, so no other
+    credential can choose the prompts or the ground truths. Empty where nothing is signed (the
+    in-process loop, jobs built by hand)."""
 
     @field_validator("extra_info", mode="before")
     @classmethod
@@ -361,7 +368,30 @@ def _unpack(kind: str, raw: bytes, what: str) -> list[int] | list[float]:
     return arr.tolist()
 
 
-def encode_job(job: PromptJob) -> dict[str, bytes]:
+def job_message(job: PromptJob) -> bytes:
+    """What the learner signs of a job: every field but the signature, as canonical JSON (the
+    same bytes from the job as issued and from its copy inside a group, whoever re-encoded it)."""
+    fields = job.model_dump(mode="json", exclude={"sig"})
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_job(job: PromptJob, key: SigningKey) -> PromptJob:
+    return job.model_copy(update={"sig": sign(key, job_message(job))})
+
+
+def check_job_signature(group: RolloutGroup, key: WeightKey) -> None:
+    """SchemaError unless the group's job carries the learner's signature (`PromptJob.sig`)."""
+    if not signature_holds(key, job_message(group.job), group.job.sig or None):
+        raise SchemaError(
+            f"group {group.job.group_id}: its job is not signed by this run's learner (a job, a "
+            "prompt or a ground truth written by someone else)"
+        )
+
+
+def encode_job(job: PromptJob, key: SigningKey | None = None) -> dict[str, bytes]:
+    """A job as stream fields; signed with `key` (the learner's) when given."""
+    if key is not None:
+        job = sign_job(job, key)
     meta = job.model_dump(exclude={"prompt_ids"})
     return {
         "v": str(SCHEMA_VERSION).encode(),

@@ -44,10 +44,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from contracts.config import ConfigError
+from contracts.signing import (  # noqa: F401  (the learner's key, re-exported for its users)
+    KEY_ENV,
+    PUBLIC_KEY_ENV,
+    SigningKey,
+    VerifyKey,
+    WeightKey,
+    WeightKeyError,
+    new_weights_key,
+    public_key_text,
+    sign,
+    signature_holds,
+    weights_key,
+    weights_public_key,
+)
 
 if TYPE_CHECKING:
     from contracts.bus import StreamBus
@@ -57,14 +69,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Every dtype weights travel in; an announcement naming another is refused."""
 
-KEY_ENV = "DAPO_WEIGHTS_KEY"
-"""The environment variable holding the weight-sync private key (the learner only): an Ed25519
-key as 64 hex characters (`dapo secrets` makes one)."""
 HOST_ENV = "DAPO_WEIGHTS_HOST"
 """The learner's weight-sync host: where it listens, and the one host a replica accepts in an
 announcement (`dapo run` pins it for the replicas it starts)."""
-PUBLIC_KEY_ENV = "DAPO_WEIGHTS_PUBLIC_KEY"
-"""The environment variable holding its public key (the replicas), 64 hex characters."""
 PORT_ENV = "DAPO_WEIGHTS_PORT"
 """The port of the learner's weight-sync store (unset or 0: any free port). Kubernetes fixes it,
 so a NetworkPolicy can open it, and only it beside the collectives' ports, to the replicas."""
@@ -76,58 +83,6 @@ MAX_REPLICAS = 4096
 MAX_NAME_CHARS = 512
 
 
-class WeightKeyError(ConfigError):
-    """The weight-sync key is missing or malformed (a configuration error: exit 2)."""
-
-
-SigningKey = Ed25519PrivateKey
-VerifyKey = Ed25519PublicKey
-WeightKey = Ed25519PrivateKey | Ed25519PublicKey
-"""What a `WeightChannel` holds: the learner the private key, a replica the public one."""
-
-
-def new_weights_key() -> tuple[str, str]:
-    """A fresh (private, public) pair, each as 64 hex characters."""
-    private = Ed25519PrivateKey.generate()
-    return private.private_bytes_raw().hex(), private.public_key().public_bytes_raw().hex()
-
-
-def public_key_text(private_hex: str) -> str:
-    """The public half of a private key given as hex (WeightKeyError if it is not one)."""
-    return _private(private_hex, KEY_ENV).public_key().public_bytes_raw().hex()
-
-
-def _raw(value: str, name: str) -> bytes:
-    try:
-        raw = bytes.fromhex(value.strip())
-    except ValueError:
-        raw = b""
-    if len(raw) != 32:
-        problem = "is not set" if not value else "is not 64 hex characters"
-        raise WeightKeyError(
-            f"{name} {problem}: the learner signs its weight announcements with an Ed25519 key "
-            f"({KEY_ENV}, the learner only) and the replicas accept only what its public key "
-            f"({PUBLIC_KEY_ENV}) verifies. `dapo secrets` makes a pair; `dapo run` makes one "
-            "itself."
-        )
-    return raw
-
-
-def _private(value: str, name: str) -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.from_private_bytes(_raw(value, name))
-
-
-def weights_key(env: Mapping[str, str] | None = None) -> Ed25519PrivateKey:
-    """The learner's signing key from `DAPO_WEIGHTS_KEY`; WeightKeyError naming the fix."""
-    return _private((os.environ if env is None else env).get(KEY_ENV, ""), KEY_ENV)
-
-
-def weights_public_key(env: Mapping[str, str] | None = None) -> Ed25519PublicKey:
-    """A replica's key from `DAPO_WEIGHTS_PUBLIC_KEY`; WeightKeyError naming the fix."""
-    value = (os.environ if env is None else env).get(PUBLIC_KEY_ENV, "")
-    return Ed25519PublicKey.from_public_bytes(_raw(value, PUBLIC_KEY_ENV))
-
-
 def weights_port(environ: Mapping[str, str] | None = None) -> int:
     """The weight-sync store's port from `DAPO_WEIGHTS_PORT` (0 when unset); ConfigError naming
     the variable when it is not a port number."""
@@ -135,26 +90,6 @@ def weights_port(environ: Mapping[str, str] | None = None) -> int:
     if not raw.isdigit() or not 0 <= int(raw) <= 65535:
         raise ConfigError(f"{PORT_ENV}={raw!r} is not a port number (0-65535; 0: any free port)")
     return int(raw)
-
-
-def sign(key: WeightKey, message: bytes) -> str:
-    """The Ed25519 signature of `message`, hex; only a private key signs."""
-    if not isinstance(key, Ed25519PrivateKey):
-        raise TypeError("only the learner's private key signs weight-sync messages")
-    return key.sign(message).hex()
-
-
-def signature_holds(key: WeightKey, message: bytes, signature: bytes | str | None) -> bool:
-    """True when `signature` (hex) is the learner's signature of `message`."""
-    if signature is None:
-        return False
-    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
-    text = signature.decode("ascii", "replace") if isinstance(signature, bytes) else signature
-    try:
-        public.verify(bytes.fromhex(text), message)
-    except (ValueError, InvalidSignature):
-        return False
-    return True
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -30,11 +30,13 @@ from contracts.runtime import StopFlag
 from contracts.schemas import (
     SchemaError,
     ScoredGroup,
+    check_job_signature,
     check_sizes,
     check_vocabulary,
     decode_scored_group,
     is_evaluation,
 )
+from contracts.signing import WeightKey
 from learner.commands import Picked
 from learner.feeder import PromptFeeder
 
@@ -111,6 +113,7 @@ class StreamSource:
         catch_up: Callable[[], None],
         vocab_size: int,
         sizes: dict[str, int] | None = None,
+        job_key: WeightKey | None = None,
         budget_s: float = 5.0,
         drain_timeout_s: float = 120.0,
     ) -> None:
@@ -119,6 +122,8 @@ class StreamSource:
         """Rows of the model's embedding: token ids must be below it (`check_vocabulary`)."""
         self.sizes = sizes
         """The largest group the run can generate (`check_sizes`'s keywords); None: unchecked."""
+        self.job_key = job_key
+        """The learner's key: a group whose job it did not sign is refused (None: unchecked)."""
         self.batch_groups, self.max_staleness, self.max_deliveries = (
             batch_groups,
             max_staleness,
@@ -220,6 +225,8 @@ class StreamSource:
         check_vocabulary(group, self.vocab_size)
         if self.sizes is not None:
             check_sizes(group, **self.sizes)
+        if self.job_key is not None:
+            check_job_signature(group, self.job_key)
         return group
 
     def _stale(self, picked: Picked, policy_version: int) -> bool:

@@ -60,6 +60,7 @@ from contracts.schemas import (
     decode_eval_result,
     encode_job,
 )
+from contracts.signing import SigningKey
 from learner.commands import Progress
 
 log = logging.getLogger(__name__)
@@ -164,10 +165,13 @@ class EvalLane:
         catch_up: Callable[[], None],
         extra_infos: list[dict[str, Any]] | None = None,
         rounds_path: Path | None = None,
+        job_key: SigningKey | None = None,
     ) -> None:
         """prompts: (prompt ids, ground truth, data source) per distinct problem; extra_infos: each
         problem's data-row `extra_info` (for a `reward.function`), or None for none; rounds_path:
-        where each round's per-problem record is appended (None: nowhere)."""
+        where each round's per-problem record is appended (None: nowhere); job_key: the learner's
+        key, which signs every job (`PromptJob.sig`; None: unsigned)."""
+        self.job_key = job_key
         self.bus, self.prompts, self.run_name, self.samples, self.catch_up = (
             bus,
             prompts,
@@ -223,7 +227,8 @@ class EvalLane:
                         samples=self.samples,
                         rl_seconds=rl_seconds,
                     ),
-                )
+                ),
+                self.job_key,
             )
             for i, (ids, truth, source) in enumerate(self.prompts)
         ]
@@ -373,7 +378,11 @@ def eval_problems(cfg: DapoConfig) -> tuple[list[PromptRecord], Overlap]:
 
 
 def eval_lane(
-    bus: StreamBus, cfg: DapoConfig, tokenizer: Any, catch_up: Callable[[], None]
+    bus: StreamBus,
+    cfg: DapoConfig,
+    tokenizer: Any,
+    catch_up: Callable[[], None],
+    job_key: SigningKey | None = None,
 ) -> Evaluations:
     """Rank 0's lane over `data.eval_path`'s distinct problems, or none without an eval set."""
     if not cfg.data.eval_path:
@@ -396,4 +405,5 @@ def eval_lane(
         catch_up=catch_up,
         extra_infos=[p.extra_info for p in problems],
         rounds_path=Path(cfg.output_dir) / EVAL_ROUNDS_FILE,
+        job_key=job_key,
     )

@@ -47,6 +47,7 @@ from contracts.config import PromptSkipConfig
 from contracts.data import PromptRecord, encode_prompt
 from contracts.keys import Counter, RunField
 from contracts.schemas import PromptJob, encode_job
+from contracts.signing import SigningKey
 from learner.prompt_skip import Decided, SkipState, keep_probability
 
 T = TypeVar("T")
@@ -128,12 +129,14 @@ class PromptFeeder:
         skip: PromptSkipConfig | None = None,
         pass_rate_window: int | None = None,
         chat: bool = True,
+        job_key: SigningKey | None = None,
     ) -> None:
         if not records:
             raise ValueError("the training set is empty")
         self.bus, self.records, self.tokenizer = bus, records, tokenizer
         self.run_name, self.limit, self.max_prompt_len = run_name, limit, max_prompt_len
         self.chat = chat  # `data.prompt_format`: through the chat template, or the text as it is
+        self.job_key = job_key  # the learner's: signs every job (`PromptJob.sig`); None: unsigned
         self.kept_ahead = kept_ahead
         self.shuffle, self.seed = shuffle, seed
         self.cursor = cursor
@@ -204,7 +207,10 @@ class PromptFeeder:
             n = min(n, self.max_jobs - self.jobs_issued)
         if n <= 0:
             return 0
-        jobs = [encode_job(self._job(cursor, policy_version)) for cursor in self._choose(n)]
+        jobs = [
+            encode_job(self._job(cursor, policy_version), self.job_key)
+            for cursor in self._choose(n)
+        ]
         # Recorded before the jobs exist, for a restarted learner (`StreamSource.resume`): a
         # position recorded but never issued is only skipped, one issued twice would be trained
         # twice (the ledger's issued count no longer bounds the cursor once prompts are skipped).

@@ -134,6 +134,7 @@ def rank0_collaborators(
     bus.ensure_groups(consumed_stages(Role.LEARNER, bus.keys))
     alg, le = cfg.algorithm, cfg.learner
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    key = weights_key()  # the learner's own: it signs jobs and weight announcements
     feeder = PromptFeeder(
         bus,
         load_prompts(cfg.data.train_path, columns=cfg.data.columns),
@@ -150,6 +151,7 @@ def rank0_collaborators(
         max_jobs=budget_jobs(le.sample_budget, cfg.rollout.group_size),
         skip=alg.prompt_skip,
         pass_rate_window=alg.pass_rate_window,
+        job_key=key,  # every job signed: reward and the learner take no job it did not issue
     )
     publisher = WeightPublisher(
         bus,
@@ -159,7 +161,7 @@ def rank0_collaborators(
         timeout_s=le.collective_timeout_s,
         bucket_mb=le.broadcast_bucket_mb,
         dtype=cfg.model.dtype,
-        key=weights_key(),
+        key=key,
     )
     source = StreamSource(
         bus,
@@ -178,11 +180,12 @@ def rank0_collaborators(
             + cfg.rollout.tools.inserted_tokens_max,
             "max_responses": max(cfg.rollout.group_size, cfg.eval.samples_per_problem),
         },
+        job_key=key,
     )
     reporter = RunReporter(
         bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode)
     )
-    evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up)
+    evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up, job_key=key)
     return Collaborators(
         source=source,
         publisher=publisher,

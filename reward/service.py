@@ -23,7 +23,15 @@ from contracts.config import ConfigError, DapoConfig, RewardConfig
 from contracts.keys import Counter
 from contracts.model_source import with_local_model
 from contracts.runtime import StageLoop, serve_stage, service_context
-from contracts.schemas import RolloutGroup, SchemaError, ScoredGroup, decode_group, encode_group
+from contracts.schemas import (
+    RolloutGroup,
+    SchemaError,
+    ScoredGroup,
+    check_job_signature,
+    decode_group,
+    encode_group,
+)
+from contracts.signing import WeightKey, weights_public_key
 from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
 from reward.result import VerifyResult
@@ -90,8 +98,13 @@ class MetricMeans:
 class RewardWorker:
     """The reward stage's worker: scores whole groups, `REWARD_BATCH` at a time."""
 
-    def __init__(self, cfg: DapoConfig, bus: StreamBus, tokenizer: Any) -> None:
+    def __init__(
+        self, cfg: DapoConfig, bus: StreamBus, tokenizer: Any, job_key: WeightKey | None = None
+    ) -> None:
+        """`job_key`: the learner's public key; a group whose job it does not verify is
+        dead-lettered unscored (None: unchecked, for a worker built by hand)."""
         self.cfg, self.bus, self.tokenizer = cfg, bus, tokenizer
+        self.job_key = job_key
         self.scorer = open_scorer(cfg.reward)
         self.groups = 0
         self.timeouts = 0
@@ -119,6 +132,8 @@ class RewardWorker:
         for entry_id, fields in entries:
             try:
                 group = decode_group(fields)
+                if self.job_key is not None:  # a prompt or an answer chosen by someone else
+                    check_job_signature(group, self.job_key)
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
                 continue
@@ -199,7 +214,6 @@ def main(cfg: DapoConfig) -> int:
 
     cfg = with_local_model(cfg)  # an hf:// model: its snapshot (the tokenizer) in the HF cache
     ctx = service_context(cfg, "reward")
-    serve_stage(
-        ctx, RewardWorker(cfg, ctx.bus, AutoTokenizer.from_pretrained(cfg.model.path)), cfg.queue
-    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    serve_stage(ctx, RewardWorker(cfg, ctx.bus, tokenizer, weights_public_key()), cfg.queue)
     return 0

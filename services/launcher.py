@@ -623,8 +623,9 @@ def run_local(
     for svc in services:
         if svc.name == "learner":
             svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
-        if svc.name.startswith("rollout"):
+        if svc.name.startswith(("rollout", "reward")):  # they verify announcements and jobs
             svc.private_env[WEIGHTS_PUBLIC_KEY_ENV] = weights_public_text
+        if svc.name.startswith("rollout"):
             # Pinned: an announcement naming any other host than the learner's is refused.
             svc.private_env[WEIGHTS_HOST_ENV] = os.environ.get(WEIGHTS_HOST_ENV) or "127.0.0.1"
             svc.private_env[REPLICA_NAME_ENV] = svc.name  # its seed survives a restart

@@ -163,10 +163,11 @@ class RewardHost(_StageHost):
     def setup(self) -> StageHandler:
         from transformers import AutoTokenizer
 
+        from contracts.signing import weights_public_key
         from reward.service import RewardWorker
 
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
-        return RewardWorker(self.cfg, self.bus, tokenizer)
+        return RewardWorker(self.cfg, self.bus, tokenizer, weights_public_key())
 
 
 class StatusIngress:

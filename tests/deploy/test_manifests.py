@@ -1768,11 +1768,12 @@ def test_only_the_learner_holds_the_weight_signing_key(overlay: str) -> None:
             )
     private = [name for name, (has, _) in holders.items() if has]
     assert private == [("dapo-learner", "learner")], private
-    rollout = holders[("dapo-rollout", "rollout")]
-    assert rollout[1] == {"secretKeyRef": {"name": "dapo-weights", "key": "public"}}
+    public = {"secretKeyRef": {"name": "dapo-weights", "key": "public"}}
+    assert holders[("dapo-rollout", "rollout")][1] == public  # announcements
+    assert holders[("dapo-reward", "reward")][1] == public  # jobs
     services = compose()["services"]
     for name, svc in services.items():
         env = svc.get("environment", {})
         assert ("DAPO_WEIGHTS_KEY" in env) == name.startswith("learner"), name
-        if name.startswith("rollout"):
+        if name.startswith(("rollout", "reward")):
             assert "DAPO_WEIGHTS_PUBLIC_KEY" in env, name

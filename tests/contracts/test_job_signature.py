@@ -1,0 +1,145 @@
+"""Jobs are the learner's: it signs each (`PromptJob.sig`, Ed25519), and the reward workers and
+the learner refuse a group whose job it did not sign, so a rollout credential (a compromised
+replica) cannot choose the prompts or the ground truths that get scored and trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from contracts.bus import StreamBus, connect
+from contracts.config import build_config
+from contracts.keys import Keys
+from contracts.schemas import (
+    RolloutGroup,
+    check_job_signature,
+    decode_scored_group,
+    encode_group,
+    encode_job,
+    sign_job,
+)
+from tests.contracts.test_schemas import make_group
+from tests.helpers import WEIGHTS_KEY
+
+REASON = "its job is not signed by this run's learner"
+
+
+def groups() -> list[RolloutGroup]:
+    """A group of a job the learner issued, one whose job another key signed, one whose ground
+    truth was changed after the learner signed it, and one whose job carries no signature."""
+    issued, forged, tampered, unsigned = (make_group() for _ in range(4))
+    for i, g in enumerate((issued, forged, tampered, unsigned)):
+        g.job.group_id = f"g{i}"
+    issued.job = sign_job(issued.job, WEIGHTS_KEY)
+    forged.job = sign_job(forged.job, Ed25519PrivateKey.generate())
+    tampered.job = sign_job(tampered.job, WEIGHTS_KEY).model_copy(update={"ground_truth": "999"})
+    return [issued, forged, tampered, unsigned]
+
+
+def on_stream(bus: StreamBus, items: list[RolloutGroup], stream: str) -> None:
+    """Issue each group's job (signed as the learner signs) and hop it, as written, to
+    `stream`: what a replica holding the rollout password can put there."""
+    assert bus.issue([encode_job(g.job) for g in items]) == len(items)
+    entries = bus.read(bus.keys.prompts, count=len(items), block_ms=10)
+    for (entry_id, _), g in zip(entries, items, strict=True):
+        assert bus.hop(bus.keys.prompts, entry_id, downstream=stream, fields=encode_group(g))
+
+
+def dead(bus: StreamBus) -> dict[str, str]:
+    return {
+        f[b"group_id"].decode(): f[b"reason"].decode() for _, f in bus.redis.xrange(bus.keys.dead)
+    }
+
+
+def test_only_the_learners_signature_of_the_whole_job_verifies() -> None:
+    issued, *others = groups()
+    check_job_signature(issued, WEIGHTS_KEY.public_key())  # the replicas' and workers' key
+    for g in others:
+        try:
+            check_job_signature(g, WEIGHTS_KEY.public_key())
+        except ValueError as exc:
+            assert REASON in str(exc)
+        else:
+            raise AssertionError(f"{g.job.group_id} verified")
+
+
+def test_the_reward_worker_scores_only_groups_of_jobs_the_learner_signed(
+    redis_url: str, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from reward.service import RewardWorker
+
+    bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+    bus.ensure_groups()
+    on_stream(bus, groups(), bus.keys.rollouts.stream)
+    cfg = build_config(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_path": "t"},
+            "queue": {"redis_url": redis_url, "namespace": "t"},
+        }
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    worker = RewardWorker(cfg, bus, tokenizer, WEIGHTS_KEY.public_key())
+    worker.handle(bus.read(bus.keys.rollouts, count=10, block_ms=10))
+    scored = [
+        decode_scored_group(f).job.group_id for _, f in bus.redis.xrange(bus.keys.scored.stream)
+    ]
+    assert scored == ["g0"]
+    # The signed job survived the trip through the streams (the group re-encodes the job); the
+    # others were dead-lettered unscored, with the reason.
+    assert set(dead(bus)) == {"g1", "g2", "g3"}
+    assert all(
+        reason.startswith("reward: group g") and REASON in reason for reason in dead(bus).values()
+    )
+    assert bus.ledger().balanced
+
+
+def test_the_learner_trains_only_groups_of_jobs_it_signed(redis_url: str) -> None:
+    from contracts.data import PromptRecord
+    from contracts.runtime import StopFlag
+    from learner.collect import StreamSource
+    from learner.feeder import PromptFeeder
+    from tests.helpers import judged
+
+    bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+    bus.ensure_groups()
+    bus.set_policy_version(3)
+    scored = [judged(g, [True, False, True, False]) for g in groups()]
+    on_stream(bus, scored, bus.keys.train.stream)  # past the gatekeeper: an insider's write
+    record = PromptRecord(
+        index=0,
+        messages=[{"role": "user", "content": "1+1"}],
+        ground_truth="2",
+        data_source="t",
+        extra_info={},
+    )
+    feeder = PromptFeeder(
+        bus,
+        [record],
+        None,
+        run_name="t",
+        limit=0,
+        kept_ahead=0,
+        max_prompt_len=16,
+        shuffle=False,
+        seed=0,
+    )
+    source = StreamSource(
+        bus,
+        feeder,
+        batch_groups=4,
+        max_staleness=100,
+        max_deliveries=3,
+        stop=StopFlag(),
+        catch_up=lambda: None,
+        vocab_size=100,
+        job_key=WEIGHTS_KEY,
+        budget_s=1.0,
+    )
+    assert source.collect(policy_version=3) is None  # one group of four: no batch yet
+    assert [p.group.job.group_id for p in source.pending] == ["g0"]
+    assert set(dead(bus)) == {"g1", "g2", "g3"}
+    assert all(REASON in reason for reason in dead(bus).values())
