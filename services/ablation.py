@@ -18,8 +18,9 @@ training responses (kept or filtered); and the policy entropy at the end. Evalua
 (`eval.seed`: the same problems and per-sample seeds in every run), so every run's first round
 measures the same base weights the same way: one common base for every rung. Per rung, the seeds'
 rounds are pooled problem by problem, and its final accuracy, its gain over naive GRPO and its mean
-gain over the base across the budget carry percentile-bootstrap 95% intervals over problems
-(`contracts.eval_stats`); the spread between seeds is shown beside them. It writes `ablation.md`
+gain over the base across the budget carry 95% intervals from a two-level bootstrap (the seeds,
+then the problems), so they hold what varies between training runs as well as between problems;
+each seed's own final accuracy is shown beside them. It writes `ablation.md`
 (the table), `ablation.json` (every figure, per run and per rung) and `ablation.svg` (accuracy and
 entropy against generated responses, mean and standard deviation over seeds).
 """
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from contracts.config import DapoConfig, load_config
-from contracts.eval_stats import EVAL_ROUNDS_FILE, accuracy_interval, read_rounds
+from contracts.eval_stats import EVAL_ROUNDS_FILE, read_rounds
 from contracts.keys import Counter
 from services.provenance import provenance
 
@@ -396,8 +397,10 @@ def read_ladder(
 @dataclass(frozen=True)
 class RungStats:
     """A rung's seeds pooled problem by problem (each problem's accuracy averaged over the
-    seeds' rounds), with percentile-bootstrap 95% intervals over problems. The intervals say how
-    sure the evaluation is of these runs' figures; the seeds' own spread is shown beside them."""
+    seeds' rounds), with 95% intervals from a two-level bootstrap: each resample draws the
+    rung's seeds with replacement and then the problems (the same problems for every rung, so
+    comparisons are paired). The interval so counts both what varies between training runs and
+    what varies between evaluation problems."""
 
     rung: str
     runs: int
@@ -412,35 +415,58 @@ class RungStats:
     mean_gain_ci: tuple[float, float]
 
 
-def rung_stats(ladder: Ladder, rungs: Sequence[Rung] = LADDER) -> list[RungStats]:
+def _resampled(per_seed: np.ndarray, problems: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """(resamples,) mean accuracy of a rung under the two-level bootstrap: per resample, its
+    seeds drawn with replacement, each seed's accuracy over that resample's problems."""
+    by_seed = per_seed[:, problems].mean(axis=2)  # (seeds, resamples)
+    seeds, resamples = by_seed.shape
+    drawn = rng.integers(0, seeds, size=(resamples, seeds))
+    out: np.ndarray = by_seed[drawn, np.arange(resamples)[:, None]].mean(axis=1)
+    return out
+
+
+def _interval95(values: np.ndarray) -> tuple[float, float]:
+    return float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))
+
+
+def rung_stats(
+    ladder: Ladder, rungs: Sequence[Rung] = LADDER, *, resamples: int = 2000, seed: int = 0
+) -> list[RungStats]:
     """One `RungStats` per rung that has runs; the first rung with runs is the reference."""
     if not ladder.runs:
         return []
     base = np.mean([r.base_problems for r in ladder.runs], axis=0)
-    pooled = {}
+    rng = np.random.default_rng(seed)
+    problems = rng.integers(0, base.size, size=(resamples, base.size))
+    per_rung = {}
     for rung in rungs:
         rows = [r for r in ladder.runs if r.rung == rung.key]
         if rows:
-            pooled[rung.key] = (
+            finals = np.asarray([r.final_problems for r in rows])
+            gains = np.asarray([r.mean_problems for r in rows]) - base
+            per_rung[rung.key] = (
                 rows,
-                np.mean([r.final_problems for r in rows], axis=0),
-                np.mean([r.mean_problems for r in rows], axis=0) - base,
+                finals,
+                gains,
+                _resampled(finals, problems, rng),
+                _resampled(gains, problems, rng),
             )
-    first = next(iter(pooled))
+    first = next(iter(per_rung))
     out = []
-    for key, (rows, final, gain) in pooled.items():
-        diff = final - pooled[first][1] if key != first else None
+    for key, (rows, finals, gains, final_draws, gain_draws) in per_rung.items():
+        reference = per_rung[first]
+        vs = None if key == first else float(finals.mean() - reference[1].mean())
         out.append(
             RungStats(
                 rung=key,
                 runs=len(rows),
-                final=float(final.mean()),
-                final_ci=accuracy_interval(final),
+                final=float(finals.mean()),
+                final_ci=_interval95(final_draws),
                 seeds_final=[r.final_acc for r in rows],
-                vs_first=float(diff.mean()) if diff is not None else None,
-                vs_first_ci=accuracy_interval(diff) if diff is not None else None,
-                mean_gain=float(gain.mean()),
-                mean_gain_ci=accuracy_interval(gain),
+                vs_first=vs,
+                vs_first_ci=None if vs is None else _interval95(final_draws - reference[3]),
+                mean_gain=float(gains.mean()),
+                mean_gain_ci=_interval95(gain_draws),
             )
         )
     return out
@@ -465,7 +491,8 @@ def _reached(samples: Sequence[float | None]) -> str:
 
 def _points(value: float, ci: tuple[float, float]) -> str:
     """A difference of accuracies in points with its interval: `+7.0 (+4.1..+9.8)`."""
-    return f"{value * 100:+.1f} ({ci[0] * 100:+.1f}..{ci[1] * 100:+.1f})"
+    low, high = (round(v * 100, 1) + 0.0 for v in ci)  # + 0.0: no "-0.0" from rounding
+    return f"{round(value * 100, 1) + 0.0:+.1f} ({low:+.1f}..{high:+.1f})"
 
 
 def table(ladder: Ladder, *, gain: float, rungs: Sequence[Rung] = LADDER) -> str:
@@ -621,11 +648,13 @@ def write_report(
         f"Date {made['date']}, commit {made['commit']}, machine: {made['machine']}.\n\n"
         f"Base weights: accuracy {ladder.base:.3f} on {problems} held-out problems; {paired}.\n\n"
         f"{table(ladder, gain=gain, rungs=rungs)}\n\n"
-        "Columns: final accuracy is the last evaluation round (avg@k), each problem's accuracy "
-        "averaged over the rung's seeds, with a percentile-bootstrap 95% interval over problems "
-        "(how sure the evaluation is of these runs); seeds lists each seed's own final accuracy "
-        "(how much training itself varies). The comparison with the first rung is paired: the "
-        "same problems resampled in both. Mean gain over the budget is each round's accuracy "
+        "Columns: final accuracy is the last evaluation round (avg@k) averaged over the rung's "
+        "seeds; its 95% interval comes from a two-level bootstrap (the seeds drawn with "
+        "replacement, then the problems), so it holds both what varies between training runs "
+        "and between evaluation problems; seeds lists each seed's own final accuracy. The "
+        "comparison with the first rung is paired over problems (the same problems resampled in "
+        "both, the seeds of each drawn independently). Mean gain over the budget is each round's "
+        "accuracy "
         "held until the next one, averaged over the generated responses of the whole budget, "
         "minus the base: it rewards learning early, not only ending high. Responses to a target "
         "count the training responses requested until the first evaluation that many points "
