@@ -294,9 +294,7 @@ def load_checkpoint(
     from learner.dcp_reader import SafeLoadPlanner, SafeMetadataReader
 
     verify_checkpoint(path, rank)
-    meta: dict[str, Any] = json.loads(
-        (path / "trainer.json").read_text()
-    )  # the verified bytes, not the listing's read
+    meta = read_trainer_state(path, scheduler.state_dict())
     options = state_options(model)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": trainable_state(model, model_sd), "optim": optim_sd}
@@ -316,6 +314,47 @@ def load_checkpoint(
     own = rng_file(path, rank)
     load_rng(own if own.exists() else rng_file(path, 0), shuffle)
     return meta
+
+
+def _kind(value: object) -> str:
+    """The JSON kind of a value, numbers as one (a float saved as 0.0 may come back as 0)."""
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list):
+        return "list[" + ",".join(sorted({_kind(v) for v in value})) + "]"
+    return type(value).__name__
+
+
+def read_trainer_state(path: Path, scheduler_state: dict[str, Any]) -> dict[str, Any]:
+    """trainer.json of a verified checkpoint, refused (CheckpointRefused, naming the file) unless
+    it is an object whose `scheduler` has only keys of this scheduler's own state, each with the
+    same kind of value: a scheduler's `load_state_dict` sets every key it is given as an
+    attribute, so a planted one (its optimizer, a method) would reach training. A key it lacks
+    (a state saved by another torch version) keeps this scheduler's value."""
+    where = path / "trainer.json"
+    try:
+        meta = json.loads(where.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointRefused(f"{where} does not read as JSON ({exc}): refused") from None
+    got = meta.get("scheduler") if isinstance(meta, dict) else None
+    if not isinstance(got, dict):
+        raise CheckpointRefused(f"{where} holds no scheduler state: refused")
+    foreign = sorted(set(got) - set(scheduler_state))
+    if foreign:
+        raise CheckpointRefused(
+            f"{where}: the scheduler state has keys {foreign}, which this scheduler's has not: "
+            "refused"
+        )
+    for key, value in scheduler_state.items():
+        if key in got and _kind(got[key]) != _kind(value) and None not in (value, got[key]):
+            raise CheckpointRefused(
+                f"{where}: the scheduler's {key} is a {_kind(got[key])}, not a {_kind(value)}: "
+                "refused"
+            )
+    result: dict[str, Any] = meta
+    return result
 
 
 class CheckpointStore(Protocol):

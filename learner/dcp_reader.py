@@ -28,6 +28,7 @@ import enum
 import io
 import pickle
 import re
+import sys
 from typing import Any, ClassVar
 
 import torch
@@ -120,16 +121,18 @@ class MetadataUnpickler(pickle._Unpickler):
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
+        """An allowed global, looked up in a module already loaded, never imported: a name
+        cannot make the process import anything (pickle's own `find_class` would)."""
         if (module, name) == ("builtins", "getattr"):
             return _enum_member
+        loaded = sys.modules.get(module)
+        found = vars(loaded).get(name) if loaded is not None else None
         allowed = (module, name) in METADATA_GLOBALS or (
-            module == "torch"
-            and name.isidentifier()
-            and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS)
+            module == "torch" and isinstance(found, _TORCH_CONSTANTS)
         )
-        if not allowed:
+        if not allowed or found is None:
             raise _refuse(f"names {module}.{name}")
-        return super().find_class(module, name)
+        return found
 
     def _load_build(self) -> None:
         target = self.stack[-2]

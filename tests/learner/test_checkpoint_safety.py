@@ -667,3 +667,39 @@ def _rank_main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":  # one rank, under launch_ranks: --worker MODEL_DIR OUT
     _rank_main(sys.argv[2], sys.argv[3])
+
+
+def test_a_planted_trainer_json_is_refused_naming_it(tmp_path: Path) -> None:
+    """trainer.json reaches the scheduler's `load_state_dict`, which sets every key as an
+    attribute: an insider who rewrote it (and the manifest) cannot plant one, change a value's
+    kind, or get past the refusal with a file that is not JSON."""
+    import torch
+
+    from contracts.checkpoint_store import CheckpointRefused
+    from learner.checkpoint import read_trainer_state
+
+    model = torch.nn.Linear(2, 2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.AdamW(model.parameters()), lambda step: 1.0
+    )
+    state = scheduler.state_dict()
+    path = tmp_path / "trainer.json"
+
+    def refused(text: str) -> str:
+        path.write_text(text)
+        with pytest.raises(CheckpointRefused) as caught:
+            read_trainer_state(tmp_path, state)
+        assert str(path) in str(caught.value)
+        return str(caught.value)
+
+    good = {"step": 3, "scheduler": json.loads(json.dumps(state))}
+    path.write_text(json.dumps(good))
+    assert read_trainer_state(tmp_path, state)["step"] == 3
+    assert "does not read as JSON" in refused("{not json")
+    assert "holds no scheduler state" in refused(json.dumps({"step": 3}))
+    planted = {**good["scheduler"], "optimizer": {"param_groups": []}}
+    assert "keys ['optimizer']" in refused(json.dumps({**good, "scheduler": planted}))
+    retyped = {**good["scheduler"], "base_lrs": "1e9"}
+    assert "base_lrs is a str, not a list[number]" in refused(
+        json.dumps({**good, "scheduler": retyped})
+    )
