@@ -215,6 +215,12 @@ class StreamSource:
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
                 continue
+            if self.job_key is not None:
+                try:
+                    check_job_signature(picked.group, self.job_key)
+                except SchemaError as exc:  # not one of our jobs: the ledger never counted it
+                    self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}", foreign=True)
+                    continue
             if self._stale(picked, policy_version):
                 self._drop([entry_id])
             else:
@@ -225,8 +231,6 @@ class StreamSource:
         check_vocabulary(group, self.vocab_size)
         if self.sizes is not None:
             check_sizes(group, **self.sizes)
-        if self.job_key is not None:
-            check_job_signature(group, self.job_key)
         return group
 
     def _stale(self, picked: Picked, policy_version: int) -> bool:

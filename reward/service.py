@@ -132,11 +132,15 @@ class RewardWorker:
         for entry_id, fields in entries:
             try:
                 group = decode_group(fields)
-                if self.job_key is not None:  # a prompt or an answer chosen by someone else
-                    check_job_signature(group, self.job_key)
             except SchemaError as exc:
                 self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
                 continue
+            if self.job_key is not None:  # a prompt or an answer chosen by someone else
+                try:
+                    check_job_signature(group, self.job_key)
+                except SchemaError as exc:  # not one of our jobs: the ledger never counted it
+                    self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}", foreign=True)
+                    continue
             longest = max(r.model_tokens for r in group.responses)  # tool results excepted
             # No sampler produces this; the overlong penalty is unbounded past it.
             if longest > max_len:

@@ -348,20 +348,23 @@ class Transport(RedisHygiene):
             fields={k.decode(): v for k, v in fields.items()},
         )
 
-    def dead_letter(self, stage: Stage, entry_id: str, fields: Fields, reason: str) -> bool:
+    def dead_letter(
+        self, stage: Stage, entry_id: str, fields: Fields, reason: str, *, foreign: bool = False
+    ) -> bool:
         """Move an entry to the dead-letter stream with the reason; count it.
 
         An entry that carries a group id was issued by the feeder and counts as `dead` in the
-        ledger (`eval_dead` for an evaluation job); one without (garbage injected into a stream)
-        is counted as `poison` only.
+        ledger (`eval_dead` for an evaluation job); one without (garbage injected into a stream),
+        or one known not to be ours (`foreign`: its job is not signed by the learner), is counted
+        as `poison` only, so a planted entry does not unbalance the ledger.
         """
-        group_id = group_id_of_fields(fields)
+        group_id = None if foreign else group_id_of_fields(fields)
         dead = LEDGER_EVAL_DEAD if is_evaluation(fields) else LEDGER_DEAD
         record = {
             "stage": stage.stream.encode(),
             "entry_id": entry_id.encode(),
             "reason": reason.encode("utf-8", "replace"),
-            "group_id": group_id or b"",
+            "group_id": group_id_of_fields(fields) or b"",
             "at": str(time.time()).encode(),
             # Each field cut before encoding: a dead-lettered group may be megabytes of token ids.
             "payload": json.dumps(

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from contracts.bus import StreamBus, connect
 from contracts.config import build_config
-from contracts.keys import Keys
+from contracts.keys import Counter, Keys
 from contracts.schemas import (
     RolloutGroup,
     check_job_signature,
@@ -38,12 +38,14 @@ def groups() -> list[RolloutGroup]:
 
 
 def on_stream(bus: StreamBus, items: list[RolloutGroup], stream: str) -> None:
-    """Issue each group's job (signed as the learner signs) and hop it, as written, to
-    `stream`: what a replica holding the rollout password can put there."""
-    assert bus.issue([encode_job(g.job) for g in items]) == len(items)
-    entries = bus.read(bus.keys.prompts, count=len(items), block_ms=10)
-    for (entry_id, _), g in zip(entries, items, strict=True):
-        assert bus.hop(bus.keys.prompts, entry_id, downstream=stream, fields=encode_group(g))
+    """The first group as the pipeline carries one (its job issued, then hopped to `stream`);
+    the others written straight onto `stream`, as a process holding a stage's password can."""
+    issued, *planted = items
+    assert bus.issue([encode_job(issued.job)]) == 1
+    [(entry_id, _)] = bus.read(bus.keys.prompts, count=1, block_ms=10)
+    assert bus.hop(bus.keys.prompts, entry_id, downstream=stream, fields=encode_group(issued))
+    for g in planted:
+        bus.redis.xadd(stream, encode_group(g))
 
 
 def dead(bus: StreamBus) -> dict[str, str]:
@@ -94,7 +96,10 @@ def test_the_reward_worker_scores_only_groups_of_jobs_the_learner_signed(
     assert all(
         reason.startswith("reward: group g") and REASON in reason for reason in dead(bus).values()
     )
-    assert bus.ledger().balanced
+    # Not ours, so not counted as ours that died: the ledger balances (one issued, in flight).
+    snap = bus.ledger()
+    assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (1, 0, 1, True)
+    assert bus.counters()[Counter.POISON_MESSAGES] == 3
 
 
 def test_the_learner_trains_only_groups_of_jobs_it_signed(redis_url: str) -> None:
@@ -143,3 +148,5 @@ def test_the_learner_trains_only_groups_of_jobs_it_signed(redis_url: str) -> Non
     assert [p.group.job.group_id for p in source.pending] == ["g0"]
     assert set(dead(bus)) == {"g1", "g2", "g3"}
     assert all(REASON in reason for reason in dead(bus).values())
+    snap = bus.ledger()
+    assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (1, 0, 1, True)
