@@ -40,31 +40,22 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from contracts.config import ConfigError
-from contracts.signing import (  # noqa: F401  (the learner's key, re-exported for its users)
-    KEY_ENV,
-    PUBLIC_KEY_ENV,
-    SigningKey,
-    VerifyKey,
-    WeightKey,
-    WeightKeyError,
-    new_weights_key,
-    public_key_text,
-    sign,
-    signature_holds,
-    weights_key,
-    weights_public_key,
-)
+from contracts.signing import WeightKey, sign, signature_holds
 
 if TYPE_CHECKING:
     from contracts.bus import StreamBus
 
 log = logging.getLogger(__name__)
+
+# torch.distributed exports these at run time; its stubs do not list them.
+TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Every dtype weights travel in; an announcement naming another is refused."""
@@ -273,7 +264,7 @@ def unflatten(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tenso
     return out
 
 
-def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+def bound_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.socket]:
     """A TCPStore server that listens on `host` only (torch's own listens on every interface):
     the socket is bound here and handed to the store. Keep the socket object alive as long as
     the store (it owns the descriptor)."""
@@ -282,7 +273,7 @@ def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)
     sock.listen(512)
-    store = dist.TCPStore(
+    store = TCPStore(
         host,
         sock.getsockname()[1],
         is_master=True,
@@ -297,20 +288,20 @@ def bound_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, 
 def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:
     """Rendezvous with the other members of `ann.epoch` (blocks up to ann.timeout_s)."""
     timeout = timedelta(seconds=ann.timeout_s)
-    store = dist.TCPStore(
+    store = TCPStore(
         ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False
     )
     return make_group_on_store(store, ann, rank)
 
 
-def make_group_on_store(store: dist.Store, ann: Announcement, rank: int) -> dist.ProcessGroup:
+def make_group_on_store(store: Any, ann: Announcement, rank: int) -> dist.ProcessGroup:
     timeout = timedelta(seconds=ann.timeout_s)
-    prefixed = dist.PrefixStore(f"dapo-weights-{ann.group_key}", store)
+    prefixed = PrefixStore(f"dapo-weights-{ann.group_key}", store)
     if ann.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, ann.world_size, opts)
-    return dist.ProcessGroupGloo(prefixed, rank, ann.world_size, timeout)
+        return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefixed, rank, ann.world_size, opts))
+    return cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, ann.world_size, timeout))
 
 
 def broadcast_bucket(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> None:
@@ -332,7 +323,7 @@ def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) 
     import multiprocessing
     import statistics
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
         version=0,
         epoch=0,
@@ -367,7 +358,7 @@ def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) 
 
 def _flat_receiver(ann_json: dict[str, Any], rank: int, nbytes: int, rounds: int) -> None:
     ann = Announcement.from_json(ann_json)
-    store = dist.TCPStore(
+    store = TCPStore(
         ann.store_host, ann.store_port, is_master=False, timeout=timedelta(seconds=ann.timeout_s)
     )
     group = make_group_on_store(store, ann, rank)

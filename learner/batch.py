@@ -52,7 +52,7 @@ class TrainBatch:
 
     def select(self, rows: Tensor | list[int]) -> TrainBatch:
         idx = torch.as_tensor(rows, dtype=torch.long)
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = value.index_select(0, idx) if isinstance(value, Tensor) else value
@@ -246,7 +246,7 @@ def packing_saves_flops(mb: TrainBatch, *, hidden: int, intermediate: int) -> bo
     saves (G - 1) prompts' projections and every padded position, but its attention spans the
     whole group. Per token the projections cost ~2(4h^2 + 3hi), per attended pair ~4h; packed
     rows are costed at the longest group's length, as a micro-batch pads to it."""
-    groups = int(mb.group_index.unique().numel())
+    groups = len(set(mb.group_index.tolist()))
     B, P, R = len(mb), mb.prompt_len, mb.responses.shape[1]
     per_token, per_pair = 2 * (4 * hidden * hidden + 3 * hidden * intermediate), 4 * hidden
     rows_cost = B * ((P + R) * per_token + (P + R) ** 2 * per_pair)
@@ -254,6 +254,6 @@ def packing_saves_flops(mb: TrainBatch, *, hidden: int, intermediate: int) -> bo
     prompts = mb.attention_mask[:, :P].sum(-1)  # (B,)
     L = max(
         int(prompts[mb.group_index == k][0] + (lengths - prompts)[mb.group_index == k].sum())
-        for k in mb.group_index.unique().tolist()
+        for k in sorted(set(mb.group_index.tolist()))
     )
     return groups * (L * per_token + L * L * per_pair) < rows_cost and groups * L * L <= 64 * 2**20

@@ -34,6 +34,6 @@ def retain_freed_memory() -> bool:
         log.info("no glibc mallopt: freed memory goes back to the system as usual")
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    done = mallopt(M_MMAP_THRESHOLD, LARGEST) == 1 and mallopt(M_TRIM_THRESHOLD, LARGEST) == 1
+    done = bool(mallopt(M_MMAP_THRESHOLD, LARGEST) == 1 and mallopt(M_TRIM_THRESHOLD, LARGEST) == 1)
     log.info("freed memory %s", "kept for reuse" if done else "returned (mallopt refused)")
     return done

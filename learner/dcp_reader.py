@@ -135,12 +135,12 @@ class MetadataUnpickler(pickle._Unpickler):
         return found
 
     def _load_build(self) -> None:
-        target = self.stack[-2]
+        target = self.stack[-2]  # type: ignore[attr-defined]  # the pure-Python unpickler's
         if isinstance(target, type):
             raise _refuse(f"sets attributes on the class {target.__name__}")
         if type(target) not in RECORD_TYPES:
             raise _refuse(f"sets state on a {type(target).__name__}, which is not a DCP record")
-        pickle._Unpickler.load_build(self)
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
     def load(self) -> Any:
         try:
@@ -182,9 +182,9 @@ class SafeMetadataReader(FileSystemReader):
             _check_storage_files(metadata)
             self._read[path] = metadata
         metadata = self._read[path]
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 

@@ -365,8 +365,8 @@ class EvalLane:
 def eval_problems(cfg: DapoConfig) -> tuple[list[PromptRecord], Overlap]:
     """The evaluation set every evaluator of a run uses (the lane, `dapo eval`, the in-process
     loop), in one order, so problem i is the same problem everywhere (its seeds too)."""
-    assert cfg.data.eval_path is not None
     d = cfg.data
+    assert d.eval_path is not None
     return held_out_problems(
         d.eval_path,
         d.train_path,

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,8 @@ from contracts.runtime import (
     free_port,
     instance_id,
 )
-from contracts.weight_sync import weights_key, weights_port
+from contracts.signing import weights_key
+from contracts.weight_sync import weights_port
 from learner.checkpoint import Checkpoints
 from learner.collect import StreamSource
 from learner.control import RunControl
@@ -183,7 +184,7 @@ def rank0_collaborators(
         job_key=key,
     )
     reporter = RunReporter(
-        bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, tokenizer.decode)
+        bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, cast(Any, tokenizer).decode)
     )
     evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up, job_key=key)
     return Collaborators(

@@ -63,7 +63,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,8 @@ def build_sharded_model(
     model.to_empty(device=device)
     load_local_shards(model, Path(path), rank=rank, world_size=world_size, seed=seed)
     _recreate_buffers(model, device)
-    return model
+    sharded: torch.nn.Module = model
+    return sharded
 
 
 def policy_from_config(config: Any) -> Any:
@@ -185,12 +186,14 @@ def policy_from_config(config: Any) -> Any:
     An architecture without that implementation gets its default, and the trainer then keeps to
     the row layout."""
     try:
-        return AutoModelForCausalLM.from_config(
+        return AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
             config, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
         )
     except ValueError as exc:  # transformers' refusal of an implementation the class lacks
         log.warning("%s; loading the model with its default attention", exc)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=torch.float32
+        )
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -282,12 +285,13 @@ class ResponseHead:
         self.lm_head, self.temperature = lm_head, temperature
         self.labels: Tensor | None = None
         self.positions: Tensor | None = None
-        vocab = int(lm_head.weight.shape[0])
+        vocab = int(cast(Tensor, lm_head.weight).shape[0])
         self.chunk_rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
-        lm_head.forward = self.forward  # type: ignore[method-assign]
+        lm_head.forward = self.forward
 
     def forward(self, hidden: Tensor) -> Tensor:
-        weight = self.lm_head.weight
+        # Read at every call: FSDP swaps the unsharded weight in around the forward.
+        weight = cast(Tensor, self.lm_head.weight)
         if self.labels is None:  # any other use of the model: plain logits
             return torch.nn.functional.linear(hidden, weight)
         labels = self.labels
@@ -338,7 +342,8 @@ class Trainer:
         le = cfg.learner
         if le.retain_freed_memory and self.device.type == "cpu":
             retain_freed_memory()  # before the model's first allocations
-        self.model = build_sharded_model(
+        # Any: the Hugging Face model's own attributes (config, get_output_embeddings, ...).
+        self.model: Any = cast(Any, build_sharded_model)(  # cast: no narrowing to Module
             model_dir or cfg.model.path,
             self.device,
             rank=rank,
@@ -534,7 +539,7 @@ class Trainer:
                 grad_norms.append(norm)
                 for k, v in mini_sums.items():
                     sums[k] = max(sums.get(k, 0.0), v) if k in MAX_METRICS else sums.get(k, 0.0) + v
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         if grad_norms:
             self.scheduler.step()
         metrics = self._reduce_metrics(sums, grad_norms, lr, len(grad_norms))
@@ -614,7 +619,7 @@ class Trainer:
             nonfinite += ~torch.isfinite(loss.detach())
             # Under the forward's attention kernels: activation checkpointing recomputes there.
             with attention_kernel(self.device, self.row_length):
-                (loss * self.world).backward()
+                (loss * self.world).backward()  # type: ignore[no-untyped-call]
             tokens = float(mask.sum())
             off_tokens = float((mask * off).sum())
             for k, v in metrics.items():  # weighted by the tokens each mean ran over

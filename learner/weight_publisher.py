@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from contracts.bus import StreamBus
 from contracts.keys import Counter
+from contracts.signing import WeightKey
 from contracts.weight_sync import (
     Announcement,
     Bucket,
     WeightChannel,
-    WeightKey,
     bound_store,
     broadcast_bucket,
     empty_bucket,

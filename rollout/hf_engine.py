@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from transformers import (
@@ -133,7 +134,8 @@ class HFEngine:
         seed: int = 0,
         lora: LoraSettings | None = None,
     ) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        # Any: transformers' stubs type generate() by the mixin, not by the model it returns.
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         self.lora = lora
         if lora is not None:
             self.model = inject_adapters(self.model, lora)
@@ -145,7 +147,7 @@ class HFEngine:
         self.pad_id = int(pad if pad is not None else self.end_ids[0])
         # generate() takes every setting it is not given from here: keep the end tokens only.
         log_ignored_settings(model_dir)
-        self.model.generation_config = GenerationConfig(
+        self.model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
             eos_token_id=self.end_ids, pad_token_id=self.pad_id
         )
         self.shared_prefill = True
@@ -263,7 +265,8 @@ class HFEngine:
             logits_to_keep=1,  # only the cache is wanted: no (B, T, vocab) logits
         ).past_key_values
         cache.batch_repeat_interleave(n)
-        return cache
+        repeated: Cache = cache
+        return repeated
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

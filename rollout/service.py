@@ -43,7 +43,7 @@ from contracts.schemas import (
     decode_job,
     encode_group,
 )
-from contracts.weight_sync import weights_public_key
+from contracts.signing import weights_public_key
 from rollout.engine import BetweenSteps, Engine, eval_seeds, make_engine, seed_name
 from rollout.tool_use import ToolBox, generate_with_tools
 from rollout.weight_receiver import WeightReceiver

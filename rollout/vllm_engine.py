@@ -303,7 +303,9 @@ class VLLMEngine:
             return []
         if seeds is not None and [len(s) for s in seeds] != [n] * len(prompts):
             raise ValueError(f"seeds must hold {n} seeds for each of the {len(prompts)} prompts")
-        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop)
+        sampling: dict[str, Any] = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop
+        )
         if seeds is None:  # a request of n samples per prompt, drawn from the engine's state
             params = [self._params(n=n, **sampling) for _ in prompts]
             inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
@@ -417,8 +419,11 @@ class VLLMEngine:
         """Swap in new weights inside the worker(s); a `WeightStream` is received there."""
         start = time.monotonic()
         if self.lora is not None:
-            is_stream = isinstance(weights, WeightStream)
-            what = f"policy version {weights.version}" if is_stream else "adapter"
+            what = (
+                f"policy version {weights.version}"
+                if isinstance(weights, WeightStream)
+                else "adapter"
+            )
             tensors = self._swap_adapter(dict(weights), what)
         elif isinstance(weights, WeightStream):
             what = f"policy version {weights.version}"

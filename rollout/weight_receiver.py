@@ -62,13 +62,12 @@ from contracts.config import LoraConfig as LoraSettings
 from contracts.keys import Counter
 from contracts.runtime import StopFlag
 from contracts.schemas import SMALL_JSON_BYTES, parse_json
+from contracts.signing import WeightKey, weights_public_key
 from contracts.weight_sync import (
     Announcement,
     WeightChannel,
-    WeightKey,
     WeightStream,
     check_buckets,
-    weights_public_key,
 )
 
 log = logging.getLogger(__name__)
@@ -524,7 +523,7 @@ def model_param_shapes(
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     if lora is not None:
         model = inject_adapters(model, lora)
     return {

@@ -286,7 +286,7 @@ def _cmd_secrets(args: argparse.Namespace) -> int:
     import secrets
 
     from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
-    from contracts.weight_sync import new_weights_key
+    from contracts.signing import new_weights_key
 
     private, public = new_weights_key()
 
@@ -316,9 +316,12 @@ def _cmd_secrets(args: argparse.Namespace) -> int:
 
 
 def _service_parser(
-    sub: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int]
-) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    p = sub.add_parser(name, help=help_, description=help_)
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_: str,
+    fn: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help_, description=help_)
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
     p.add_argument(
         "overrides",

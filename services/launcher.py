@@ -39,10 +39,10 @@ from contracts.config import REDIS_URL_ENV, ConfigError, DapoConfig, TinyModelSp
 from contracts.keys import Counter, RunField, restarts_counter
 from contracts.model_source import Download, with_local_model
 from contracts.runtime import CHECKPOINT_REFUSED_FILE, instance_id
+from contracts.signing import KEY_ENV as WEIGHTS_KEY_ENV
+from contracts.signing import PUBLIC_KEY_ENV as WEIGHTS_PUBLIC_KEY_ENV
+from contracts.signing import new_weights_key, public_key_text
 from contracts.weight_sync import HOST_ENV as WEIGHTS_HOST_ENV
-from contracts.weight_sync import KEY_ENV as WEIGHTS_KEY_ENV
-from contracts.weight_sync import PUBLIC_KEY_ENV as WEIGHTS_PUBLIC_KEY_ENV
-from contracts.weight_sync import new_weights_key, public_key_text
 from learner.evaluation import eval_problems
 from reward.service import check_reward_function
 from rollout.engine import REPLICA_NAME_ENV

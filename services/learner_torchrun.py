@@ -69,7 +69,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(list(argv)))
+        run(parse_args(list(argv)))  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
         log.error("%s", exc)  # torchrun's table of failed ranks and their exit codes
         code = container_exit_code(failure.exitcode for failure in exc.failures.values())

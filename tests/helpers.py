@@ -16,7 +16,7 @@ from contracts.bus import StreamBus
 from contracts.config import DapoConfig, build_config
 from contracts.keys import Keys
 from contracts.schemas import RolloutGroup, ScoredGroup
-from contracts.weight_sync import KEY_ENV, weights_key
+from contracts.signing import KEY_ENV, weights_key
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_WEIGHTS_KEY = "9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60"

@@ -17,7 +17,7 @@ from contracts.bus import StreamBus, connect
 from contracts.bus import transport as bus_transport
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
-from contracts.weight_sync import sign
+from contracts.signing import sign
 from learner.weight_publisher import WeightPublisher
 from rollout.weight_receiver import WeightReceiver
 from tests.helpers import WEIGHTS_KEY, wait_for

@@ -22,14 +22,12 @@ from contracts.checkpoint_store import file_digest, write_manifest
 from contracts.config import ConfigError
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag, free_port
+from contracts.signing import WeightKey, sign, signature_holds
 from contracts.weight_sync import (
     PORT_ENV,
     Announcement,
-    WeightKey,
     WeightStream,
     plan_buckets,
-    sign,
-    signature_holds,
     weights_port,
 )
 from learner.weight_publisher import WeightPublisher
@@ -429,7 +427,7 @@ def test_a_forged_announcement_is_refused_and_the_replica_keeps_going(
 
 def test_the_replica_and_the_learner_refuse_to_start_without_the_key() -> None:
     from contracts.config import ConfigError
-    from contracts.weight_sync import (
+    from contracts.signing import (
         KEY_ENV,
         PUBLIC_KEY_ENV,
         new_weights_key,
@@ -456,7 +454,7 @@ def test_the_replica_and_the_learner_refuse_to_start_without_the_key() -> None:
 
 def test_a_replica_holds_a_key_that_verifies_and_cannot_sign() -> None:
     """What a compromised replica holds cannot make an announcement another replica takes."""
-    from contracts.weight_sync import PUBLIC_KEY_ENV, weights_public_key
+    from contracts.signing import PUBLIC_KEY_ENV, weights_public_key
 
     public = weights_public_key({PUBLIC_KEY_ENV: os.environ[PUBLIC_KEY_ENV]})
     with pytest.raises(TypeError, match="only the learner's private key signs"):

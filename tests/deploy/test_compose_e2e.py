@@ -37,7 +37,7 @@ import yaml
 
 from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
 from contracts.runtime import free_port
-from contracts.weight_sync import new_weights_key
+from contracts.signing import new_weights_key
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
