@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from contracts.config import ConfigError
+from tests.helpers import WEIGHTS_KEY
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO / "deploy" / "ray" / "serve.yaml"
@@ -386,6 +387,7 @@ def test_serve_replicas_score_prompt_jobs(
             max_prompt_len=64,
             shuffle=False,
             seed=0,
+            job_key=WEIGHTS_KEY,  # signed as the learner signs: the reward replicas take no other
         )
         assert feeder.admit(policy_version=0) == 4
 

@@ -26,8 +26,9 @@ from contracts.schemas import (
     decode_scored_group,
     encode_group,
     encode_job,
+    sign_job,
 )
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, WEIGHTS_KEY, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +74,12 @@ def group_of(name: str, hostile: list[int], good: list[int], index: int) -> Roll
         Response(token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop")
         for ids in (hostile, hostile, hostile, good)
     ]
+    # Signed as the learner signs its jobs: the reward worker scores no other.
     return RolloutGroup(
-        job=job, policy_version=0, replica_id=f"injector:{name}", responses=responses
+        job=sign_job(job, WEIGHTS_KEY),
+        policy_version=0,
+        replica_id=f"injector:{name}",
+        responses=responses,
     )
 
 
