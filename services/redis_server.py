@@ -161,7 +161,13 @@ class RedisServer:
                 time.sleep(0.05)
         client.close()
         # The server has read it: no file of this uid holds a password while the run goes on.
-        (self.data_dir / "redis.conf").unlink(missing_ok=True)
+        try:
+            (self.data_dir / "redis.conf").unlink(missing_ok=True)
+        except OSError as exc:  # fail closed, and leave no server behind
+            self.stop()
+            raise RuntimeError(
+                f"could not remove the Redis config file with its passwords: {exc}"
+            ) from None
         log.info(
             "redis-server pid %d at %s (data %s)",
             self.proc.pid,
