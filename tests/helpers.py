@@ -29,11 +29,13 @@ WEIGHTS_KEY = weights_key({KEY_ENV: os.environ.get(KEY_ENV) or TEST_WEIGHTS_KEY}
 test."""
 
 
-def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> subprocess.Popen[str]:
-    """`dapo run` on the tiny preset with two rollout replicas against the test's Redis, output in
-    tmp_path/dapo-run.log (a pipe nobody reads could fill and block the launcher). No evals, no
-    checkpoints unless the overrides ask for them. `faults` is passed as DAPO_FAULTS
-    (contracts/faults.py)."""
+def start_run(
+    tmp_path: Path, url: str | None, *overrides: str, faults: str = ""
+) -> subprocess.Popen[str]:
+    """`dapo run` on the tiny preset with two rollout replicas against the test's Redis (None:
+    its own embedded one), output in tmp_path/dapo-run.log (a pipe nobody reads could fill and
+    block the launcher). No evals, no checkpoints unless the overrides ask for them. `faults` is
+    passed as DAPO_FAULTS (contracts/faults.py)."""
     log = (tmp_path / "dapo-run.log").open("a")
     return subprocess.Popen(
         [
@@ -46,7 +48,7 @@ def start_run(tmp_path: Path, url: str, *overrides: str, faults: str = "") -> su
             "--output-dir",
             str(tmp_path / "run"),
             "--quiet",
-            f"queue.redis_url={url}",
+            *([f"queue.redis_url={url}"] if url is not None else []),
             "eval.every_steps=0",
             "checkpoint.every_steps=0",
             "rollout.replicas=2",  # the fault tests kill, hang and restart one of two

@@ -103,47 +103,15 @@ def test_the_reward_worker_scores_only_groups_of_jobs_the_learner_signed(
 
 
 def test_the_learner_trains_only_groups_of_jobs_it_signed(redis_url: str) -> None:
-    from contracts.data import PromptRecord
-    from contracts.runtime import StopFlag
-    from learner.collect import StreamSource
-    from learner.feeder import PromptFeeder
     from tests.helpers import judged
+    from tests.learner.test_nonfinite import stream_source
 
     bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
     bus.ensure_groups()
     bus.set_policy_version(3)
     scored = [judged(g, [True, False, True, False]) for g in groups()]
     on_stream(bus, scored, bus.keys.train.stream)  # past the gatekeeper: an insider's write
-    record = PromptRecord(
-        index=0,
-        messages=[{"role": "user", "content": "1+1"}],
-        ground_truth="2",
-        data_source="t",
-        extra_info={},
-    )
-    feeder = PromptFeeder(
-        bus,
-        [record],
-        None,
-        run_name="t",
-        limit=0,
-        kept_ahead=0,
-        max_prompt_len=16,
-        shuffle=False,
-        seed=0,
-    )
-    source = StreamSource(
-        bus,
-        feeder,
-        batch_groups=4,
-        max_staleness=100,
-        max_deliveries=3,
-        stop=StopFlag(),
-        catch_up=lambda: None,
-        vocab_size=100,
-        job_key=WEIGHTS_KEY,
-        budget_s=1.0,
-    )
+    source = stream_source(bus, batch_groups=4, job_key=WEIGHTS_KEY, budget_s=1.0)
     assert source.collect(policy_version=3) is None  # one group of four: no batch yet
     assert [p.group.job.group_id for p in source.pending] == ["g0"]
     assert set(dead(bus)) == {"g1", "g2", "g3"}

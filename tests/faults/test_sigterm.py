@@ -8,8 +8,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -76,25 +74,7 @@ def test_a_launcher_killed_outright_leaves_no_process_behind(tmp_path: Path) -> 
     """`dapo run` SIGKILLed (an OOM kill, `kill -9`) cannot stop its services itself: each
     service and the embedded redis-server gets SIGTERM from the kernel when it dies (a
     parent-death signal), stops as on any SIGTERM and nothing of the run is left running."""
-    log = (tmp_path / "dapo-run.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "run",
-            "--config",
-            "configs/tiny.yaml",
-            "--output-dir",
-            str(tmp_path / "run"),
-            "learner.total_steps=100000",  # still running when it is killed
-            "eval.every_steps=0",
-        ],
-        cwd=Path(__file__).resolve().parents[2],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_run(tmp_path, None, "learner.total_steps=100000")  # running when it is killed
     started: list[int] = []
 
     def every_service_started() -> bool:
@@ -105,7 +85,7 @@ def test_a_launcher_killed_outright_leaves_no_process_behind(tmp_path: Path) -> 
             for pid in groups
             if pid
         ]
-        return "started rollout-0" in text and len(started) >= 6  # redis and five services
+        return "started rollout-1" in text and len(started) >= 7  # redis and six services
 
     try:
         wait_for("the run's processes", every_service_started, timeout_s=120)
@@ -121,5 +101,6 @@ def test_a_launcher_killed_outright_leaves_no_process_behind(tmp_path: Path) -> 
         if proc.poll() is None:
             proc.kill()
         for pid in started:  # never leave one behind, whatever failed above
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            if not process_gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -172,8 +172,11 @@ def dead_letters(bus: StreamBus) -> list[tuple[str, str]]:
     ]
 
 
-def stream_source(bus: StreamBus, batch_groups: int) -> StreamSource:
-    """The learner's collector with a feeder that issues nothing (`kept_ahead=0`)."""
+def stream_source(
+    bus: StreamBus, batch_groups: int, *, job_key: Any = None, budget_s: float = 5.0
+) -> StreamSource:
+    """The learner's collector with a feeder that issues nothing (`kept_ahead=0`); `job_key`:
+    the learner's key, checking every job's signature (None: unchecked)."""
     record = PromptRecord(
         index=0,
         messages=[{"role": "user", "content": "1+1"}],
@@ -202,7 +205,8 @@ def stream_source(bus: StreamBus, batch_groups: int) -> StreamSource:
         catch_up=lambda: None,
         vocab_size=VOCAB,
         sizes={"max_prompt_tokens": 16, "max_response_tokens": MAX_RESPONSE, "max_responses": 8},
-        budget_s=5.0,
+        job_key=job_key,
+        budget_s=budget_s,
     )
 
 
