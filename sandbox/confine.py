@@ -53,6 +53,7 @@ MAX_PROCESSES: Final = 64
 """RLIMIT_NPROC of a worker under its own uid: threads, not forks (the filter refuses those)."""
 
 PR_SET_PDEATHSIG: Final = 1
+PR_GET_DUMPABLE: Final = 3
 PR_SET_DUMPABLE: Final = 4
 PR_SET_NO_NEW_PRIVS: Final = 38
 
@@ -74,7 +75,7 @@ def make_undumpable() -> bool:
 
 
 def is_dumpable() -> bool:
-    return bool(_libc.prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE
+    return bool(_libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0))
 
 
 def die_with_parent(parent: int) -> None:

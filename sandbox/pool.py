@@ -295,7 +295,7 @@ class Sandbox:
             hint = (
                 f" (the worker runs as uid {UNPRIVILEGED_UID}: the function's files must be "
                 "readable by every user)"
-                if self.own_uid and "Error" in str(reply.get("error"))
+                if self.own_uid and "PermissionError" in str(reply.get("error"))
                 else ""
             )
             raise SandboxStartError(
