@@ -40,20 +40,6 @@ from contracts.bus import FencedError, StreamBus
 
 log = logging.getLogger(__name__)
 
-# KEYS: lease. ARGV: token, ttl ms. Extends the lease while it holds our token, takes it back
-# when vacant (as a fenced write does), and fails when another learner holds it.
-_RENEW = """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if holder == false then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
-return 0
-"""
-# KEYS: lease. ARGV: token. Gives the lease up only if it is still ours.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
 
 class LeaseHeldError(RuntimeError):
     """Another learner held the lease for the whole wait."""
@@ -68,10 +54,13 @@ class LearnerLease:
         self.token = ""
         self.lost = threading.Event()
         """Set by the renewer when the lease no longer holds our token."""
-        self._renew = bus.redis.register_script(_RENEW)
-        self._release = bus.redis.register_script(_RELEASE)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+
+    def _renew(self) -> bool:
+        """Extend the lease if it holds our token (`scripts.LEASE_RENEW`)."""
+        ttl_ms = int(self.ttl_s * 1000)
+        return bool(self.bus.scripts.run("lease_renew", [self.key], [self.token, ttl_ms]))
 
     def holder_now(self) -> str:
         raw = self.bus.redis.get(self.key)
@@ -108,7 +97,7 @@ class LearnerLease:
     def _keep(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                held = bool(self._renew(keys=[self.key], args=[self.token, int(self.ttl_s * 1000)]))
+                held = bool(self._renew())
             except redis.RedisError as exc:  # Redis restarting: try again; the TTL gives us time
                 log.warning("could not renew the learner lease: %s", exc)
                 continue
@@ -123,7 +112,7 @@ class LearnerLease:
 
     def check(self) -> None:
         """Raise `FencedError` unless the lease still holds our token (before a checkpoint)."""
-        held = self._renew(keys=[self.key], args=[self.token, int(self.ttl_s * 1000)])
+        held = self._renew()
         if self.lost.is_set() or not held:
             self.lost.set()
             raise FencedError(
@@ -136,4 +125,4 @@ class LearnerLease:
         self._stop.set()
         if self.token:
             with contextlib.suppress(redis.RedisError):  # it expires on its own
-                self._release(keys=[self.key], args=[self.token])
+                self.bus.scripts.run("lease_release", [self.key], [self.token])

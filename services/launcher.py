@@ -549,9 +549,11 @@ def run_local(
     dry_run: bool = False,
     model_config: str | None = None,
     gpu_memory_gib: float | None = None,
+    allow_redis6: bool = False,
 ) -> int:
     """Run everything on this machine. `gpus` overrides the GPU count (plans for other machines);
-    `dry_run` prints the placement and the per-GPU memory budget and starts nothing."""
+    `dry_run` prints the placement and the per-GPU memory budget and starts nothing;
+    `allow_redis6` accepts an embedded Redis 6 (`services.redis_server` says what it risks)."""
     from services.redis_server import RedisServer
 
     placement = plan(
@@ -598,6 +600,7 @@ def run_local(
             password=secrets.token_urlsafe(24),
             roles={role: secrets.token_urlsafe(24) for role in Role},
             namespace=cfg.queue.namespace,
+            allow_redis6=allow_redis6 or None,  # else DAPO_ALLOW_REDIS6 decides
         ).start()
         url = server.role_url(Role.OPERATOR)
     env = {**os.environ, **prepared.env, REDIS_URL_ENV: url, "PYTHONUNBUFFERED": "1"}

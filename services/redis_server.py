@@ -8,6 +8,12 @@ as soon as the server answers (the server has read it; a restart writes it again
 in `url`, which is for the environment of child processes, never for logs (`redact_url`). With
 `roles` (role -> password; `dapo run` generates them) the config file also declares a Redis user
 per role (`contracts.bus.roles`), and `role_url(role)` is the URL a service of that role gets.
+
+On Redis 7 the administrator's connection loads the bus's function library once the server
+answers (`contracts.bus.library`): roles may call it but run no Lua of their own. Redis 6 cannot
+keep a role from writing what it reads nor from running its own scripts, so roles on it are
+refused unless `allow_redis6` (`dapo run --allow-redis6`, or DAPO_ALLOW_REDIS6=1) says the
+operator accepts that.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from urllib.parse import quote
 
 import redis
 
+from contracts.bus.library import load_library
 from contracts.bus.roles import Role, role_url, user_lines
 from contracts.config import redact_url
 from contracts.keys import Keys
@@ -29,6 +36,9 @@ from contracts.runtime import free_port
 from sandbox.confine import term_with_parent
 
 log = logging.getLogger(__name__)
+
+ALLOW_REDIS6_ENV = "DAPO_ALLOW_REDIS6"
+"""`1`: the same as `dapo run --allow-redis6` (for whoever starts runs from scripts)."""
 
 
 def find_redis_server() -> str:
@@ -70,6 +80,7 @@ class RedisServer:
         password: str | None = None,
         roles: dict[Role, str] | None = None,
         namespace: str = "dapo",
+        allow_redis6: bool | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.password = password
@@ -78,6 +89,11 @@ class RedisServer:
         self.port = port or free_port()
         self.appendonly = appendonly
         self.maxmemory_mb = maxmemory_mb
+        self.allow_redis6 = (
+            os.environ.get(ALLOW_REDIS6_ENV) == "1" if allow_redis6 is None else allow_redis6
+        )
+        self.major = 0
+        """The server's major version, once started."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,18 +105,29 @@ class RedisServer:
         """The URL a service of `role` connects with: its own Redis user."""
         return role_url(self.url, role, self.roles[role])
 
-    def _config_file(self, binary: str) -> Path:
+    def _check_version(self, binary: str) -> None:
+        """Roles on Redis 6 give away what `contracts.bus.roles` says: refused unless allowed."""
+        if not self.roles or self.major >= 7:
+            return
+        risk = (
+            f"{binary} is Redis {self.major}: its users cannot be kept from writing the keys they "
+            "read (a rollout replica's password could forge a weight announcement, the API's "
+            "take the learner lease) nor from running Lua of their own (a looping script blocks "
+            "every service)"
+        )
+        if not self.allow_redis6:
+            raise RuntimeError(
+                f"{risk}. Install redis-server 7 (apt-get install redis-server; "
+                f"scripts/install.sh does as root) or accept this with --allow-redis6 "
+                f"({ALLOW_REDIS6_ENV}=1)"
+            )
+        log.warning("%s; running anyway (--allow-redis6)", risk)
+
+    def _config_file(self) -> Path:
         """The server's config file, readable by this user only: the passwords live here."""
         lines = [f"requirepass {self.password}"] if self.password else []
         if self.roles:
-            split = server_major_version(binary) >= 7
-            if not split:
-                log.warning(
-                    "%s is Redis 6: its users cannot have read-only key rights, so each role may "
-                    "also write the keys it reads (install redis-server 7 for the full split)",
-                    binary,
-                )
-            lines += user_lines(self.roles, Keys(self.namespace), split_read_write=split)
+            lines += user_lines(self.roles, Keys(self.namespace), redis7=self.major >= 7)
         path = self.data_dir / "redis.conf"
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -111,9 +138,11 @@ class RedisServer:
     def start(self, timeout_s: float = 15.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         binary = find_redis_server()
+        self.major = server_major_version(binary)
+        self._check_version(binary)
         args = [
             binary,
-            str(self._config_file(binary).resolve()),
+            str(self._config_file().resolve()),
             "--port",
             str(self.port),
             "--bind",
@@ -159,7 +188,14 @@ class RedisServer:
                         f"redis-server did not start on port {self.port}: {log_tail}"
                     ) from None
                 time.sleep(0.05)
-        client.close()
+        try:
+            if self.major >= 7:
+                load_library(client)  # the administrator's connection; roles may only call it
+        except redis.RedisError:
+            self.stop()
+            raise
+        finally:
+            client.close()
         # The server has read it: no file of this uid holds a password while the run goes on.
         try:
             (self.data_dir / "redis.conf").unlink(missing_ok=True)

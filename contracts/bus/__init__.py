@@ -35,7 +35,8 @@ The bus is split by concern, all behind the same fenced writes (`core`):
 - `telemetry`: counters, metrics history, heartbeats, final stats;
 - `prompt_history`: how each training prompt's groups fared (for skipping prompts);
 - `hygiene`: what to do with values in Redis this system did not write;
-- `scripts`: the Lua scripts; `connection`: the client and the server's memory policy.
+- `scripts`: the Lua scripts, `library`: the same as a Redis function library and how a client
+  calls it; `connection`: the client and the server's memory policy.
 
 `StreamBus` is all of them in one object, as every process uses it.
 """

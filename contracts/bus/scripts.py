@@ -1,5 +1,6 @@
 """The Lua scripts that make each write atomic: the fence every writing script starts with, the
-hop, issuing jobs, renewing claims and the ledger snapshot.
+hop, issuing jobs, renewing claims, the ledger snapshot and the learner lease. On Redis 7 they
+run as one function library the administrator loads (`contracts.bus.library`).
 
 A Lua script runs as one atomic step in Redis (like MULTI/EXEC) and can make its writes
 conditional, which MULTI/EXEC cannot: the hop writes nothing when its entry was already
@@ -13,13 +14,13 @@ from __future__ import annotations
 from contracts.keys import LEDGER_DAMAGED
 
 # Every script of the bus reads its keys from ARGV (a count, then the keys), never from Redis's
-# KEYS (the learner lease's own scripts declare the lease, which only the learner writes): Redis 7
-# demands write permission on each key a script declares, whatever the script does with it, so a
-# read-only role (the API) could not take a ledger snapshot, and a placeholder '' key (an unfenced
-# writer's lease, a hop with no downstream) would be refused to everyone. Each command a script
-# runs is still checked against the caller's Redis user, key by key, read or write
-# (`contracts.bus.roles`). Declared keys only matter to Redis Cluster, which this system does not
-# use (one run's streams and ledger live on one server). `BusCore._run` passes them this way.
+# KEYS: Redis 7 demands write permission on each key a script or function declares, whatever it
+# does with it, so a read-only role (the API) could not take a ledger snapshot, and a placeholder
+# '' key (an unfenced writer's lease, a hop with no downstream) would be refused to everyone.
+# Each command a script runs is still checked against the caller's Redis user, key by key, read
+# or write (`contracts.bus.roles`). Declared keys only matter to Redis Cluster, which this system
+# does not use (one run's streams and ledger live on one server). `BusScripts.run` passes them
+# this way.
 KEYS_FROM_ARGV = """
 for i = 1, tonumber(table.remove(ARGV, 1)) do KEYS[i] = table.remove(ARGV, 1) end
 """
@@ -184,5 +185,27 @@ if kind == 'hash' then fields = redis.call('HGETALL', KEYS[1]) end
 local out = {kind, fields}
 for i = 2, #KEYS do out[#out + 1] = redis.call('XLEN', KEYS[i]) end
 return out
+"""
+)
+
+# The learner lease (`contracts.lease`). KEYS: lease. ARGV: token, TTL ms. Extends the lease
+# while it holds our token, takes it back when vacant (as a fenced write does), and returns 0
+# when another learner holds it.
+LEASE_RENEW = (
+    KEYS_FROM_ARGV
+    + """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if holder == false then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
+return 0
+"""
+)
+
+# KEYS: lease. ARGV: token. Gives the lease up only if it is still ours.
+LEASE_RELEASE = (
+    KEYS_FROM_ARGV
+    + """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 )

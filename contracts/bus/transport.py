@@ -117,9 +117,7 @@ class Transport(RedisHygiene):
                 raise ValueError("every issued job must have the same fields in the same order")
             for name in names:
                 argv += [name, job[name]]
-        appended, repair = self._fenced(
-            self._issue_script, [self.keys.prompts.stream, self.keys.ledger], argv
-        )
+        appended, repair = self._fenced("issue", [self.keys.prompts.stream, self.keys.ledger], argv)
         self._count_repair(self.keys.ledger, repair)
         return int(appended)
 
@@ -146,7 +144,9 @@ class Transport(RedisHygiene):
         if not entry_ids:
             return 0
         return int(
-            self._run(self._renew_claims, [stage.stream], [stage.group, self.consumer, *entry_ids])
+            self.scripts.run(
+                "renew_claims", [stage.stream], [stage.group, self.consumer, *entry_ids]
+            )
         )
 
     @contextlib.contextmanager
@@ -330,9 +330,7 @@ class Transport(RedisHygiene):
         for name, value in (fields or {}).items():
             argv += [name, value]
         keys = [stage.stream, downstream or "", self.keys.ledger, self.keys.counters]
-        done, ledger_repair, counter_repair, downstream_repair = self._fenced(
-            self._hop_script, keys, argv
-        )
+        done, ledger_repair, counter_repair, downstream_repair = self._fenced("hop", keys, argv)
         self._count_repair(self.keys.ledger, ledger_repair)
         self._count_repair(self.keys.counters, counter_repair)
         if downstream:
@@ -393,8 +391,8 @@ class Transport(RedisHygiene):
         and counted, and reads as 0: the services go on, and the next count replaces it. The
         counts it held are lost, so the snapshot is `damaged` (never balanced) from then on, for
         the rest of the run (`LEDGER_DAMAGED`), which the run summary and /status report."""
-        kind, flat, *lengths = self._run(
-            self._ledger, [self.keys.ledger, *(stage.stream for stage in self.keys.stages)], []
+        kind, flat, *lengths = self.scripts.run(
+            "ledger", [self.keys.ledger, *(stage.stream for stage in self.keys.stages)], []
         )
         damaged = kind not in (b"hash", b"none")
         if damaged:  # planted: the next count replaces it

