@@ -36,6 +36,7 @@ from contracts.bus import Entry, StreamBus, is_oom, open_bus
 from contracts.bus.roles import consumed_stages
 from contracts.config import ConfigError, DapoConfig, QueueConfig
 from contracts.keys import Stage
+from contracts.signing import held_key
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +350,7 @@ def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True)
         stop.install()
     inst = instance_id(kind)
     bus = open_bus(url, cfg.queue.namespace, inst, stop=stop.event)
+    bus.job_key = held_key()  # a dead letter counts in the ledger only if the learner signed it
     bus.check_memory_policy()
     bus.ensure_groups(consumed_stages(kind, bus.keys))
     return ServiceContext(kind, inst, bus, stop)

@@ -388,6 +388,25 @@ def check_job_signature(group: RolloutGroup, key: WeightKey) -> None:
         )
 
 
+def job_signed(fields: dict[bytes, bytes], key: WeightKey) -> bool | None:
+    """Whether a job or group's stream fields carry a job the learner signed: False for one that
+    does not decode (no job of ours fails to), None for a kind that carries no job (an
+    evaluation result). How a dead letter tells the run's own entries from planted ones."""
+    kind = fields.get(b"kind")
+    if kind == b"eval":
+        return None
+    try:
+        if kind == b"job":
+            job = decode_job(fields)
+        elif kind in (b"group", b"scored"):
+            job = (decode_group if kind == b"group" else decode_scored_group)(fields).job
+        else:
+            return False
+    except SchemaError:
+        return False
+    return signature_holds(key, job_message(job), job.sig or None)
+
+
 def encode_job(job: PromptJob, key: SigningKey | None = None) -> dict[str, bytes]:
     """A job as stream fields; signed with `key` (the learner's) when given."""
     if key is not None:

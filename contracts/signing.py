@@ -79,6 +79,15 @@ def weights_public_key(env: Mapping[str, str] | None = None) -> Ed25519PublicKey
     return Ed25519PublicKey.from_public_bytes(_raw(value, PUBLIC_KEY_ENV))
 
 
+def held_key(env: Mapping[str, str] | None = None) -> WeightKey | None:
+    """The key this process checks the learner's signatures with: the private one (the learner),
+    else the public one, else None (a process given neither)."""
+    env = os.environ if env is None else env
+    if env.get(KEY_ENV):
+        return weights_key(env)
+    return weights_public_key(env) if env.get(PUBLIC_KEY_ENV) else None
+
+
 def sign(key: WeightKey, message: bytes) -> str:
     """The Ed25519 signature of `message`, hex; only a private key signs."""
     if not isinstance(key, Ed25519PrivateKey):

@@ -626,7 +626,8 @@ def run_local(
     for svc in services:
         if svc.name == "learner":
             svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
-        if svc.name.startswith(("rollout", "reward")):  # they verify announcements and jobs
+        # They verify announcements and jobs; the gatekeeper, whose dead letters are the run's.
+        if svc.name.startswith(("rollout", "reward", "gatekeeper")):
             svc.private_env[WEIGHTS_PUBLIC_KEY_ENV] = weights_public_text
         if svc.name.startswith("rollout"):
             # Pinned: an announcement naming any other host than the learner's is refused.

@@ -12,6 +12,7 @@ import redis
 from contracts.bus.connection import check_memory_policy, memory_report
 from contracts.bus.library import BusScripts
 from contracts.keys import Keys, Stage
+from contracts.signing import WeightKey
 
 Fields = dict[bytes, bytes]
 Entry = tuple[str, Fields]
@@ -32,6 +33,9 @@ class BusCore:
         self.consumer = consumer
         self.scripts = BusScripts(client)
         self._bad_seen: set[tuple[str, bytes | str]] = set()  # see skip_bad_value
+        self.job_key: WeightKey | None = None
+        """The learner's key (public or private), where this process holds it: a dead letter
+        then counts in the ledger only if its job is signed (`Transport.dead_letter`)."""
         self.fence: tuple[str, str, int] = ("", "", 0)
         """(lease key, token, TTL ms) once this bus writes for a lease holder (`hold_fence`);
         every write of the run state then happens only while the token is the lease's."""
@@ -40,7 +44,7 @@ class BusCore:
         """The same streams and connection, read under another consumer name (the learner's
         drain reads undelivered jobs without taking over its own pending entries)."""
         other = type(self)(self.redis, self.keys, consumer)
-        other.fence = self.fence
+        other.fence, other.job_key = self.fence, self.job_key
         return other
 
     def hold_fence(self, token: str, ttl_s: float) -> None:

@@ -28,7 +28,7 @@ from contracts.keys import (
     Counter,
     Stage,
 )
-from contracts.schemas import group_id_of_fields, is_evaluation
+from contracts.schemas import group_id_of_fields, is_evaluation, job_signed
 
 log = logging.getLogger(__name__)
 
@@ -347,15 +347,25 @@ class Transport(RedisHygiene):
         )
 
     def dead_letter(
-        self, stage: Stage, entry_id: str, fields: Fields, reason: str, *, foreign: bool = False
+        self,
+        stage: Stage,
+        entry_id: str,
+        fields: Fields,
+        reason: str,
+        *,
+        foreign: bool | None = None,
     ) -> bool:
         """Move an entry to the dead-letter stream with the reason; count it.
 
-        An entry that carries a group id was issued by the feeder and counts as `dead` in the
-        ledger (`eval_dead` for an evaluation job); one without (garbage injected into a stream),
-        or one known not to be ours (`foreign`: its job is not signed by the learner), is counted
-        as `poison` only, so a planted entry does not unbalance the ledger.
+        One of the run's own entries counts as `dead` in the ledger (`eval_dead` for an
+        evaluation job); anything else (garbage injected into a stream, a job the learner did not
+        sign) as `poison` only, so a planted entry does not unbalance the ledger. `foreign` says
+        which when the caller knows; else an entry is the run's when it carries a group id and,
+        where this process holds the learner's key (`job_key`), a job the learner signed.
         """
+        if foreign is None:
+            verdict = None if self.job_key is None else job_signed(fields, self.job_key)
+            foreign = verdict is False
         group_id = None if foreign else group_id_of_fields(fields)
         dead = LEDGER_EVAL_DEAD if is_evaluation(fields) else LEDGER_DEAD
         record = {

@@ -118,3 +118,30 @@ def test_the_learner_trains_only_groups_of_jobs_it_signed(redis_url: str) -> Non
     assert all(REASON in reason for reason in dead(bus).values())
     snap = bus.ledger()
     assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (1, 0, 1, True)
+
+
+def test_a_planted_entry_that_does_not_decode_is_poison_not_one_of_ours_that_died(
+    redis_url: str,
+) -> None:
+    """An insider's entry carrying a group id but no job the learner signed (undecodable, or a
+    decodable unsigned one) is dead-lettered as poison by a process holding the learner's key,
+    so the ledger stays balanced; a signed job that dies counts as ours."""
+    bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+    bus.ensure_groups()
+    bus.job_key = WEIGHTS_KEY.public_key()
+    issued, _, _, unsigned = groups()
+    assert bus.issue([encode_job(issued.job, WEIGHTS_KEY)]) == 1
+    stream = bus.keys.scored.stream
+    bus.redis.xadd(stream, {"v": "1", "kind": "scored", "group_id": "g9", "meta": "[[[["})
+    bus.redis.xadd(stream, {"group_id": "g8", "meta": '{"group_id": "g8"}'})
+    bus.redis.xadd(stream, encode_group(unsigned))
+    for entry_id, fields in bus.read(bus.keys.scored, count=10, block_ms=10):
+        assert bus.dead_letter(bus.keys.scored, entry_id, fields, "gatekeeper: bad")
+    snap = bus.ledger()
+    assert (snap.issued, snap.dead, snap.balanced) == (1, 0, True)
+    assert bus.counters()[Counter.POISON_MESSAGES] == 3
+    # The issued job dies where the replica reads it: one of ours, counted dead.
+    [(entry_id, fields)] = bus.read(bus.keys.prompts, count=1, block_ms=10)
+    assert bus.dead_letter(bus.keys.prompts, entry_id, fields, "rollout: bad")
+    snap = bus.ledger()
+    assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (1, 1, 0, True)

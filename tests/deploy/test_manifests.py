@@ -782,7 +782,8 @@ def test_learner_indexed_job_rendezvous(overlay: str) -> None:
     (c,) = containers(job, init=False)
     env = env_of(c)
     assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
-    assert env["DAPO_WEIGHTS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Rank 0's stable name, which the replicas pin (test_replicas_pin_the_learners_host).
+    assert env["DAPO_WEIGHTS_HOST"] == env["MASTER_ADDR"]
     assert env["NODE_RANK"] == {
         "fieldRef": {
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -1768,6 +1769,22 @@ def test_pinning_names_the_image_a_registry_does_not_answer_for(
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_pin_the_learners_host(overlay: str) -> None:
+    """A replica takes weights only from the host it was told (a forged announcement naming
+    another is refused): the learner's own DAPO_WEIGHTS_HOST, in Kubernetes as in compose."""
+    docs = render(overlay)
+    learner = env_of(next(containers(workload(docs, "dapo-learner"), init=False)))
+    rollout = env_of(next(containers(workload(docs, "dapo-rollout"), init=False)))
+    assert rollout["DAPO_WEIGHTS_HOST"] == learner["DAPO_WEIGHTS_HOST"]
+    services = compose()["services"]
+    for replica, learner_name in (("rollout", "learner"), ("rollout-gpu", "learner-gpu")):
+        env = services[replica]["environment"]
+        assert (
+            env["DAPO_WEIGHTS_HOST"] == services[learner_name]["environment"]["DAPO_WEIGHTS_HOST"]
+        )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_the_learner_holds_the_weight_signing_key(overlay: str) -> None:
     """The private key signs weight announcements: the learner alone gets it; the replicas get
     the public key, which verifies and cannot sign (compose and Kubernetes alike)."""
@@ -1784,9 +1801,10 @@ def test_only_the_learner_holds_the_weight_signing_key(overlay: str) -> None:
     public = {"secretKeyRef": {"name": "dapo-weights", "key": "public"}}
     assert holders[("dapo-rollout", "rollout")][1] == public  # announcements
     assert holders[("dapo-reward", "reward")][1] == public  # jobs
+    assert holders[("dapo-gatekeeper", "gatekeeper")][1] == public  # whose dead letters
     services = compose()["services"]
     for name, svc in services.items():
         env = svc.get("environment", {})
         assert ("DAPO_WEIGHTS_KEY" in env) == name.startswith("learner"), name
-        if name.startswith(("rollout", "reward")):
+        if name.startswith(("rollout", "reward", "gatekeeper")):
             assert "DAPO_WEIGHTS_PUBLIC_KEY" in env, name
