@@ -169,12 +169,12 @@ class SynthDataSpec(_Section):
     num_eval: PositiveInt = 128
     difficulty: Annotated[int, Field(ge=0, le=8)] = 1
     template: SynthTemplate = "short"
-    tool_traces: float = Field(0.0, ge=0, le=1)
-    """The share of training rows whose `solution` calls the calculator (level 7, the tool-use
-    demo): what the tiny base learns the call format from."""
     """`dapo` wraps problems in the DAPO-Math-17K prompt text; `short` keeps tiny models fast;
     `one-shot` shows a chat model one worked example first, `one-shot-python` one that runs
     Python with the `python` tool (`rollout.tools`) (services/demo/synthetic.py)."""
+    tool_traces: float = Field(0.0, ge=0, le=1)
+    """The share of training rows whose `solution` calls the calculator (level 7, the tool-use
+    demo): what the tiny base learns the call format from."""
 
 
 class DataConfig(_Section):
@@ -182,7 +182,7 @@ class DataConfig(_Section):
     """Training prompts: a .parquet, .jsonl or .json file, a directory written by `datasets`
     `save_to_disk`, or a Hugging Face Hub dataset `hf://OWNER/NAME[?split=SPLIT&name=CONFIG]`
     (split defaults to train; these two need the `data` extra). Rows in the verl /
-    DAPO-Math-17K format or with flat columns (README "Your own data"). The presets read
+    DAPO-Math-17K format or with flat columns (docs/data.md). The presets read
     data/dapo-math-17k.parquet, which `dapo data fetch dapo-math-17k` writes."""
     eval_path: str | None = None
     """Eval set, from any source `train_path` takes (paper: AIME 2024, 30 problems; `dapo data

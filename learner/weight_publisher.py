@@ -7,8 +7,8 @@ the weights and never a second one. Keeping the newest version in host memory le
 *catch up* a replica that missed a broadcast or joined late without asking the other ranks
 (`catch_up`), and serves `staged()` to evaluation and the Hugging Face export.
 
-A sync is two-phase so one dead or hung replica cannot stall everyone (README.md, "What a run
-survives"): the learner announces the group on the weights stream, each replica registers in a
+A sync is two-phase so one dead or hung replica cannot stall everyone (docs/security.md, "What a
+run survives"): the learner announces the group on the weights stream, each replica registers in a
 Redis join set before touching torch.distributed, and only when every replica has joined (within
 `join_timeout_s`) does the learner say `go`; otherwise it says `abort`, sets the silent replicas
 aside for `quarantine_s` (their heartbeat may not have expired yet; one that reloads weights

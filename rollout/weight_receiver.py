@@ -9,7 +9,7 @@ while the replica generates, not after its batch):
   acts on the newest one naming this replica that the learner signed and that asks for nothing
   this replica's own model does not have (`_check`): any other entry is skipped, logged and
   counted (`bad_redis_values`), and the replica goes on generating;
-- takes part in the two-phase join (README.md, "What a run survives"): registers in the join
+- takes part in the two-phase join (docs/security.md, "What a run survives"): registers in the join
   set, then waits for the learner's `go` before touching torch.distributed, so a sync the
   learner aborted costs nothing but the wait;
 - hands the engine a `WeightStream` (the engine receives and applies it), or, for an engine

@@ -1,8 +1,8 @@
 """Per-GPU memory budget of a config, from the model's `config.json` and the cluster shape.
 
-What `dapo run --dry-run` prints next to the placement, and what the README's preset table
-shows. These are estimates from first principles, meant to tell "fits" from "does not fit"
-before renting GPUs, not to predict the allocator to the megabyte:
+What `dapo run --dry-run` prints next to the placement, and what the preset table of
+docs/sizing.md shows. These are estimates from first principles, meant to tell "fits" from
+"does not fit" before renting GPUs, not to predict the allocator to the megabyte:
 
 - Learner rank (FSDP2 over `learner.nproc` ranks): fp32 master parameters, fp32 gradients and
   AdamW's two fp32 moments, each sharded (16 bytes per parameter / ranks); the all-gathered

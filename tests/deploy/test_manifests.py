@@ -57,7 +57,7 @@ COMPOSE_FILE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / ".env.example"
 OVERLAYS = ("cpu-demo", "gpu")
 CONFIG_PATH = "/etc/dapo/config.yaml"
-K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest the README promises, and the newest schemas
+K8S_VERSIONS = ("1.28.0", "1.37.0")  # the oldest deploy/README.md promises, the newest schemas
 # Overlay -> the preset its config must be an exact copy of (kustomize cannot load files outside
 # its directory, so the presets are copied, and this keeps the copies honest).
 CONFIG_COPIES = {

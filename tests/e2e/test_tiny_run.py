@@ -1,9 +1,9 @@
 """End to end: `dapo run` on the tiny preset, every service a real process, learns.
 
-Shorter than the README's main job, same code path: embedded Redis, 2 rollout replicas,
-reward worker, gatekeeper, FSDP2 learner, API. Asserts outcomes: eval accuracy rose (evaluated
-by the replicas), the parameters changed, the ledger balances with nothing in flight, and every
-replica ended on the final policy version.
+Shorter than the tiny preset's measured run (docs/results.md), same code path: embedded Redis,
+2 rollout replicas, reward worker, gatekeeper, FSDP2 learner, API. Asserts outcomes: eval
+accuracy rose (evaluated by the replicas), the parameters changed, the ledger balances with
+nothing in flight, and every replica ended on the final policy version.
 """
 
 from __future__ import annotations

@@ -289,9 +289,10 @@ def test_build_rejects_bad_arguments(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_demo_base_lands_in_the_band(tiny_cache: None) -> None:
     """The tiny preset's base, as `dapo run` builds it (the session's cached build): its
-    accuracy lies in the preset's band, so the demo a user gets starts where the README's runs
-    started. Its weights repeat bit for bit on one machine (the builds above) but not across CPU
-    models, whose vector units round float sums differently: the README lists two."""
+    accuracy lies in the preset's band, so the demo a user gets starts where the measured runs
+    started (docs/results.md, the tiny preset). Its weights repeat bit for bit on one machine (the
+    builds above) but not across CPU models, whose vector units round float sums differently:
+    docs/results.md lists two."""
     info = json.loads((REPO / "runs/cache/tiny-qwen2-arith-v3" / BUILD_INFO).read_text())
     assert info["in_band"] is True and 0.20 <= info["accuracy"] <= 0.30
     assert len(info["weights_sha256"]) == 64
