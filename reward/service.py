@@ -22,7 +22,7 @@ from contracts.bus import Entry, StreamBus
 from contracts.config import ConfigError, DapoConfig, RewardConfig
 from contracts.keys import Counter
 from contracts.model_source import with_local_model
-from contracts.runtime import StageLoop, serve_stage, service_context
+from contracts.runtime import ServiceContext, StageLoop, serve_stage, service_context
 from contracts.schemas import (
     RolloutGroup,
     SchemaError,
@@ -213,11 +213,18 @@ def score_group(
     return scored, results
 
 
-def main(cfg: DapoConfig) -> int:
+def build_worker(cfg: DapoConfig, ctx: ServiceContext) -> RewardWorker:
+    """A reward worker as every host builds one (`dapo reward`; Ray Serve's `RewardHost`): the
+    model's tokenizer (overlong shaping counts its tokens), the learner's public key (only jobs
+    it signed are scored)."""
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    return RewardWorker(cfg, ctx.bus, tokenizer, weights_public_key())
+
+
+def main(cfg: DapoConfig) -> int:
     cfg = with_local_model(cfg)  # an hf:// model: its snapshot (the tokenizer) in the HF cache
     ctx = service_context(cfg, "reward")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    serve_stage(ctx, RewardWorker(cfg, ctx.bus, tokenizer, weights_public_key()), cfg.queue)
+    serve_stage(ctx, build_worker(cfg, ctx), cfg.queue)
     return 0

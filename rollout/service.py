@@ -34,7 +34,14 @@ from contracts.bus import Entry, StreamBus
 from contracts.config import DapoConfig
 from contracts.faults import slowdown
 from contracts.model_source import with_local_model
-from contracts.runtime import StageLoop, StopFlag, run_stage_loop, serve_stage, service_context
+from contracts.runtime import (
+    ServiceContext,
+    StageLoop,
+    StopFlag,
+    run_stage_loop,
+    serve_stage,
+    service_context,
+)
 from contracts.schemas import (
     PromptJob,
     Response,
@@ -283,21 +290,29 @@ def _by_sampling(jobs: list[tuple[str, PromptJob]]) -> list[list[tuple[str, Prom
     return list(kinds.values())
 
 
-def main(cfg: DapoConfig) -> int:
-    cfg = with_local_model(cfg)  # an hf:// model: its snapshot in the Hugging Face cache
+def build_replica(cfg: DapoConfig, ctx: ServiceContext) -> RolloutReplica:
+    """A rollout replica as every host builds one (`dapo rollout`, which `dapo run`, compose and
+    Kubernetes start; Ray Serve's `RolloutHost`): its engine with a seed of its own that survives
+    a restart, the tools the config enables, weight swaps that beat at once."""
     weights_public_key()  # only announcements it verifies are taken: refuse to start without it
-    ctx = service_context(cfg, "rollout")
     log.info("loading %s engine from %s", cfg.rollout.engine, cfg.model.path)
-    engine = make_engine(cfg, replica_id=seed_name(ctx.inst))  # a seed of its own per replica
+    engine = make_engine(cfg, replica_id=seed_name(ctx.inst))
     tools = None
     if cfg.rollout.tools.enabled:
         from transformers import AutoTokenizer
 
         tools = ToolBox(cfg.rollout.tools, AutoTokenizer.from_pretrained(cfg.model.path))
         log.info("tools %s in sandboxes (%s)", list(tools.sandboxes), tools.isolation)
-    worker = RolloutReplica(
+    return RolloutReplica(
         cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now, tools=tools
     )
+
+
+def main(cfg: DapoConfig) -> int:
+    cfg = with_local_model(cfg)  # an hf:// model: its snapshot in the Hugging Face cache
+    weights_public_key()  # refuse to start without it, before connecting
+    ctx = service_context(cfg, "rollout")
+    worker = build_replica(cfg, ctx)
     log.info("rollout replica %s ready", ctx.inst)
     serve_stage(ctx, worker, cfg.queue)
     log.info("rollout replica %s stopped after %d groups", ctx.inst, worker.groups_done)

@@ -1,9 +1,10 @@
 """Ray Serve hosting for the rollout and reward stages: `serve run services.ray_serve:app`.
 
-Each Serve replica hosts one stage handler, the same `RolloutReplica` / `RewardWorker` that
-`dapo rollout` / `dapo reward` run, and the work still flows through the Redis streams: Serve
-only places, counts, health-checks and restarts the processes. No prompt or group travels as a
-Serve request; the HTTP/handle `__call__` only reports status.
+Each Serve replica hosts one stage handler, built by the same factory as `dapo rollout` /
+`dapo reward` (`rollout.service.build_replica`, `reward.service.build_worker`), and the work
+still flows through the Redis streams: Serve only places, counts, health-checks and restarts
+the processes. No prompt or group travels as a Serve request; the HTTP/handle `__call__` only
+reports status.
 
 How a Serve replica differs from the CLI process:
 
@@ -138,15 +139,9 @@ class RolloutHost(_StageHost):
     kind = "rollout"
 
     def setup(self) -> StageHandler:
-        from rollout.engine import make_engine
-        from rollout.service import RolloutReplica
+        from rollout.service import build_replica
 
-        log.info("loading %s engine from %s", self.cfg.rollout.engine, self.cfg.model.path)
-        engine = make_engine(self.cfg, replica_id=self.id)  # a seed of its own per replica
-        # Weight swaps beat at once, as in `dapo rollout`.
-        return RolloutReplica(
-            self.cfg, self.bus, engine, self.id, self.stop, beat_now=self.ctx.beat_now
-        )
+        return build_replica(self.cfg, self.ctx)  # as `dapo rollout` builds it
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For `BacklogPolicy`: jobs waiting or being generated (acked entries are deleted, so
@@ -161,13 +156,9 @@ class RewardHost(_StageHost):
     kind = "reward"
 
     def setup(self) -> StageHandler:
-        from transformers import AutoTokenizer
+        from reward.service import build_worker
 
-        from contracts.signing import weights_public_key
-        from reward.service import RewardWorker
-
-        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
-        return RewardWorker(self.cfg, self.bus, tokenizer, weights_public_key())
+        return build_worker(self.cfg, self.ctx)  # as `dapo reward` builds it
 
 
 class StatusIngress:

@@ -443,3 +443,44 @@ def test_ray_pods_run_locked_down_with_a_writable_tmp() -> None:
             assert c["securityContext"]["readOnlyRootFilesystem"] is True, group
             (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
             assert "emptyDir" in volumes[tmp["name"]], group
+
+
+def test_serve_and_the_cli_build_the_rollout_replica_alike(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One factory for every host: a Serve replica gets the tools the config enables and the
+    sampling seed of its name (DAPO_REPLICA_NAME, which survives a restart), as `dapo rollout`
+    does. The Serve host once built its replica without tools, and seeded by process id."""
+    from contracts.config import load_config
+    from contracts.runtime import service_context
+    from rollout import service
+    from rollout.engine import REPLICA_NAME_ENV
+    from services.ray_serve import RolloutHost
+
+    seeded_by: list[str | None] = []
+    real_make_engine = service.make_engine
+
+    def make_engine(cfg: Any, *, replica_id: str | None = None) -> Any:
+        seeded_by.append(replica_id)
+        return real_make_engine(cfg, replica_id=replica_id)
+
+    monkeypatch.setattr(service, "make_engine", make_engine)
+    monkeypatch.setenv(REPLICA_NAME_ENV, "rollout-a")
+    overrides = [
+        *_overrides(redis_url, tiny_model_dir, tmp_path),
+        "rollout.tools.enabled=true",
+        "rollout.tools.functions=[calculator]",
+    ]
+    host = RolloutHost(str(TINY), overrides)
+    cfg = load_config(str(TINY), overrides)
+    cli = service.build_replica(cfg, service_context(cfg, "rollout", install_signals=False))
+    try:
+        served = host.worker
+        assert isinstance(served, service.RolloutReplica)
+        assert served.tools is not None and cli.tools is not None
+        assert list(served.tools.sandboxes) == list(cli.tools.sandboxes) == ["calculator"]
+        assert type(served.engine) is type(cli.engine)
+        assert seeded_by == ["rollout-a", "rollout-a"]
+    finally:
+        host.__del__()
+        cli.close()
