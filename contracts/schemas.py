@@ -698,5 +698,8 @@ _CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
 
 
 def decode_control_request(raw: bytes | str) -> ControlRequest:
-    """An operator request as stored in the control hash (raises pydantic's ValidationError)."""
+    """An operator request as stored in the control hash (raises pydantic's ValidationError, or
+    SchemaError past `SMALL_JSON_BYTES`: every request is under 1 KB)."""
+    if len(raw) > SMALL_JSON_BYTES:
+        raise SchemaError(f"control request is {len(raw)} bytes, over {SMALL_JSON_BYTES}")
     return _CONTROL_REQUEST.validate_json(raw)

@@ -71,6 +71,22 @@ def test_a_control_key_of_the_wrong_type_is_removed_and_requests_flow_again(bus:
     assert set(bus.control_requests()) == {"pause"}
 
 
+def test_an_oversized_control_request_is_dropped_after_one_bounded_parse(bus: StreamBus) -> None:
+    """A request planted with the API's password, megabytes of valid JSON: refused on its size
+    before parsing, removed, counted, and the next poll does not meet it again."""
+    from contracts.schemas import PauseRequest
+
+    huge = json.dumps({"kind": "pause", "note": "x" * 2_000_000})
+    bus.redis.hset(bus.keys.control, "pause", huge)
+    started = time.monotonic()
+    assert bus.control_requests() == {}
+    assert time.monotonic() - started < 0.5
+    assert not bus.redis.hexists(bus.keys.control, "pause")
+    assert int(bus.redis.hget(bus.keys.counters, Counter.BAD_CONTROL_REQUESTS) or 0) == 1
+    bus.post_control(PauseRequest())
+    assert set(bus.control_requests()) == {"pause"}
+
+
 @pytest.mark.parametrize("fenced", [False, True])
 def test_a_writer_replaces_a_key_of_the_wrong_type(bus: StreamBus, fenced: bool) -> None:
     if fenced:  # the learner writes under its lease: the replacement goes through the fence too
