@@ -40,6 +40,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,9 @@ from sandbox.frames import FrameError, FrameReader, FrameTimeout, encode
 log = logging.getLogger(__name__)
 
 WORKER_SCRIPT: Final = Path(__file__).with_name("worker.py")
+HOST_SOCKET_ENV: Final = "DAPO_SANDBOX_SOCKET"
+"""Set: every sandbox of this process runs its workers in the sandbox host listening on this
+Unix socket (`sandbox.host`, a container of its own), not as local processes."""
 MAX_ARGS_CHARS: Final = 32_768
 """The longest argument string sent to a worker by default (a longer one fails the call
 unsent); a frame holds at most 1 MiB of JSON (`sandbox.frames`)."""
@@ -147,12 +151,12 @@ def _launch(network_namespace: bool, own_uid: bool) -> tuple[list[str], dict[str
     return [], {"user": UNPRIVILEGED_UID, "group": UNPRIVILEGED_UID, "extra_groups": []}
 
 
-class _Worker:
-    """One worker process and the parent's end of its pipes."""
+class LocalWorker:
+    """One worker process started here, and the parent's end of its pipes."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, *, network_namespace: bool, own_uid: bool) -> None:
         self.home = tempfile.mkdtemp(prefix="dapo-sandbox-")
-        if sandbox.own_uid:
+        if own_uid:
             os.chown(self.home, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -160,7 +164,7 @@ class _Worker:
             "TMPDIR": self.home,
             "LANG": "C.UTF-8",
         }
-        prefix, drop = _launch(sandbox.network_isolation == "namespace", sandbox.own_uid)
+        prefix, drop = _launch(network_namespace, own_uid)
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-I", str(WORKER_SCRIPT)],
             stdin=subprocess.PIPE,
@@ -174,6 +178,7 @@ class _Worker:
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin: IO[bytes] = self.proc.stdin
+        self.pid: int | None = self.proc.pid
         self.reader = FrameReader(self.proc.stdout.fileno())
         self.calls = 0
         os.set_blocking(self.stdin.fileno(), False)  # a worker that stops reading can't block us
@@ -182,18 +187,13 @@ class _Worker:
         """Write the whole frame, waiting for the pipe to drain until `deadline` (a frame may be
         larger than the pipe's buffer). Raises FrameTimeout when the worker stops reading,
         OSError (BrokenPipeError) when it is gone."""
-        data = memoryview(message if isinstance(message, bytes) else encode(message))
-        fd = self.stdin.fileno()
-        while data:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise FrameTimeout("the sandbox worker stopped reading its pipe")
-            _, writable, _ = select.select([], [fd], [], left)
-            if writable:
-                try:
-                    data = data[os.write(fd, data) :]
-                except BlockingIOError:
-                    continue
+        _send(self.stdin.fileno(), message, deadline)
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def exit_code(self) -> int | None:
+        return self.proc.returncode
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -205,6 +205,66 @@ class _Worker:
                 if stream is not None:
                     stream.close()
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+class RemoteWorker:
+    """A worker of a sandbox host in another container (`sandbox.host`), reached over its Unix
+    socket: the same frames, one connection per worker. Closing the connection is the kill (the
+    host kills the worker); the worker's death closes it."""
+
+    def __init__(self, socket_path: str, deadline: float) -> None:
+        while True:  # the host may still be starting beside this stage
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.sock.connect(socket_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                self.sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.sock.setblocking(False)
+        self.pid: int | None = None  # the host's process, in its own container
+        self.reader = FrameReader(self.sock.fileno())
+        self.calls = 0
+        self._closed = False
+
+    def send(self, message: dict[str, Any] | bytes, deadline: float) -> None:
+        _send(self.sock.fileno(), message, deadline)
+
+    def exited(self) -> bool:
+        """The host closed the connection (its worker died): a read would see end of file."""
+        if self._closed:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable) and not self.reader.pending() and not self.reader.feed()
+
+    def exit_code(self) -> int | None:
+        return None  # the host's to know
+
+    def kill(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+Worker = LocalWorker | RemoteWorker
+
+
+def _send(fd: int, message: dict[str, Any] | bytes, deadline: float) -> None:
+    """Write the whole frame to a non-blocking `fd`, until `deadline` (see `LocalWorker.send`)."""
+    data = memoryview(message if isinstance(message, bytes) else encode(message))
+    while data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FrameTimeout("the sandbox worker stopped reading")
+        _, writable, _ = select.select([], [fd], [], left)
+        if writable:
+            try:
+                data = data[os.write(fd, data) :]
+            except BlockingIOError:
+                continue
 
 
 class Sandbox:
@@ -242,8 +302,13 @@ class Sandbox:
         self.start_timeout_s = start_timeout_s
         self.calls_per_worker = calls_per_worker
         self.max_args_chars = max_args_chars
-        self.network_isolation = "namespace" if network_namespace_available() else "none"
-        self.own_uid = other_uid_available()
+        self.host_socket = os.environ.get(HOST_SOCKET_ENV) or None
+        """A sandbox host's socket (`sandbox.host`): workers run in its container."""
+        if self.host_socket:  # the host decides both
+            self.network_isolation, self.own_uid = "sandbox host", False
+        else:
+            self.network_isolation = "namespace" if network_namespace_available() else "none"
+            self.own_uid = other_uid_available()
         self.confinement: Confinement | None = None
         """What the last worker started got (`sandbox.confine`)."""
         self.hello = {
@@ -270,7 +335,7 @@ class Sandbox:
         for slot in range(workers):
             self._free.put(slot)
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
-        self._workers: list[_Worker | None] = [None] * workers
+        self._workers: list[Worker | None] = [None] * workers
         try:  # at once: a worker may take seconds to load what its function imports
             started = list(self._threads.map(lambda _: self._start(), range(workers)))
             self._workers[:] = started
@@ -279,10 +344,23 @@ class Sandbox:
             raise
 
     # --- workers ---------------------------------------------------------------------------
-    def _start(self) -> _Worker:
-        worker = self._spawner.submit(_Worker, self).result()
+    def _new_worker(self, deadline: float) -> Worker:
+        if self.host_socket:
+            return RemoteWorker(self.host_socket, deadline)
+        return LocalWorker(
+            network_namespace=self.network_isolation == "namespace", own_uid=self.own_uid
+        )
+
+    def _start(self) -> Worker:
+        deadline = time.monotonic() + self.start_timeout_s
         try:
-            deadline = time.monotonic() + self.start_timeout_s
+            worker = self._spawner.submit(self._new_worker, deadline).result()
+        except OSError as exc:
+            raise SandboxStartError(
+                f"no sandbox host answers on {self.host_socket} ({type(exc).__name__}: {exc}): "
+                "is the stage's sandbox container running?"
+            ) from None
+        try:
             worker.send(self.hello, deadline)
             reply = worker.reader.read(deadline)
         except (OSError, EOFError, FrameError, FrameTimeout) as exc:
@@ -322,16 +400,16 @@ class Sandbox:
         code = None
         if old is not None:
             old.kill()
-            code = old.proc.returncode
+            code = old.exit_code()
         self._workers[slot] = None
         with self._count:
             self.restarts += 1
         return code
 
-    def _worker(self, slot: int) -> _Worker:
+    def _worker(self, slot: int) -> Worker:
         """The live worker of `slot`, started anew if it is gone."""
         worker = self._workers[slot]
-        if worker is None or worker.proc.poll() is not None:
+        if worker is None or worker.exited():
             if worker is not None:
                 self._replace(slot)
             worker = self._workers[slot] = self._start()
@@ -404,7 +482,7 @@ class Sandbox:
         )
 
     def _reply(
-        self, slot: int, worker: _Worker, request: str, started: float, deadline: float
+        self, slot: int, worker: Worker, request: str, started: float, deadline: float
     ) -> CallResult:
         """The reply to the call the worker said it started."""
         try:
@@ -459,4 +537,4 @@ class Sandbox:
         self.close()
 
     def pids(self) -> list[int | None]:
-        return [None if w is None else w.proc.pid for w in self._workers]
+        return [None if w is None else w.pid for w in self._workers]

@@ -17,6 +17,7 @@
   dapo lora merge ADAPTER --out DIR [--base DIR]                     adapter + base -> one model
   dapo redis-users [--namespace NS]                                  the Redis users by role
   dapo redis-functions                                               the bus's Redis functions
+  dapo sandbox-host --socket PATH                                    sandbox workers for a stage
   dapo secrets [--k8s]                                               fresh secrets for a deployment
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
@@ -288,6 +289,12 @@ def _cmd_redis_functions(args: argparse.Namespace) -> int:
 
     sys.stdout.write(library_code())
     return 0
+
+
+def _cmd_sandbox_host(args: argparse.Namespace) -> int:
+    from sandbox.host import main
+
+    return main(["--socket", args.socket, "--max-workers", str(args.max_workers)])
 
 
 def _cmd_secrets(args: argparse.Namespace) -> int:
@@ -584,6 +591,17 @@ def build_parser() -> argparse.ArgumentParser:
         "administrator: dapo redis-functions | redis-cli -x FUNCTION LOAD REPLACE",
     )
     functions.set_defaults(fn=_cmd_redis_functions)
+    host = sub.add_parser(
+        "sandbox-host",
+        help="start sandbox workers for a stage in another container, over a Unix socket",
+        description="Listen on SOCKET and start a confined sandbox worker for each connection: "
+        "the container beside a rollout replica or a reward worker (its DAPO_SANDBOX_SOCKET) "
+        "in docker-compose and Kubernetes, under another uid, with no secret and no network. "
+        "See sandbox/host.py.",
+    )
+    host.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    host.add_argument("--max-workers", type=int, default=64, help="workers at once")
+    host.set_defaults(fn=_cmd_sandbox_host)
     secrets_ = sub.add_parser(
         "secrets",
         help="fresh secrets for a deployment: .env lines, or kubectl commands with --k8s",

@@ -68,6 +68,8 @@ OVERLAY_PRESET = {
     "cpu-demo": REPO / "configs" / "tiny.yaml",
     "gpu": REPO / "configs" / "dapo-qwen2.5-32b.yaml",
 }
+# Each sandbox host and the stages whose untrusted code it runs (sandbox/host.py).
+SANDBOX_HOSTS = {"reward-sandbox": ("reward",), "rollout-sandbox": ("rollout", "rollout-gpu")}
 COMPOSE_SERVICES = {
     "redis",
     "prepare",
@@ -78,6 +80,7 @@ COMPOSE_SERVICES = {
     "rollout",
     "learner-gpu",
     "rollout-gpu",
+    *SANDBOX_HOSTS,
 }
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 GRACE_AT_LEAST = {"rollout": 60, "learner": 120}  # seconds a worker needs to finish or hand back
@@ -210,8 +213,13 @@ def compose_argv(svc: dict[str, Any]) -> list[str]:
     return [*entrypoint, *command]
 
 
+def is_sandbox_host(svc: dict[str, Any]) -> bool:
+    return list(svc.get("command", []))[:1] == ["sandbox-host"]
+
+
 def is_dapo_service(svc: dict[str, Any]) -> bool:
-    return str(svc.get("image", "")).startswith("${DAPO_")
+    """A stage or tool of the project (a sandbox host is the image too, but none of these)."""
+    return str(svc.get("image", "")).startswith("${DAPO_") and not is_sandbox_host(svc)
 
 
 def test_compose_services_and_profiles() -> None:
@@ -219,7 +227,7 @@ def test_compose_services_and_profiles() -> None:
     assert set(services) == COMPOSE_SERVICES
     assert "version" not in compose(), "compose spec: no version key"
     assert "profiles" not in services["redis"]
-    for name in ("prepare", "api", "gatekeeper", "reward"):
+    for name in ("prepare", "api", "gatekeeper", "reward", *SANDBOX_HOSTS):
         assert set(services[name]["profiles"]) == {"cpu", "gpu"}, name
     for name in ("learner", "rollout"):
         assert services[name]["profiles"] == ["cpu"]
@@ -319,7 +327,7 @@ def test_compose_secrets_fail_fast_and_env_example_covers_every_variable() -> No
 
 def test_compose_images_are_built_from_deploy_dockerfiles() -> None:
     for name, svc in compose()["services"].items():
-        if not is_dapo_service(svc):
+        if not is_dapo_service(svc) and not is_sandbox_host(svc):
             assert re.fullmatch(r"redis:\d+\.\d+[\w.-]*", svc["image"]), svc["image"]
             continue
         dockerfile = svc["build"]["dockerfile"]
@@ -329,6 +337,31 @@ def test_compose_images_are_built_from_deploy_dockerfiles() -> None:
         assert svc["image"].endswith(f"dapo-services:{variant}}}"), (
             f"{name}: {svc['image']} vs {dockerfile}"
         )
+
+
+SANDBOX_SOCKET = "/run/dapo-sandbox/sandbox.sock"
+
+
+def test_compose_untrusted_code_runs_in_a_sandbox_container_of_its_own() -> None:
+    """Tools and reward code run in a sandbox host beside their stage: the image under another
+    uid, no secret, no network, no volume but the socket's, which the stage shares and names in
+    DAPO_SANDBOX_SOCKET, waiting until the host answers."""
+    services = compose()["services"]
+    for host_name, stages in SANDBOX_HOSTS.items():
+        host = services[host_name]
+        assert is_sandbox_host(host) and host["command"][1:] == ["--socket", SANDBOX_SOCKET]
+        check_invocation(compose_argv(host), f"docker-compose.yml service {host_name}")
+        assert str(host["user"]).split(":")[0] == "10002", "not the services' uid (10001)"
+        assert host["network_mode"] == "none"
+        assert set(host["environment"]) <= {"DAPO_LOG_LEVEL", "PYTHONUNBUFFERED"}
+        [volume] = host["volumes"]
+        assert volume == f"{host_name}:/run/dapo-sandbox", volume
+        assert "socket" in " ".join(host["healthcheck"]["test"])
+        for stage in stages:
+            svc = services[stage]
+            assert svc["environment"]["DAPO_SANDBOX_SOCKET"] == SANDBOX_SOCKET, stage
+            assert volume in svc["volumes"], stage
+            assert svc["depends_on"][host_name] == {"condition": "service_healthy"}, stage
 
 
 def _env_file(tmp_path: Path, token: str, redis_password: str = "test-password") -> Path:
@@ -618,9 +651,17 @@ def workload(docs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
     return found[0]
 
 
-def containers(doc: dict[str, Any], *, init: bool = True) -> Iterator[dict[str, Any]]:
+SANDBOX_CONTAINER = "sandbox"
+"""The sandbox host beside a stage that runs untrusted code (sandbox/host.py)."""
+
+
+def containers(
+    doc: dict[str, Any], *, init: bool = True, sandbox: bool = False
+) -> Iterator[dict[str, Any]]:
+    """A workload's containers; its sandbox host only with `sandbox` (it is no service: no
+    Redis, no config, no probe of a stage)."""
     spec = doc["spec"]["template"]["spec"]
-    yield from spec["containers"]
+    yield from (c for c in spec["containers"] if sandbox or c["name"] != SANDBOX_CONTAINER)
     if init:
         yield from spec.get("initContainers", [])
 
@@ -750,7 +791,7 @@ def test_images_map_to_dockerfiles(overlay: str) -> None:
     for doc in render(overlay):
         if doc["kind"] not in WORKLOAD_KINDS:
             continue
-        for c in containers(doc):
+        for c in containers(doc, sandbox=True):
             image = c["image"]
             if image.startswith("redis:"):
                 assert re.fullmatch(r"redis:\d+\.\d+[\w.-]*", image), image
@@ -761,6 +802,7 @@ def test_images_map_to_dockerfiles(overlay: str) -> None:
             accel = doc["metadata"]["name"] in {"dapo-learner", "dapo-rollout"} and c["name"] in {
                 "learner",
                 "rollout",
+                SANDBOX_CONTAINER,  # the stage's own image: its workers import what it does
             }
             assert tag == ("gpu" if overlay == "gpu" and accel else "cpu"), (
                 f"{overlay}: {doc['metadata']['name']} runs {image}"
@@ -1649,7 +1691,7 @@ def test_every_pod_runs_locked_down(overlay: str) -> None:
         pod = doc["spec"]["template"]["spec"]
         assert pod.get("automountServiceAccountToken") is False, f"{name}: SA token mounted"
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        for c in containers(doc):
+        for c in containers(doc, sandbox=True):
             where = f"{overlay}: {name}/{c['name']}"
             sc = c.get("securityContext", {})
             assert sc.get("readOnlyRootFilesystem") is True, f"{where}: writable root filesystem"
@@ -1769,6 +1811,34 @@ def test_pinning_names_the_image_a_registry_does_not_answer_for(
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_untrusted_code_runs_in_a_sandbox_container_of_its_own(overlay: str) -> None:
+    """The rollout and reward pods each run a sandbox host beside the stage: the stage's image
+    under another uid, no secret, sharing only the socket's volume, which the stage names."""
+    docs = render(overlay)
+    for name in ("dapo-rollout", "dapo-reward"):
+        pod_doc = workload(docs, name)
+        pod = pod_doc["spec"]["template"]["spec"]
+        [stage] = containers(pod_doc, init=False)
+        [host] = [c for c in pod["containers"] if c["name"] == SANDBOX_CONTAINER]
+        where = f"{overlay}: {name}"
+        check_invocation(host["command"], where)
+        assert host["command"][1:] == ["sandbox-host", "--socket", SANDBOX_SOCKET], where
+        assert host["image"] == stage["image"], f"{where}: the stage's image, the same paths"
+        uid = host["securityContext"]["runAsUser"]
+        assert uid not in (0, pod["securityContext"]["runAsUser"]), f"{where}: uid {uid}"
+        assert "envFrom" not in host and all("valueFrom" not in e for e in host.get("env", [])), (
+            f"{where}: the sandbox holds no secret"
+        )
+        mounts = {m["name"]: m["mountPath"] for m in host["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert all("emptyDir" in volumes[v] for v in mounts), f"{where}: {mounts}"
+        socket_volume = next(v for v, path in mounts.items() if path == "/run/dapo-sandbox")
+        stage_mounts = {m["name"]: m["mountPath"] for m in stage["volumeMounts"]}
+        assert stage_mounts[socket_volume] == "/run/dapo-sandbox", where
+        assert env_of(stage)["DAPO_SANDBOX_SOCKET"] == SANDBOX_SOCKET, where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_replicas_pin_the_learners_host(overlay: str) -> None:
     """A replica takes weights only from the host it was told (a forged announcement naming
     another is refused): the learner's own DAPO_WEIGHTS_HOST, in Kubernetes as in compose."""
@@ -1806,5 +1876,5 @@ def test_only_the_learner_holds_the_weight_signing_key(overlay: str) -> None:
     for name, svc in services.items():
         env = svc.get("environment", {})
         assert ("DAPO_WEIGHTS_KEY" in env) == name.startswith("learner"), name
-        if name.startswith(("rollout", "reward", "gatekeeper")):
+        if name.startswith(("rollout", "reward", "gatekeeper")) and not is_sandbox_host(svc):
             assert "DAPO_WEIGHTS_PUBLIC_KEY" in env, name

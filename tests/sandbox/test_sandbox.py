@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sandbox.builtin_tools import calculator
+from sandbox.host import SandboxHost
 from sandbox.pool import Sandbox, SandboxStartError
 
 HOSTILE = "tests.sandbox.hostile"
@@ -64,9 +65,9 @@ def _in_session(session: int) -> list[int]:
     return out
 
 
-def test_a_timeout_kills_what_the_worker_forked() -> None:
+def test_a_timeout_kills_what_the_worker_forked(workers_from: SandboxHost | None) -> None:
     with Sandbox(f"{HOSTILE}:grandchild", workers=1, timeout_s=1.0, allow_processes=True) as box:
-        worker = box.pids()[0]
+        worker = box.pids()[0] if workers_from is None else workers_from.pids()[0]
         assert worker is not None
         result = box.call("")
         assert result.timed_out and box.timeouts == 1 and box.restarts == 1

@@ -1,0 +1,189 @@
+"""A sandbox host: sandbox workers for a stage that runs in another container.
+
+In docker-compose and Kubernetes each stage that runs untrusted code (the rollout replicas'
+tools, the reward workers' checkers) has a sandbox container beside it: the same image, another
+uid, no secret in its environment, no network (compose: `network_mode: none`; Kubernetes: a
+pod shares its network, so the workers' own seccomp and Landlock layers refuse it). This process
+runs there (`dapo sandbox-host`, or `python -m sandbox.host`) and listens on a Unix socket in a
+volume the two containers share. The stage's `sandbox.pool.Sandbox` connects to it when
+`DAPO_SANDBOX_SOCKET` names the socket, one connection per worker; for each, this host starts a
+worker here exactly as the pool does locally (`sandbox.pool.LocalWorker`: `python -I`, a private
+directory, confined) and relays the frames both ways. The first frame, the worker's hello, is
+completed here: the parent whose death ends the worker, and what this host allows (a network
+namespace, another uid), are this host's, not the caller's to say.
+
+A connection that closes kills its worker (the stage gave up on a call: a time-out); a worker
+that exits closes its connection (the stage sees the worker die). What this does NOT guarantee:
+that the caller is a stage of this run (whoever reaches the socket may run code in a sandbox,
+which is what the sandbox is for), nor fairness between callers beyond `max_workers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import select
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Final
+
+if __name__ == "__main__":  # run as a script: make `sandbox` importable (the project root)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from sandbox.frames import FrameError, FrameReader, FrameTimeout, encode
+from sandbox.pool import (
+    HOST_SOCKET_ENV,
+    LocalWorker,
+    network_namespace_available,
+    other_uid_available,
+)
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV: Final = HOST_SOCKET_ENV
+"""The socket a stage's sandboxes connect to; unset: workers are local processes."""
+HELLO_TIMEOUT_S: Final = 30.0
+"""How long a connection may take to send its worker's hello."""
+
+
+class SandboxHost:
+    """Listens on `socket_path`; every connection gets a worker of its own (see the module
+    docstring). `serve_forever` until `stop()`."""
+
+    def __init__(self, socket_path: str, *, max_workers: int = 64) -> None:
+        self.socket_path = socket_path
+        self.max_workers = max_workers
+        self.network_namespace = network_namespace_available()
+        self.own_uid = other_uid_available()
+        self._active = threading.BoundedSemaphore(max_workers)
+        # Every worker is started from this one thread: their parent-death signal fires when it
+        # ends, which is when this host does.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="sandbox-spawn")
+        self._stop = threading.Event()
+        self._pids: set[int] = set()
+        Path(socket_path).unlink(missing_ok=True)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(socket_path)
+        # The stage runs under another uid: the directory's permissions say who may connect.
+        os.chmod(socket_path, 0o666)
+        self._listener.listen(max_workers)
+
+    def serve_forever(self) -> None:
+        log.info(
+            "sandbox host on %s (network namespace: %s, workers as another uid: %s)",
+            self.socket_path,
+            self.network_namespace,
+            self.own_uid,
+        )
+        while not self._stop.is_set():
+            try:
+                readable, _, _ = select.select([self._listener], [], [], 0.5)
+                if not readable:
+                    continue
+                conn, _ = self._listener.accept()
+            except (OSError, ValueError):  # closed by stop()
+                if self._stop.is_set():
+                    return
+                raise
+            if not self._active.acquire(blocking=False):
+                log.warning("refused a connection: %d workers already run", self.max_workers)
+                conn.close()
+                continue
+            threading.Thread(target=self._session, args=(conn,), daemon=True).start()
+
+    def pids(self) -> list[int]:
+        """The workers running now (each the leader of its process group)."""
+        return sorted(self._pids)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        Path(self.socket_path).unlink(missing_ok=True)
+        self._spawner.shutdown(wait=False)
+
+    def _session(self, conn: socket.socket) -> None:
+        worker: LocalWorker | None = None
+        try:
+            conn.setblocking(True)
+            reader = FrameReader(conn.fileno())
+            hello = reader.read(time.monotonic() + HELLO_TIMEOUT_S)
+            hello |= {  # this host's to say, not the caller's
+                "parent": os.getpid(),
+                "network_namespace": self.network_namespace,
+                "own_uid": self.own_uid,
+            }
+            worker = self._spawner.submit(
+                LocalWorker, network_namespace=self.network_namespace, own_uid=self.own_uid
+            ).result()
+            self._pids.add(worker.proc.pid)
+            # What the caller sent after its hello (its first call) follows it.
+            _relay(conn, worker, encode(hello) + bytes(reader.buffer))
+        except EOFError:
+            pass  # closed before its hello
+        except (OSError, FrameError, FrameTimeout, ValueError) as exc:
+            log.warning("sandbox session ended: %s: %s", type(exc).__name__, exc)
+        finally:
+            if worker is not None:
+                worker.kill()
+                self._pids.discard(worker.proc.pid)
+            with contextlib.suppress(OSError):
+                conn.close()
+            self._active.release()
+
+
+def _relay(conn: socket.socket, worker: LocalWorker, hello: bytes) -> None:
+    """Bytes both ways until either side closes: the caller's frames to the worker's stdin, the
+    worker's stdout to the caller (who bounds what it reads, as from a local worker)."""
+    assert worker.proc.stdout is not None
+    out = worker.proc.stdout.fileno()
+    os.set_blocking(worker.stdin.fileno(), True)  # a relay thread of its own may wait
+    worker.stdin.write(hello)
+    worker.stdin.flush()
+    caller = conn.fileno()
+    while True:
+        readable, _, _ = select.select([caller, out], [], [])
+        if caller in readable:
+            data = conn.recv(1 << 16)
+            if not data:
+                return  # the caller gave up: the worker is killed
+            worker.stdin.write(data)
+            worker.stdin.flush()
+        if out in readable:
+            data = os.read(out, 1 << 16)
+            if not data:
+                return  # the worker is gone: the caller sees its connection close
+            conn.sendall(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dapo sandbox-host",
+        description="Start sandbox workers for the stages of other containers, over a Unix "
+        "socket (their DAPO_SANDBOX_SOCKET).",
+    )
+    parser.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    parser.add_argument("--max-workers", type=int, default=64, help="connections served at once")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox-host %(message)s")
+    host = SandboxHost(args.socket, max_workers=args.max_workers)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: host.stop())
+    try:
+        host.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if not host._stop.is_set():
+            host.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
