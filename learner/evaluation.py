@@ -49,8 +49,9 @@ from typing import Any, Protocol
 
 from contracts.bus import Entry, StreamBus
 from contracts.config import DapoConfig
-from contracts.data import Overlap, PromptRecord, encode_prompt, held_out_problems
+from contracts.data import PromptRecord, encode_prompt
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round, accuracy_interval
+from contracts.heldout import Overlap, held_out_problems
 from contracts.keys import LEDGER_EVALUATED
 from contracts.schemas import (
     EvalResult,

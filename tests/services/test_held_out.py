@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from contracts.config import load_config
-from contracts.data import held_out_problems, write_rows
+from contracts.data import write_rows
+from contracts.heldout import held_out_problems
 from learner.evaluation import eval_problems
 from services import launcher
 from services.demo.synthetic import DIFFICULTY_LEVELS, fact_key, fact_split, synth_rows
