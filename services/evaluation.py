@@ -70,7 +70,7 @@ def evaluate(
     if not records:
         return {}, []
     k, start = cfg.eval.samples_per_problem, time.monotonic()
-    scorer = open_scorer(cfg.reward)  # the verifier, or reward.function
+    scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)  # each row's verifier
     correct = lengths = total = 0
     per_problem: list[float] = []
     generate = (
@@ -95,7 +95,9 @@ def evaluate(
                     [graded_ids(s, cfg) for s in samples], skip_special_tokens=True
                 )
                 results = scorer.score_many(
-                    [(t, rec.ground_truth) for t in texts], [rec.extra_info] * len(texts)
+                    [(t, rec.ground_truth) for t in texts],
+                    [rec.extra_info] * len(texts),
+                    [rec.data_source] * len(texts),
                 )
                 correct += sum(r.acc for r in results)
                 per_problem.append(sum(r.acc for r in results) / len(results))
