@@ -167,11 +167,15 @@ def _local_model(cfg: DapoConfig) -> None:
 
 
 def prepare_data(cfg: DapoConfig) -> None:
-    """Write the synthetic training and evaluation files (`data.synth`) where they are missing."""
+    """Write the synthetic training and evaluation files (`data.synth`) where they are missing,
+    or the reasoning-gym ones (`data.gym`, `services.gym_data`) where missing or out of date."""
     from contracts.data import write_rows
     from services.demo.synthetic import synth_rows
+    from services.gym_data import prepare_gym
 
     d = cfg.data
+    if d.gym is not None:
+        prepare_gym(cfg)
     if d.synth is None:
         return
     if not Path(d.train_path).exists():
