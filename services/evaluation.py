@@ -27,6 +27,7 @@ from contracts.config import DapoConfig
 from contracts.data import PromptRecord, encode_prompt
 from contracts.eval_stats import Round, accuracy_interval
 from contracts.model_source import with_local_model
+from contracts.tasks import eval_task_metrics, task_label
 from learner.evaluation import eval_problems
 from reward.service import open_scorer
 from reward.text import model_token_ids
@@ -64,8 +65,9 @@ def evaluate(
     batch: int = 64,
     tools: ToolBox | None = None,
 ) -> tuple[dict[str, float], list[float]]:
-    """(avg@k accuracy with its bootstrap 95% interval and the mean response length over the
-    eval set, each problem's accuracy in order). With `tools`, responses may call them, as the
+    """(avg@k accuracy with its bootstrap 95% interval, the mean response length and each task's
+    accuracy (`task/<name>/eval_acc`, by `data_source`) over the eval set, each problem's
+    accuracy in order). With `tools`, responses may call them, as the
     replicas' evaluation does under `rollout.tools`."""
     if not records:
         return {}, []
@@ -73,6 +75,7 @@ def evaluate(
     scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)  # each row's verifier
     correct = lengths = total = 0
     per_problem: list[float] = []
+    by_task: dict[str, tuple[int, int]] = {}
     generate = (
         engine.generate if tools is None else functools.partial(generate_with_tools, engine, tools)
     )
@@ -100,6 +103,9 @@ def evaluate(
                     [rec.data_source] * len(texts),
                 )
                 correct += sum(r.acc for r in results)
+                task = task_label(rec.data_source)
+                right, seen = by_task.get(task, (0, 0))
+                by_task[task] = (right + sum(r.acc for r in results), seen + len(results))
                 per_problem.append(sum(r.acc for r in results) / len(results))
                 lengths += sum(len(s.token_ids) for s in samples)
                 total += len(samples)
@@ -114,7 +120,7 @@ def evaluate(
         "eval/problems": float(len(records)),
         "eval/samples_per_problem": float(k),
         "eval/seconds": time.monotonic() - start,
-    }, per_problem
+    } | eval_task_metrics(by_task), per_problem
 
 
 OFFLINE_ROUNDS_FILE = "eval_rounds_offline.jsonl"

@@ -51,6 +51,7 @@ from sandbox.confine import term_with_parent
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
+from services.task_status import task_section
 
 log = logging.getLogger(__name__)
 
@@ -499,6 +500,8 @@ def summarize(
         ),
         "eval_history": bus.eval_history(),
         "eval_set": eval_set,
+        # Each task's (data_source's) run-long figures and first and last evaluation (issue 42).
+        "tasks": task_section(bus.task_stats(), bus.task_eval_history()),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),
