@@ -15,16 +15,19 @@ from typing import Any
 import pytest
 
 from contracts.bus import StreamBus, connect
-from contracts.config import ConfigError, build_config
+from contracts.config import ConfigError, build_config, load_config
 from contracts.data import load_prompts
 from contracts.gym_config import GymDataSpec
 from contracts.keys import Keys
 from contracts.schemas import decode_job
 from contracts.tasks import GymEntry
+from learner.evaluation import eval_problems
 from learner.feeder import PromptFeeder
 from services.gym_data import gym_sets, mixture, prepare_gym, question_of, spec_path
 
 pytest.importorskip("reasoning_gym")
+
+REPO = Path(__file__).resolve().parents[2]
 
 CHAIN = {"task": "chain_sum", "params": {"min_terms": 3, "max_terms": 3, "max_digits": 1}}
 PRODUCTS = {"task": "products", "params": {"min_digits": 1, "max_digits": 1}}  # 100 questions
@@ -195,3 +198,30 @@ def test_files_are_written_once_and_again_when_the_spec_changes(tmp_path: Path) 
     spec_path(train).unlink()  # now it looks like a file data.gym did not write
     with pytest.raises(ConfigError, match=r"exists and was not generated from data\.gym"):
         prepare_gym(cfg)
+
+
+def test_the_gym_presets_files_are_held_out(tmp_path: Path) -> None:
+    """What `dapo run` writes for configs/smollm2-135m-gym.yaml: every task's evaluation
+    questions are distinct, as many as asked for, and in no training row; the run's own check
+    (by rendered prompt) agrees and labels the figure held-out."""
+    cfg = load_config(
+        REPO / "configs" / "smollm2-135m-gym.yaml",
+        [f"data.train_path={tmp_path / 'train.parquet'}", f"data.eval_path={tmp_path / 'e.jsonl'}"],
+    )
+    assert cfg.data.gym is not None and cfg.data.eval_path is not None
+    prepare_gym(cfg)
+    train, evals = load_prompts(cfg.data.train_path), load_prompts(cfg.data.eval_path)
+    for task in cfg.data.gym.tasks:
+        held = [
+            GymEntry.from_extra_info(r.extra_info) for r in evals if r.data_source == task.label
+        ]
+        trained = {
+            e.question
+            for r in train
+            if r.data_source == task.label and (e := GymEntry.from_extra_info(r.extra_info))
+        }
+        questions_held = {e.question for e in held if e is not None}
+        assert len(questions_held) == len(held) == cfg.data.gym.num_eval
+        assert trained and not trained & questions_held, task.label
+    _, overlap = eval_problems(cfg)
+    assert overlap.shared == 0 and overlap.label == "held-out"
