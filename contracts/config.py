@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from contracts.data import DAPO_PROMPT_TEMPLATE, HUB_SCHEME, ColumnMap, parse_hub_id
+from contracts.gym_config import GymDataSpec
 from contracts.keys import NAMESPACE_PATTERN
 from contracts.model_catalog import catalog_name
 from sandbox.builtin_tools import BUILTIN_TOOLS
@@ -44,6 +45,7 @@ Verifier = Literal[
     "math-verify",
     "first-line",
     "first-number",
+    "reasoning-gym",
 ]
 SynthTemplate = Literal["short", "dapo", "one-shot", "one-shot-python", "few-shot"]
 """How the synthetic task puts a problem to the model (services/demo/synthetic.py `TEMPLATES`)."""
@@ -203,6 +205,12 @@ class DataConfig(_Section):
     synth: SynthDataSpec | None = None
     """If set, missing train/eval files are generated with this spec: held out by construction,
     the evaluation file shares no fact (operand multiset) with the training file."""
+    gym: GymDataSpec | None = None
+    """If set, the train/eval files are generated from reasoning-gym tasks (one, or a weighted
+    mixture; `contracts.gym_config`): written where missing or made from another spec, each row's
+    `data_source` its task's name and its `extra_info` what the task's own scorer needs, which
+    then scores it (in the sandbox). The evaluation file holds `num_eval` problems per task, none
+    of whose questions occurs in training. Needs `pip install 'dapo-services[gym]'`."""
     heldout_key: str | None = None
     """What makes an evaluation problem "seen in training" (the held-out check at start): None =
     the same prompt; else an `extra_info` field (listed in `extra_keys`) naming what a model could
@@ -227,6 +235,12 @@ class DataConfig(_Section):
         if value is not None:
             parse_hub_id(value)  # a malformed hf:// id fails here, not in the learner
         return value
+
+    @model_validator(mode="after")
+    def _one_generator(self) -> DataConfig:
+        if self.synth is not None and self.gym is not None:
+            raise ValueError("data.synth and data.gym both generate the data files: set one")
+        return self
 
     @field_validator("prompt_template")
     @classmethod
@@ -403,7 +417,16 @@ class RewardConfig(_Section):
     departures, listed in `reward.rules.verify_dapo_strict`; `dapo` is its alias, kept so
     older configs score as before), `strict-box`, `math-verify`, or for a completer's one-line
     answer (`data.prompt_format: completion`) `first-line` (the first line is exactly the
-    answer) or `first-number` (its first integer is)."""
+    answer) or `first-number` (its first integer is), or `reasoning-gym` (each row's own
+    reasoning-gym task scorer, in the sandbox workers: `reward.gym_checker`).
+
+    Which scorer a row gets: `function` when set (every row); else its `data_source`'s entry in
+    `verifier_by_source`; else, for a row generated from reasoning-gym (`data.gym`: its
+    `extra_info` carries the task's entry), `reasoning-gym`; else this."""
+    verifier_by_source: dict[str, Verifier] = Field(default_factory=dict)
+    """A verifier per `data_source`, for files that mix sources (verl's parquet selects its scorer
+    by each row's `data_source`): e.g. `{openai/gsm8k: first-number, math_dapo: dapo-reference}`.
+    Sources not listed get `verifier` (or, for reasoning-gym rows, their task's scorer)."""
     function: str | None = None
     """Your own reward instead of the verifier: `package.module:function` or
     `path/to/file.py:function`, called as f(response, ground_truth, extra_info) and returning
@@ -411,10 +434,11 @@ class RewardConfig(_Section):
     documents it). Runs in the sandbox workers under `timeout_s`; one that cannot be loaded
     stops `dapo run` and `dapo reward` at start. None = the verifier."""
     timeout_s: float = Field(5.0, gt=0)
-    """Hard per-response limit for the sandbox workers (math-verify or `function`); a timeout
-    scores -1 and is counted."""
+    """Hard per-response limit for the sandbox workers (math-verify, reasoning-gym's scorers or
+    `function`); a timeout scores -1 and is counted."""
     sandbox_workers: PositiveInt = 2
-    """Killable worker processes of math-verify or `function`."""
+    """Killable worker processes of each sandboxed scorer (math-verify, reasoning-gym, or
+    `function`)."""
     grade_tool_results: bool = False
     """With `rollout.tools`: grade the full response text, tool results included. Off (default):
     the verifier or `function` sees only what the model wrote, its turns joined without the

@@ -11,16 +11,21 @@ Rows in the verl RL-dataset format, as DAPO-Math-17K and the DAPO authors' AIME-
 
 Flat rows are read too: a plain-text `prompt`, `problem` or `question` column (one user message)
 and an `answer` column, as in AIME, MATH or GSM8K style sets (a GSM8K answer's final `#### 42`
-line is its ground truth). Each row's prompt and ground truth come from the first candidate
-column it has (`PROMPT_CANDIDATES`, `ANSWER_CANDIDATES`) unless a `ColumnMap` names them (config
-`data.prompt_key`, `data.answer_key`, `data.extra_keys`, `data.prompt_template`); a row without
-them fails the load, and the message names the column looked for and the row's columns.
+line is its ground truth); and chat files, whose `messages` column is the conversation: a last
+assistant turn is the reply, not the prompt, and is the ground truth of a row without an answer
+column (its `#### 42` line, if it ends with one, else the whole reply). Each row's prompt and
+ground truth come from the first candidate column it has (`PROMPT_CANDIDATES`,
+`ANSWER_CANDIDATES`) unless a `ColumnMap` names them (config `data.prompt_key`,
+`data.answer_key`, `data.extra_keys`, `data.prompt_template`); a row without them fails the
+load, and the message names the column looked for and the row's columns.
 
 Sources (`iter_prompts`, `load_prompts`): a .parquet, .jsonl or .json file; a directory written by
 the `datasets` library's `save_to_disk`; a Hugging Face Hub dataset `hf://OWNER/NAME[?split=S&name=C]`
 (`parse_hub_id`). The last two need the optional `datasets` library (the `data` extra).
 
-`write_rows` writes rows (parquet or JSON lines); `to_row` turns a record back into a verl row.
+`scan_rows` reads every row and says, for each, its record or why it is refused (`dapo data
+inspect`), where the loaders stop at the first bad row. `write_rows` writes rows (parquet or
+JSON lines); `to_row` turns a record back into a verl row.
 The synthetic demo task lives in `services.demo.synthetic`.
 
 Pure module: stdlib only; pyarrow is imported when a parquet file is read or written, and
@@ -51,7 +56,7 @@ DAPO_PROMPT_TEMPLATE = (
     "\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
-PROMPT_CANDIDATES = ("prompt", "problem", "question")
+PROMPT_CANDIDATES = ("prompt", "problem", "question", "messages")
 """Columns tried in order for the prompt when `ColumnMap.prompt_key` is None."""
 ANSWER_CANDIDATES = ("reward_model.ground_truth", "answer")
 """Columns tried in order for the ground truth when `ColumnMap.answer_key` is None."""
@@ -148,7 +153,8 @@ def parse_row(
         raise fail("<row>", f"must be an object, got {type(row).__name__}")
     prompt_key, prompt = _find(row, cols.prompt_key, PROMPT_CANDIDATES, "prompt_key", fail)
     messages = _parse_messages(prompt_key, prompt, cols.prompt_template, fail)
-    answer_key, answer = _find(row, cols.answer_key, ANSWER_CANDIDATES, "answer_key", fail)
+    reply = _take_reply(prompt_key, messages, fail)
+    answer_key, answer = _find_answer(row, cols, reply, fail)
     ground_truth = _parse_ground_truth(answer_key, answer, fail)
     extra_info = _parse_extra_info(row, cols.extra_keys, fail)
     index = _as_index(extra_info.get("index"), row_number)
@@ -197,6 +203,45 @@ def _find(
     else:
         how = f"looked for {', '.join(map(repr, keys))}; name the column with data.{setting}"
     raise fail(keys[0], f"is missing ({how}; the row's columns: {present})")
+
+
+REPLY_COLUMN = "messages[-1].content"
+"""How the ground truth taken from a chat row's last assistant turn is named (messages, inspect)."""
+
+
+def _take_reply(key: str, messages: list[dict[str, str]], fail: Fail) -> str | None:
+    """Remove and return a last assistant turn: the prompt is what the model answers, and a
+    conversation that ends in its reply would have it speak after itself."""
+    if messages[-1]["role"] != "assistant":
+        return None
+    if len(messages) == 1:
+        raise fail(key, "holds only an assistant turn: there is no prompt to answer")
+    return messages.pop()["content"]
+
+
+def _find_answer(
+    row: Mapping[str, Any], cols: ColumnMap, reply: str | None, fail: Fail
+) -> tuple[str, Any]:
+    """The ground truth's column and value: an answer column, else a chat row's reply."""
+    if reply is None or cols.answer_key is not None:
+        return _find(row, cols.answer_key, ANSWER_CANDIDATES, "answer_key", fail)
+    for key in ANSWER_CANDIDATES:
+        value = _lookup(row, key, fail)
+        if value is not None:
+            return key, value
+    return REPLY_COLUMN, reply
+
+
+def column_used(row: Mapping[str, Any], key: str | None, candidates: tuple[str, ...]) -> str | None:
+    """The column `parse_row` reads a value from: `key` when set, else the first candidate the
+    row has (None when it has none)."""
+    for k in (key,) if key is not None else candidates:
+        try:
+            if _lookup(row, k, lambda f, p: DataError(p)) is not None:
+                return k
+        except DataError:
+            return None
+    return None
 
 
 def _parse_messages(
@@ -330,6 +375,35 @@ def iter_prompts(path: str | Path, *, columns: ColumnMap | None = None) -> Itera
         )
 
 
+def scan_rows(
+    path: str | Path, *, columns: ColumnMap | None = None
+) -> Iterator[tuple[Any, PromptRecord | DataError]]:
+    """Every row of a source with its record, or the `DataError` that refuses it (naming the
+    row, its line and the field): unlike `iter_prompts`, a bad row (a JSON line that does not
+    parse included) does not stop the reading.
+
+    Raises:
+        DataError: the source itself cannot be read (missing, unknown extension, not parquet).
+    """
+    source = str(path)
+    rows, default_source = _open_rows(source, lenient=True)
+    for i, (row, line) in enumerate(rows):
+        if isinstance(row, DataError):
+            yield None, row
+            continue
+        try:
+            yield row, parse_row(
+                row,
+                row_number=i,
+                source=source,
+                line=line,
+                columns=columns,
+                default_source=default_source,
+            )
+        except DataError as exc:
+            yield row, exc
+
+
 def load_prompts(path: str | Path, *, columns: ColumnMap | None = None) -> list[PromptRecord]:
     """All records of a source (see `iter_prompts`). Rows are numbered from 0 in error messages;
     JSON-lines errors also give the 1-based line, and a .json file may hold one JSON array."""
@@ -338,114 +412,13 @@ def load_prompts(path: str | Path, *, columns: ColumnMap | None = None) -> list[
     return records
 
 
-def distinct_problems(records: Iterable[PromptRecord]) -> list[PromptRecord]:
-    """The records with duplicate problems merged (same messages and ground truth), first
-    occurrence kept, order kept. AIME-style eval files repeat each problem (e.g. 32 times for
-    avg@32); evaluation samples k responses per distinct problem instead, which gives the same
-    expected avg@k for a fraction of the prompt tokens."""
-    seen: set[tuple[str, str]] = set()
-    out = []
-    for rec in records:
-        key = (json.dumps(rec.messages, sort_keys=True), rec.ground_truth)
-        if key not in seen:
-            seen.add(key)
-            out.append(rec)
-    return out
-
-
-def load_eval_problems(
-    path: str | Path, max_problems: int | None = None, *, columns: ColumnMap | None = None
-) -> list[PromptRecord]:
-    """The distinct problems of an eval set (see `distinct_problems`), the first `max_problems`."""
-    records = load_prompts(path, columns=columns)
-    problems = distinct_problems(records)
-    if len(problems) < len(records):
-        logger.info(
-            "%s: %d rows hold %d distinct problems; duplicates merged",
-            path,
-            len(records),
-            len(problems),
-        )
-    return problems[:max_problems]
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """How much of an evaluation set the training set holds (`held_out_problems`)."""
-
-    problems: int
-    """Distinct evaluation problems looked at."""
-    shared: int
-    """Of them, those whose key (`problem_key`) a training row also has."""
-    dropped: bool
-    """Whether the shared ones were left out of the evaluation set."""
-
-    @property
-    def label(self) -> str:
-        """How a figure measured on the set must be described (STYLE.md: held-out or
-        in-distribution)."""
-        if self.shared == 0 or self.dropped:
-            return "held-out"
-        return f"in-distribution ({self.shared} of {self.problems} problems also in training)"
-
-
-def problem_key(record: PromptRecord, key: str | None) -> str:
-    """What makes two rows the same problem for the held-out check: the prompt as the model sees
-    it (None), or the value of an `extra_info` field (`data.heldout_key`: a fact, an id)."""
-    if key is None:
-        return json.dumps(record.messages, sort_keys=True)
-    if key not in record.extra_info:
-        raise DataError(
-            f"row {record.index}: no {key!r} for data.heldout_key (list it in data.extra_keys)"
-        )
-    return json.dumps(record.extra_info[key], sort_keys=True)
-
-
-def held_out_problems(
-    eval_path: str | Path,
-    train_path: str | Path | None,
-    *,
-    max_problems: int | None = None,
-    columns: ColumnMap | None = None,
-    key: str | None = None,
-    drop: bool = False,
-) -> tuple[list[PromptRecord], Overlap]:
-    """The distinct problems of an evaluation set (`load_eval_problems`) and how many of them the
-    training set also holds, compared by `problem_key`; with `drop`, without those. The first
-    `max_problems` are taken after dropping. Without a readable training set (`dapo eval` on a
-    machine that has only the evaluation file) nothing is compared."""
-    problems = load_eval_problems(eval_path, None, columns=columns)
-    if train_path is None or not (parse_hub_id(str(train_path)) or Path(train_path).exists()):
-        return problems[:max_problems], Overlap(len(problems), 0, False)
-    seen = {problem_key(r, key) for r in load_prompts(train_path, columns=columns)}
-    shared = [problem_key(p, key) in seen for p in problems]
-    if drop:
-        problems = [p for p, s in zip(problems, shared, strict=True) if not s]
-    kept = problems[:max_problems]
-    counted = shared[: len(kept)] if not drop else shared
-    overlap = Overlap(len(kept) if not drop else len(shared), sum(counted), drop)
-    if overlap.shared:
-        logger.warning(
-            "%s: %d of %d evaluation problems are also in the training set %s (by %s)%s",
-            eval_path,
-            overlap.shared,
-            overlap.problems,
-            train_path,
-            key or "prompt",
-            "; left out (data.drop_eval_overlap)"
-            if drop
-            else "; their figure is in-distribution, not held-out (data.drop_eval_overlap=true "
-            "leaves them out)",
-        )
-    return kept, overlap
-
-
 Rows = Iterable[tuple[Any, int | None]]
 """Rows of a source, each with its 1-based line (JSON lines only, else None)."""
 
 
-def _open_rows(source: str) -> tuple[Rows, str]:
-    """The rows of `source` and the `data_source` of rows that carry none."""
+def _open_rows(source: str, *, lenient: bool = False) -> tuple[Rows, str]:
+    """The rows of `source` and the `data_source` of rows that carry none (`lenient`: a JSON
+    line that does not parse is a `DataError` in place of its row, not an error raised)."""
     hub = parse_hub_id(source)
     if hub is not None:
         return _read_hub(hub, source), hub.repo_id.rpartition("/")[2]
@@ -461,7 +434,7 @@ def _open_rows(source: str) -> tuple[Rows, str]:
     if suffix == ".parquet":
         return _read_parquet(path), path.stem
     if suffix in (".jsonl", ".json"):
-        return _read_json_rows(path), path.stem
+        return _read_json_rows(path, lenient=lenient), path.stem
     raise DataError(
         f"{path}: unknown extension {suffix!r}; use .parquet, .jsonl or .json, a `datasets` "
         "directory, or hf://OWNER/NAME"
@@ -487,8 +460,9 @@ def _parquet_rows(parquet: Any, path: Path) -> Iterator[tuple[Any, None]]:
         raise DataError(f"{path}: cannot read parquet: {exc}") from exc
 
 
-def _read_json_rows(path: Path) -> list[tuple[Any, int | None]]:
-    """Rows with their 1-based line number (None for a JSON array)."""
+def _read_json_rows(path: Path, *, lenient: bool = False) -> list[tuple[Any, int | None]]:
+    """Rows with their 1-based line number (None for a JSON array); `lenient`: see
+    `_open_rows`."""
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
@@ -505,9 +479,10 @@ def _read_json_rows(path: Path) -> list[tuple[Any, int | None]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {exc}"
-            ) from exc
+            error = DataError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {exc}")
+            if not lenient:
+                raise error from exc
+            row = error
         rows.append((row, lineno))
     return rows
 

@@ -116,6 +116,9 @@ class RunField(StrEnum):
     current step's window of decisions starts (`learner.prompt_skip.SkipState`)."""
     EVAL_HISTORY = "eval_history"
     """JSON list of [step, accuracy, RL seconds]."""
+    TASK_EVAL_HISTORY = "task_eval_history"
+    """JSON list of [step, {task: accuracy}]: each evaluation round's per-task accuracy
+    (`task/<name>/eval_acc`), for the API and the run summary."""
     BASE_EVAL_ACC = "base_eval_acc"
     FINAL_EVAL_ACC = "final_eval_acc"
     REDIS_DATA_LOST_AT = "redis_data_lost_at"
@@ -206,6 +209,12 @@ class Keys:
     def counters(self) -> str:
         """Hash of `Counter` values (plus `restarts:<service>`)."""
         return self._k("counters")
+
+    @property
+    def task_stats(self) -> str:
+        """Hash of per-task counts of the training lane, `<task>:<count>` -> int
+        (`contracts.tasks.TaskStats`), added to by the gatekeeper as it decides each group."""
+        return self._k("task_stats")
 
     @property
     def prompt_history(self) -> str:

@@ -9,6 +9,10 @@ A group that does not decode, arrives unscored, or carries numbers no model coul
 or infinite rewards or log-probs, positive log-probs, negative token ids: the schema's decode
 checks them) is dead-lettered with the reason (counted `dead` in the ledger) and never forwarded.
 
+Each decided group is also counted under its task (its job's `data_source`, issue 42): kept or
+filtered, responses right, responses and their tokens (`contracts.tasks.TaskStats`), from which
+the learner, the API and the run summary report each task's accuracy, pass rate and length.
+
 Evaluation groups (`PromptJob.eval`) are never gated or trained: the gatekeeper reduces each to
 an `EvalResult` (counts only) and forwards it to the evaluation lane, where learner rank 0 adds
 up each round.
@@ -32,6 +36,7 @@ from contracts.schemas import (
     decode_scored_group,
     encode_eval_result,
 )
+from contracts.tasks import MAX_TASKS, OTHER_TASK, TaskStats, task_label
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,9 @@ class Gatekeeper:
         self.kept = 0
         self.filtered = 0
         self.evaluations = 0
+        self.task_decisions: dict[str, list[int]] = {}
+        """This instance's [kept, filtered] groups by task (the run's are in Redis)."""
+        self._tasks: set[str] | None = None
 
     @property
     def pass_rate(self) -> float:
@@ -90,6 +98,10 @@ class Gatekeeper:
             "filtered": self.filtered,
             "pass_rate": round(self.pass_rate, 4),
             "evaluations": self.evaluations,
+            "task_pass_rate": {
+                task: round(kept / (kept + filtered), 4)
+                for task, (kept, filtered) in sorted(self.task_decisions.items())
+            },
         }
 
     def close(self) -> None:
@@ -134,6 +146,7 @@ class Gatekeeper:
                 self.filtered += done
             if done:
                 self._count_responses(group)
+                self._count_task(group, kept=not self.enabled or informative)
                 self._record_history(group, informative)
 
     def _count_responses(self, group: ScoredGroup) -> None:
@@ -145,6 +158,33 @@ class Gatekeeper:
             Counter.RESPONSES_TRUNCATED,
             sum(r.finish_reason == "length" for r in group.responses),
         )
+
+    def _count_task(self, group: ScoredGroup, *, kept: bool) -> None:
+        """The group's counts under its task (its job's `data_source`), after the hop like the
+        response counts: per-task accuracy, pass rate and response length (issue 42)."""
+        task = self._task(group.job.data_source)
+        decisions = self.task_decisions.setdefault(task, [0, 0])
+        decisions[0 if kept else 1] += 1
+        stats = TaskStats(
+            kept=int(kept),
+            filtered=int(not kept),
+            correct=sum(bool(a) for a in group.acc),
+            responses=len(group.responses),
+            tokens=sum(r.model_tokens for r in group.responses),
+        )
+        self.bus.count_task(task, stats)
+
+    def _task(self, data_source: str) -> str:
+        """The task a group is counted under: its `data_source`'s label, or `OTHER_TASK` once the
+        run has `MAX_TASKS` (a file whose rows each name their own source stays bounded)."""
+        if self._tasks is None:
+            self._tasks = set(self.bus.task_stats())
+        task = task_label(data_source)
+        if task not in self._tasks:
+            if len(self._tasks) >= MAX_TASKS:
+                return OTHER_TASK
+            self._tasks.add(task)
+        return task
 
     def _record_history(self, group: ScoredGroup, informative: bool) -> None:
         """The prompt's record in the run's prompt history (after the hop, like the counts):

@@ -28,7 +28,9 @@ issued at) say how far ahead the replicas were. After a learner restart the publ
 versions before it are unknown; a round of those versions keeps its issuing step and time
 (`eval/credited_at_issue` = 1).
 
-Each round also carries a bootstrap 95% interval over problems (`eval/acc_ci_low`, `_high`,
+Each round also carries each task's accuracy (`task/<name>/eval_acc`, its problems grouped by
+`data_source`: a reasoning-gym mixture's per-task evaluation sets, issue 42) and a bootstrap 95%
+interval over problems (`eval/acc_ci_low`, `_high`,
 `contracts.eval_stats`), and its per-problem accuracies are appended to
 `<output_dir>/eval_rounds.jsonl`, from which benches compare runs problem by problem (paired: the
 replicas seed each evaluation sample by problem and index, `eval.seed`).
@@ -49,8 +51,9 @@ from typing import Any, Protocol
 
 from contracts.bus import Entry, StreamBus
 from contracts.config import DapoConfig
-from contracts.data import Overlap, PromptRecord, encode_prompt, held_out_problems
+from contracts.data import PromptRecord, encode_prompt
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round, accuracy_interval
+from contracts.heldout import Overlap, held_out_problems
 from contracts.keys import LEDGER_EVALUATED
 from contracts.schemas import (
     EvalResult,
@@ -61,6 +64,7 @@ from contracts.schemas import (
     encode_job,
 )
 from contracts.signing import SigningKey
+from contracts.tasks import eval_task_metrics, task_label
 from learner.commands import Progress
 
 log = logging.getLogger(__name__)
@@ -302,6 +306,7 @@ class EvalLane:
             self.bus.hop(self.bus.keys.evals, entry_id, outcome=LEDGER_EVALUATED)
         self.finished.add(version)
         metrics = rnd.metrics(self.issued_at.pop(version, None))
+        metrics |= eval_task_metrics(self._task_outcomes(rnd))
         step = self._credit(rnd, metrics)
         if not rnd.complete:
             log.warning(
@@ -323,6 +328,16 @@ class EvalLane:
         )
         self._append_record(step, rnd, metrics)
         return step, metrics
+
+    def _task_outcomes(self, rnd: _Round) -> dict[str, tuple[int, int]]:
+        """(correct, samples) of the round by task: each problem's `data_source` (issue 42)."""
+        out: dict[str, tuple[int, int]] = {}
+        for problem, result in rnd.results.items():
+            if problem < len(self.prompts):  # a round of another evaluation set has none
+                task = task_label(self.prompts[problem][2])
+                correct, samples = out.get(task, (0, 0))
+                out[task] = (correct + result.correct, samples + result.samples)
+        return out
 
     def _credit(self, rnd: _Round, metrics: dict[str, float]) -> int:
         """Credit the round to the newest version that produced it: set `eval/step`,

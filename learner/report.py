@@ -3,7 +3,9 @@ run`), the trackers (TensorBoard, W&B), one log line, and the evaluation history
 `tracking.log_completions_every` steps, a sample of the step's completions, decoded.
 
 Metric names follow verl's where one exists (`critic/rewards/mean`, `response_length/mean`,
-`timing_s/update_actor`, ...). Other ranks hold `NullReporter`.
+`timing_s/update_actor`, ...); per-task ones (issue 42) are `task/<name>/accuracy`,
+`/pass_rate`, `/response_length` (the groups the gatekeeper decided since the last step) and
+`/eval_acc` (each evaluation round). Other ranks hold `NullReporter`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from contracts.bus import StreamBus
 from contracts.config import TrackingConfig
 from contracts.keys import RunField
 from contracts.schemas import ScoredGroup
+from contracts.tasks import step_task_metrics
 from learner.commands import Progress
 from learner.tracking import Completion, Tracker
 
@@ -161,6 +164,9 @@ class RunReporter:
     ) -> None:
         self.bus, self.trackers, self.completions = bus, trackers, completions
         self.evals: list[tuple[int, float, float]] = bus.eval_history()
+        self.task_evals: list[tuple[int, dict[str, float]]] = bus.task_eval_history()
+        self.task_counts = bus.task_stats()
+        """Each task's counts as of the last step (`rollout_metrics` reports the difference)."""
         self.lags: list[float] = []
         self.step_groups: Sequence[ScoredGroup] = ()
         """The groups of the step being reported: `rollout_metrics` sees them,
@@ -183,8 +189,12 @@ class RunReporter:
         )  # every step trains the same number of groups
         ledger = self.bus.ledger()
         rate = self.bus.pass_rate(ledger.filtered)
+        tasks, self.task_counts = self.task_counts, self.bus.task_stats()
         return {
             **metrics,
+            # Each task over the groups the gatekeeper decided since the last step, filtered ones
+            # included: the batch's own figures above see only the kept groups.
+            **step_task_metrics(self.task_counts, tasks),
             **{f"depth/{stage}": float(n) for stage, n in self.bus.depths().items()},
             "gate/pass_rate": 0.0 if rate is None else rate,
             "gate/filtered_total": float(ledger.filtered),
@@ -195,11 +205,23 @@ class RunReporter:
 
     def record_eval(self, step: int, result: dict[str, float]) -> None:
         self.evals.append((step, result["eval/acc"], result.get("eval/rl_seconds", -1.0)))
+        tasks = {
+            key.split("/")[1]: value
+            for key, value in result.items()
+            if key.startswith("task/") and key.endswith("/eval_acc")
+        }
+        if tasks:
+            self.task_evals.append((step, tasks))
         self.trackers.log(step, result)
         self.rewrite_eval_history()
 
     def rewrite_eval_history(self) -> None:
-        self.bus.update_run_info({RunField.EVAL_HISTORY: json.dumps(self.evals)})
+        self.bus.update_run_info(
+            {
+                RunField.EVAL_HISTORY: json.dumps(self.evals),
+                RunField.TASK_EVAL_HISTORY: json.dumps(self.task_evals),
+            }
+        )
 
     def report(self, progress: Progress, metrics: dict[str, float]) -> None:
         record = {

@@ -2,7 +2,8 @@
 
 Verifiers: ``verify_dapo_reference`` (the reference rule, quirks included),
 ``verify_dapo_strict`` (alias "dapo": the same rule with four deliberate departures),
-``verify_strict_box`` and the ``MathVerifyPool`` (symbolic, in killable worker processes);
+``verify_strict_box``, the ``MathVerifyPool`` (symbolic, in killable worker processes) and
+"reasoning-gym" (each task's own scorer, in the same workers: ``reward.gym_checker``);
 ``make_scorer`` builds any of them by name, or runs a ``reward.function`` (``reward.custom``:
 ``RewardOutput`` is what such a function returns) in the same killable workers. Overlong
 shaping: ``overlong_penalty``, ``shaped_reward``.

@@ -1,7 +1,8 @@
 """Checks that are not safe in the reward service's process, run in the project's sandbox.
 
-Two verifiers run here (docs/algorithm.md s1): "math-verify", whose SymPy parsing of untrusted
-text can hang or eat memory (``reward.math_verify_pool``), and the user's ``reward.function``
+Three verifiers run here (docs/algorithm.md s1): "math-verify", whose SymPy parsing of untrusted
+text can hang or eat memory (``reward.math_verify_pool``), "reasoning-gym", whose task scorers
+may evaluate what they read (``reward.gym_checker``), and the user's ``reward.function``
 (``reward.custom``), which is code this project has never seen. Both go through
 ``sandbox.pool.Sandbox``, the one sandbox tools use too: every worker is a fresh ``python -I``
 with a private directory, four environment variables and no inherited descriptor, confined by
@@ -170,8 +171,9 @@ class SandboxPool:
         self,
         pairs: Sequence[tuple[str, str | int]],
         extra_info: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[str] | None = None,
     ) -> list[VerifyResult]:
-        """``Scorer`` interface: same as ``verify_many``."""
+        """``Scorer`` interface: same as ``verify_many`` (``sources`` is not used)."""
         return self.verify_many(pairs, extra_info)
 
     def verify_many(

@@ -2,10 +2,12 @@
 
 For every response of a group: decode the response tokens (special tokens skipped; tool results
 left out unless `reward.grade_tool_results`: the model's own words are graded), score them
-against the prompt's ground truth with the configured verifier (+1 / -1) or the user's
-`reward.function` (its own score; `reward.custom`), add the overlong penalty (docs/algorithm.md
-s2, on the model's tokens) and forward the scored group. The scalar reward is per response;
-the learner places it on the response's last token. Verifier timeouts are counted, never hidden.
+against the prompt's ground truth with the row's verifier (+1 / -1: `reward.verifier`, or per
+`data_source` `reward.verifier_by_source`, or a reasoning-gym row's own task scorer;
+`reward.routing`) or the user's `reward.function` (its own score; `reward.custom`), add the
+overlong penalty (docs/algorithm.md s2, on the model's tokens) and forward the scored group.
+The scalar reward is per response; the learner places it on the response's last token. Verifier
+timeouts are counted, never hidden.
 
 A `reward.function` is loaded at start, in the sandbox workers that will run it: one that
 cannot be loaded stops the service with a `ConfigError` naming the setting (`dapo run` checks
@@ -35,6 +37,7 @@ from contracts.signing import WeightKey, weights_public_key
 from reward.custom import RewardFunctionError
 from reward.overlong import shaped_reward
 from reward.result import VerifyResult
+from reward.routing import RoutedScorer, announced_verifiers
 from reward.text import model_token_ids
 from reward.verifiers import SandboxPool, Scorer, WorkerStartError, make_scorer
 
@@ -44,18 +47,27 @@ REWARD_BATCH = 8
 """Groups a reward worker takes per read."""
 
 
-def open_scorer(rw: RewardConfig, *, workers: int | None = None) -> Scorer:
-    """The scorer the reward config asks for, ready to score.
+def open_scorer(rw: RewardConfig, *, workers: int | None = None, gym: bool = False) -> Scorer:
+    """The scorer the reward config asks for, ready to score: `reward.function` for every row,
+    else a `RoutedScorer` choosing each row's verifier (`reward.routing.verifier_for`).
 
-    A `reward.function` is loaded before this returns, so a setting that cannot be used fails
-    here, not on the first group.
+    The verifiers the config names (with `gym`, the data comes from `data.gym`: reasoning-gym's
+    scorers too) and a `reward.function` are loaded before this returns, so one that cannot be
+    used fails here, not on the first group.
 
     Raises:
-        ConfigError: `reward.function` cannot be loaded; the message names the setting.
+        ConfigError: a sandboxed scorer cannot be loaded; the message names the setting.
     """
     n = rw.sandbox_workers if workers is None else workers
+
+    def make(name: str) -> Scorer:
+        return make_scorer(name, timeout_s=rw.timeout_s, workers=n, function=rw.function)
+
     try:  # the sandbox workers load the checker before this returns
-        scorer = make_scorer(rw.verifier, timeout_s=rw.timeout_s, workers=n, function=rw.function)
+        if rw.function is not None:
+            scorer = make(rw.verifier)
+        else:
+            scorer = RoutedScorer(rw, make, start=announced_verifiers(rw, gym=gym))
     except RewardFunctionError as exc:  # malformed; caught before any process starts
         raise ConfigError(str(exc)) from None
     except WorkerStartError as exc:
@@ -69,13 +81,17 @@ def open_scorer(rw: RewardConfig, *, workers: int | None = None) -> Scorer:
 
 
 def check_reward_function(cfg: DapoConfig) -> None:
-    """Load `reward.function` once in a throw-away sandbox worker (nothing when it is unset).
+    """Load `reward.function` once in a throw-away sandbox worker, and reasoning-gym's scorers
+    when the data comes from `data.gym` (nothing when neither is used).
 
     Raises:
-        ConfigError: it cannot be loaded; the message names the setting and what is wrong.
+        ConfigError: one cannot be loaded; the message names the setting and what is wrong.
     """
     if cfg.reward.function is not None:
         open_scorer(cfg.reward, workers=1).close()
+    elif cfg.data.gym is not None:
+        rw = cfg.reward.model_copy(update={"verifier": "reasoning-gym", "verifier_by_source": {}})
+        open_scorer(rw, workers=1).close()
 
 
 class MetricMeans:
@@ -105,7 +121,7 @@ class RewardWorker:
         dead-lettered unscored (None: unchecked, for a worker built by hand)."""
         self.cfg, self.bus, self.tokenizer = cfg, bus, tokenizer
         self.job_key = job_key
-        self.scorer = open_scorer(cfg.reward)
+        self.scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)
         self.groups = 0
         self.timeouts = 0
         self.unverified = 0
@@ -178,8 +194,11 @@ def score_group(
         for r in group.responses
     ]
     texts = tokenizer.batch_decode(graded, skip_special_tokens=True)
+    job = group.job
     results = scorer.score_many(
-        [(t, group.job.ground_truth) for t in texts], [group.job.extra_info] * len(texts)
+        [(t, job.ground_truth) for t in texts],
+        [job.extra_info] * len(texts),
+        [job.data_source] * len(texts),
     )
     rewards = [
         shaped_reward(

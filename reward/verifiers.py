@@ -10,11 +10,13 @@ one name per verifier, one ``Scorer`` for all.
   (``verify_first_line``, ``verify_first_number``).
 * ``"math-verify"``: ``MathVerifyPool``, symbolic, in killable workers; see
   ``reward.math_verify_pool``.
+* ``"reasoning-gym"``: each row's reasoning-gym task scorer, in the same killable workers; see
+  ``reward.gym_checker``.
 * a ``reward.function`` (``make_scorer(..., function="module:function")``): the user's own
   function in the same killable workers; see ``reward.custom``.
 
-Only math-verify and a ``reward.function`` start processes, so close scorers when done (or use
-them as context managers).
+Only math-verify, reasoning-gym and a ``reward.function`` start processes, so close scorers
+when done (or use them as context managers).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from types import TracebackType
 from typing import Any, Final, Protocol
 
 from reward.custom import RewardFunctionChecker, parse_function_ref
+from reward.gym_checker import GymChecker
 from reward.math_verify_pool import MathVerifyPool, WorkerStartError
 from reward.result import VerifyResult
 from reward.rules import (
@@ -61,6 +64,7 @@ VERIFIERS: Final = (
     "math-verify",
     "first-line",
     "first-number",
+    "reasoning-gym",
 )
 #: Other accepted names, and the verifier each one means. "dapo" keeps the configs written before
 #: the split scoring exactly as they did.
@@ -80,14 +84,17 @@ _IN_PROCESS: Final[dict[str, VerifyFn]] = {
 class Scorer(Protocol):
     """Scores batches of ``(response, ground_truth)`` pairs, results in input order.
 
-    ``extra_info`` (one data row's ``extra_info`` per pair, or ``None``) reaches only a
-    ``reward.function``. A context manager: leaving the ``with`` block calls ``close()``.
+    ``extra_info`` (one data row's ``extra_info`` per pair, or ``None``) reaches a
+    ``reward.function`` and the reasoning-gym scorers; ``sources`` (each pair's ``data_source``,
+    or ``None``) lets a ``reward.routing.RoutedScorer`` choose a verifier per row. A context
+    manager: leaving the ``with`` block calls ``close()``.
     """
 
     def score_many(
         self,
         pairs: Sequence[tuple[str, str | int]],
         extra_info: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[str] | None = None,
     ) -> list[VerifyResult]: ...
 
     def close(self) -> None: ...
@@ -112,8 +119,10 @@ class InProcessScorer:
         self,
         pairs: Sequence[tuple[str, str | int]],
         extra_info: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[str] | None = None,
     ) -> list[VerifyResult]:
-        """Score every pair in order (``extra_info`` is not used by the built-in rules)."""
+        """Score every pair in order (``extra_info`` and ``sources`` are not used by the
+        built-in rules)."""
         return [self._verify(response, truth) for response, truth in pairs]
 
     def close(self) -> None:
@@ -151,8 +160,9 @@ def make_scorer(
 
     Args:
         name: the verifier; not used when ``function`` is given.
-        timeout_s: per-item hard timeout of the worker processes (math-verify, ``function``).
-        workers: worker processes of math-verify or ``function``.
+        timeout_s: per-item hard timeout of the worker processes (math-verify, reasoning-gym,
+            ``function``).
+        workers: worker processes of math-verify, reasoning-gym or ``function``.
         function: a ``reward.function`` setting (``"module:function"`` or ``"file.py:function"``);
             it replaces the verifier. A relative file is read from this process's working
             directory; the sandbox workers may read that file, not its directory.
@@ -184,4 +194,6 @@ def make_scorer(
     name = canonical_verifier(name)
     if name == "math-verify":
         return MathVerifyPool(workers=workers, timeout_s=timeout_s)
+    if name == "reasoning-gym":
+        return SandboxPool(GymChecker(), label=name, workers=workers, timeout_s=timeout_s)
     return InProcessScorer(_IN_PROCESS[name])

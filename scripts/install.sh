@@ -28,6 +28,7 @@ trap 'echo "install.sh: error: stopped (line $LINENO, exit status $?): not marke
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.13.0
+GYM_VERSION=0.1.25  # pyproject.toml's `gym` extra pins the same
 TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 VENV="${VENV:-.venv}"
 MARKER="$VENV/.dapo-installed"
@@ -267,6 +268,17 @@ install_python_packages() {
     step "dapo-services[$extras]"
     pip_install -e ".[$extras]"
   fi
+  install_gym
+}
+
+# reasoning-gym (data.gym, the `gym` extra) in a step of its own: three of its dependencies
+# publish source archives only (pycosat is C and needs a compiler), so a machine that cannot build
+# them still gets everything else, and the tests that need it skip.
+install_gym() {
+  step "dapo-services[gym] (reasoning-gym ${GYM_VERSION}: data.gym tasks and their scorers)"
+  pip_install -e ".[gym]" || skip "reasoning-gym: pip install -e '.[gym]' failed (pycosat," \
+    "cellpylib and zss build from source; pycosat needs a C compiler): data.gym is unavailable" \
+    "and tests/services/test_gym_data.py, tests/reward/test_gym_checker.py skip"
 }
 
 # Prints "name=version" lines of what the venv imports; fails if a required package does not.

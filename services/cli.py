@@ -12,6 +12,7 @@
   dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
   dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k,
                                                                      aime-2024, ...
+  dapo data inspect [FILE] [--config FILE] [--set KEY=VALUE ...]     what a run reads from a file
   dapo model fetch NAME [--cache DIR]                                a catalogue model, as HF files
   dapo model list                                                    the catalogue
   dapo lora merge ADAPTER --out DIR [--base DIR]                     adapter + base -> one model
@@ -539,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="data", help="output directory (default: data, as in configs/)"
     )
     fetch.set_defaults(fn=_cmd_data_fetch)
+    from services.data_inspect import add_parser as add_inspect_parser
+
+    add_inspect_parser(dsub)
 
     model = sub.add_parser(
         "model", help="pretrained models shipped inside packages (catalog://NAME)"

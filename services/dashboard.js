@@ -20,6 +20,15 @@ const CHARTS = [
   {id: "throughput", title: "Throughput (response tokens/s)", series: [["throughput/tokens_per_s", "tokens/s"]]},
   {id: "lag", title: "Policy-version lag of trained samples", series: [["rollout/version_lag_mean", "mean lag"]]},
 ];
+const fixed3 = v => (Number.isFinite(v) ? v.toFixed(3) : "-");
+// One row per task (data_source) from /status `tasks` (issue 42): the run's figures so far.
+const TASK_COLUMNS = [
+  ["task", ([name]) => name], ["accuracy", ([, t]) => fixed3(t.accuracy)],
+  ["pass rate", ([, t]) => fixed3(t.pass_rate)],
+  ["response length", ([, t]) => (Number.isFinite(t.response_length) ? t.response_length.toFixed(1) : "-")],
+  ["base eval", ([, t]) => fixed3(t.base_eval_acc)], ["last eval", ([, t]) => fixed3(t.eval_acc)],
+  ["groups", ([, t]) => t.kept + t.filtered],
+];
 const INSTANCE_COLUMNS = [
   ["kind", i => i.kind], ["id", i => i.id], ["host", i => i.host], ["pid", i => i.pid],
   ["policy version", i => i.policy_version], ["heartbeat age (s)", i => i.heartbeat_age_s],
@@ -125,15 +134,15 @@ function skippedText(skipped) {
   return parts.length ? parts.join(", ") : "none";
 }
 
-function drawInstances(instances) {
+function drawTable(id, columns, items) {
   const header = document.createElement("tr");
-  for (const [title] of INSTANCE_COLUMNS) header.appendChild(htmlEl("th", title));
-  const rows = instances.map(inst => {
+  for (const [title] of columns) header.appendChild(htmlEl("th", title));
+  const rows = items.map(item => {
     const tr = document.createElement("tr");
-    for (const [, value] of INSTANCE_COLUMNS) tr.appendChild(htmlEl("td", value(inst)));
+    for (const [, value] of columns) tr.appendChild(htmlEl("td", value(item)));
     return tr;
   });
-  document.getElementById("instances").replaceChildren(header, ...rows);
+  document.getElementById(id).replaceChildren(header, ...rows);
 }
 
 async function getJson(path) {
@@ -156,7 +165,8 @@ async function refresh() {
     setText("updated", new Date().toLocaleTimeString());
     const rows = withDerived(history, status);
     for (const c of CHARTS) draw(c, rows);
-    drawInstances(status.instances);
+    drawTable("instances", INSTANCE_COLUMNS, status.instances);
+    drawTable("tasks", TASK_COLUMNS, Object.entries(status.tasks || {}));
     setText("error", "");
     document.body.dataset.loaded = "1";
   } catch (e) {

@@ -32,11 +32,11 @@ from contracts.data import (
     ColumnMap,
     DataError,
     PromptRecord,
-    distinct_problems,
     iter_prompts,
     to_row,
     write_rows,
 )
+from contracts.heldout import distinct_problems
 
 log = logging.getLogger(__name__)
 

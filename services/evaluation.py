@@ -27,6 +27,7 @@ from contracts.config import DapoConfig
 from contracts.data import PromptRecord, encode_prompt
 from contracts.eval_stats import Round, accuracy_interval
 from contracts.model_source import with_local_model
+from contracts.tasks import eval_task_metrics, task_label
 from learner.evaluation import eval_problems
 from reward.service import open_scorer
 from reward.text import model_token_ids
@@ -64,15 +65,17 @@ def evaluate(
     batch: int = 64,
     tools: ToolBox | None = None,
 ) -> tuple[dict[str, float], list[float]]:
-    """(avg@k accuracy with its bootstrap 95% interval and the mean response length over the
-    eval set, each problem's accuracy in order). With `tools`, responses may call them, as the
+    """(avg@k accuracy with its bootstrap 95% interval, the mean response length and each task's
+    accuracy (`task/<name>/eval_acc`, by `data_source`) over the eval set, each problem's
+    accuracy in order). With `tools`, responses may call them, as the
     replicas' evaluation does under `rollout.tools`."""
     if not records:
         return {}, []
     k, start = cfg.eval.samples_per_problem, time.monotonic()
-    scorer = open_scorer(cfg.reward)  # the verifier, or reward.function
+    scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)  # each row's verifier
     correct = lengths = total = 0
     per_problem: list[float] = []
+    by_task: dict[str, tuple[int, int]] = {}
     generate = (
         engine.generate if tools is None else functools.partial(generate_with_tools, engine, tools)
     )
@@ -95,9 +98,14 @@ def evaluate(
                     [graded_ids(s, cfg) for s in samples], skip_special_tokens=True
                 )
                 results = scorer.score_many(
-                    [(t, rec.ground_truth) for t in texts], [rec.extra_info] * len(texts)
+                    [(t, rec.ground_truth) for t in texts],
+                    [rec.extra_info] * len(texts),
+                    [rec.data_source] * len(texts),
                 )
                 correct += sum(r.acc for r in results)
+                task = task_label(rec.data_source)
+                right, seen = by_task.get(task, (0, 0))
+                by_task[task] = (right + sum(r.acc for r in results), seen + len(results))
                 per_problem.append(sum(r.acc for r in results) / len(results))
                 lengths += sum(len(s.token_ids) for s in samples)
                 total += len(samples)
@@ -112,7 +120,7 @@ def evaluate(
         "eval/problems": float(len(records)),
         "eval/samples_per_problem": float(k),
         "eval/seconds": time.monotonic() - start,
-    }, per_problem
+    } | eval_task_metrics(by_task), per_problem
 
 
 OFFLINE_ROUNDS_FILE = "eval_rounds_offline.jsonl"

@@ -107,7 +107,7 @@ def run_in_process(
     lora = cfg.learner.lora if cfg.learner.lora.enabled else None
     engine = HFEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, lora=lora)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    scorer = open_scorer(cfg.reward)
+    scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)
     tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
     records = load_prompts(cfg.data.train_path, columns=cfg.data.columns)
     order = list(range(len(records)))

@@ -51,6 +51,7 @@ from sandbox.confine import term_with_parent
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
+from services.task_status import task_section
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +168,15 @@ def _local_model(cfg: DapoConfig) -> None:
 
 
 def prepare_data(cfg: DapoConfig) -> None:
-    """Write the synthetic training and evaluation files (`data.synth`) where they are missing."""
+    """Write the synthetic training and evaluation files (`data.synth`) where they are missing,
+    or the reasoning-gym ones (`data.gym`, `services.gym_data`) where missing or out of date."""
     from contracts.data import write_rows
     from services.demo.synthetic import synth_rows
+    from services.gym_data import prepare_gym
 
     d = cfg.data
+    if d.gym is not None:
+        prepare_gym(cfg)
     if d.synth is None:
         return
     if not Path(d.train_path).exists():
@@ -495,6 +500,8 @@ def summarize(
         ),
         "eval_history": bus.eval_history(),
         "eval_set": eval_set,
+        # Each task's (data_source's) run-long figures and first and last evaluation (issue 42).
+        "tasks": task_section(bus.task_stats(), bus.task_eval_history()),
         "counters": counters,
         "restarts": {s.name: s.restarts for s in services if s.restarts},
         "final_model": info.get(RunField.FINAL_MODEL),

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from contracts.bus import LedgerSnapshot, StreamBus, open_bus
 from contracts.bus.roles import Role
 from contracts.keys import LEDGER_FIELDS, Counter, RunField, restarts_counter
+from services.task_status import task_families, task_lines, task_section
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,6 +113,10 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
         "redis_memory": bus.memory_report(),
         "eval_history": _eval_history(skipped.read("eval_history", bus.eval_history, []), skipped),
         "last_metrics": metrics[-1] if metrics else {},
+        "tasks": task_section(
+            skipped.read("task_stats", bus.task_stats, {}),
+            skipped.read("task_eval_history", bus.task_eval_history, []),
+        ),
         # Read last: the reads above count the malformed values they meet.
         "counters": _counters(skipped.read("counters", bus.counters, dict[str, int]()), skipped),
         "instances": instances,
@@ -317,9 +322,14 @@ def prometheus_text(status: dict[str, Any]) -> str:
     for name, value in counters.items():
         if not name.startswith(_RESTARTS_PREFIX):
             page.add("counter", name, f"Service counter {name}.", [({}, value)])
+    # Per-task figures carry the task as a label, never in the name (issue 42).
+    task_families(page.add, status["tasks"], status["last_metrics"])
     for key, value in status["last_metrics"].items():
         if (
-            "/" in key and isinstance(value, int | float) and not isinstance(value, bool)
+            "/" in key
+            and not key.startswith("task/")
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
         ):  # NaN too: a diverged loss
             page.gauge(key, f"Last step's {key}.", value)
     registry = CollectorRegistry(auto_describe=False)
@@ -446,6 +456,7 @@ def format_status(status: dict[str, Any]) -> str:
             ", ".join(f"step {row[0]}: {row[1]:.3f}" for row in status["eval_history"][-5:]) or "-",
         ),
     ]
+    rows += task_lines(status["tasks"])
     if status["skipped_values"]:
         rows.append(
             (

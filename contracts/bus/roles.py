@@ -196,6 +196,7 @@ def grants(keys: Keys) -> dict[Role, Grant]:
                 keys.evals.stream,
                 *hop,
                 keys.prompt_history,
+                keys.task_stats,
                 *own("gatekeeper"),
             ),
         ),

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from contracts.bus.hygiene import RedisHygiene
 from contracts.keys import Counter, RunField
 from contracts.schemas import ControlRequest, decode_control_request, parse_json
+from contracts.tasks import task_label
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,21 @@ class RunState(RedisHygiene):
             ]
         except (ValueError, TypeError):
             log.warning("run info eval_history is malformed; treated as empty")
+            return []
+
+    def task_eval_history(self) -> list[tuple[int, dict[str, float]]]:
+        """[(step, {task: accuracy})] of every evaluation round that had per-task figures;
+        malformed history reads as empty."""
+        try:
+            text = self.run_field(RunField.TASK_EVAL_HISTORY) or "[]"
+            rows: Any = parse_json(text, "task eval history")
+            # Only names a task label can be (`task_label`): they reach tables and labels.
+            return [
+                (int(step), {t: float(acc) for t, acc in tasks.items() if task_label(t) == t})
+                for step, tasks in rows
+            ]
+        except (ValueError, TypeError, AttributeError):
+            log.warning("run info task_eval_history is malformed; treated as empty")
             return []
 
     def mark_trained_id(self, group_id: str) -> bool:

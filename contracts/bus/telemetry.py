@@ -9,8 +9,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import redis
+
 from contracts.bus.hygiene import RedisHygiene
 from contracts.schemas import SMALL_JSON_BYTES, parse_json
+from contracts.tasks import TASK_STAT_NAMES, TaskStats, parse_task_stats, task_stat_field
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,31 @@ class Telemetry(RedisHygiene):
             except ValueError:
                 log.warning("counter %r holds %r, not an integer; skipped", k, v)
         return out
+
+    def count_task(self, task: str, stats: TaskStats) -> None:
+        """Add one decided group's counts to its task's (`Keys.task_stats`; `task` a
+        `contracts.tasks.task_label`). A count holding garbage starts again from this one's."""
+        for name in TASK_STAT_NAMES:
+            field, amount = task_stat_field(task, name), getattr(stats, name)
+            if not amount:
+                continue
+            try:
+                self.write("HINCRBY", self.keys.task_stats, field, amount)
+            except redis.ResponseError as exc:
+                if "not an integer" not in str(exc):
+                    raise
+                self.skip_bad_value(self.keys.task_stats, f"{field} is not an integer; replaced")
+                self.write("HSET", self.keys.task_stats, field, amount)
+
+    def task_stats(self) -> dict[str, TaskStats]:
+        """Every task's counts so far; a field that is not an integer is skipped and counted."""
+        raw: Any = self._read({}, self.redis.hgetall, self.keys.task_stats)
+        counts = {}
+        for key, value in raw.items():
+            number = self._int_at(self.keys.task_stats, value, None)
+            if number is not None:
+                counts[key.decode("utf-8", "replace")] = number
+        return parse_task_stats(counts)
 
     def append_metrics(self, record: Mapping[str, Any]) -> None:
         self.write(

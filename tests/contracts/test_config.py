@@ -18,6 +18,7 @@ MINIMAL = {"model": {"path": "m"}, "data": {"train_path": "t.parquet"}}
         "tiny.yaml",
         "tiny-epochs.yaml",
         "smollm2-135m.yaml",
+        "smollm2-135m-gym.yaml",
         "dapo-qwen2.5-32b.yaml",
         "dapo-qwen2.5-7b-1node.yaml",
         "dapo-qwen2.5-32b-lora.yaml",

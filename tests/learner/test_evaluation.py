@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from contracts.bus import StreamBus, connect
-from contracts.data import PromptRecord, distinct_problems
+from contracts.data import PromptRecord
 from contracts.eval_stats import read_rounds
+from contracts.heldout import distinct_problems
 from contracts.keys import Counter, Keys
 from contracts.schemas import EvalResult, Response, ScoredGroup, decode_job, encode_group
 from gatekeeper.service import Gatekeeper

@@ -32,6 +32,7 @@ def test_names() -> None:
         "math-verify",
         "first-line",
         "first-number",
+        "reasoning-gym",
     )
     assert VERIFIER_ALIASES == {"dapo": "dapo-strict"}
 
@@ -80,7 +81,8 @@ def test_unknown_name_lists_the_choices() -> None:
     with pytest.raises(
         ValueError,
         match=(
-            "dapo-reference, dapo-strict, strict-box, math-verify, first-line, first-number, dapo"
+            "dapo-reference, dapo-strict, strict-box, math-verify, first-line, first-number, "
+            "reasoning-gym, dapo"
         ),
     ):
         make_scorer("sympy")
@@ -89,7 +91,8 @@ def test_unknown_name_lists_the_choices() -> None:
 def test_package_is_import_light() -> None:
     code = (
         "import sys, reward, reward.cli; "
-        "heavy = {'torch', 'math_verify', 'sympy', 'redis', 'ray', 'vllm'} & set(sys.modules); "
+        "heavy = {'torch', 'math_verify', 'sympy', 'redis', 'ray', 'vllm', 'reasoning_gym', "
+        "'pydantic'} & set(sys.modules); "
         "print(sorted(heavy))"
     )
     proc = subprocess.run(

@@ -19,12 +19,12 @@ from contracts.data import (
     ColumnMap,
     DataError,
     HubDataset,
-    load_eval_problems,
     load_prompts,
     parse_hub_id,
     to_row,
     write_rows,
 )
+from contracts.heldout import load_eval_problems
 from services.demo.synthetic import DAPO_PROMPT_TEMPLATE as SYNTH_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]

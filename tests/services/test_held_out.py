@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 
 from contracts.config import load_config
-from contracts.data import held_out_problems, write_rows
+from contracts.data import write_rows
+from contracts.heldout import held_out_problems
 from learner.evaluation import eval_problems
 from services import launcher
 from services.demo.synthetic import DIFFICULTY_LEVELS, fact_key, fact_split, synth_rows
 
 REPO = Path(__file__).resolve().parents[2]
-PRESETS = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if "synth:" in p.read_text())
+PRESETS = sorted(
+    p.name for p in (REPO / "configs").glob("*.yaml") if load_config(p).data.synth is not None
+)
 
 
 def _facts(rows: list[dict]) -> set[tuple[int, ...]]:
