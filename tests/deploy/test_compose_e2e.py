@@ -411,6 +411,21 @@ def test_compose_up_scale_out_kill_and_learner_restart(
         assert dep.call("/checkpoints", "POST", token="not-the-token")[0] == 403
         assert dep.call("/checkpoints", "POST", token=dep.token)[0] == 202
 
+        # ---- the reward stage's untrusted code runs in reward-sandbox, not beside its secrets --
+        probe = (
+            "import json; from sandbox.pool import Sandbox\n"
+            "with Sandbox('sandbox.builtin_tools:python', workers=1, timeout_s=20) as box:\n"
+            "    print(json.dumps([box.call(code).text for code in ("
+            "'import os; print(os.getuid(), sorted(os.environ))', "
+            "'import socket; socket.create_connection((\"redis\", 6379), timeout=2)')]))"
+        )
+        out = dep.compose("exec", "-T", "reward", "python", "-c", probe, timeout_s=120)
+        identity, network = json.loads(out.strip().splitlines()[-1])
+        assert identity.startswith("10002 "), f"the worker runs as {identity!r}"
+        assert "DAPO_REDIS_URL" not in identity and "PASSWORD" not in identity, identity
+        assert "error" in network and "6379" not in network.split("error", 1)[0], network
+        report["sandbox_probe"] = {"identity": identity, "network": network}
+
         # ---- stop and start the learner: it resumes from the checkpoint it wrote on the way out
         stop_at = time.monotonic()
         dep.compose("stop", "learner", timeout_s=240)
