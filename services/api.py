@@ -36,17 +36,18 @@ import logging
 import os
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path as FsPath
 from typing import Annotated, Any
 
 import redis
-from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from contracts.bus import open_bus
+from contracts.bus import StreamBus, open_bus
 from contracts.bus.roles import Role
 from contracts.checkpoint_store import get_checkpoint, list_checkpoints
 from contracts.config import ConfigError, DapoConfig
@@ -302,14 +303,14 @@ def _asset(name: str) -> str:
 
 
 def create_app(cfg: DapoConfig) -> FastAPI:
+    """The API: status and metrics for anyone who reaches it; checkpoints and operator requests
+    behind the bearer token; the dashboard. Each concern is a router of its own."""
     check_token_strength(cfg.api.token_env)
     url = cfg.redis_url_for(Role.API)
     if not url:
         raise ValueError("the API needs a Redis URL (queue.redis_url or DAPO_REDIS_URL)")
-    bus = open_bus(
-        url, cfg.queue.namespace, "api", retries=2, pause_when_full=False
-    )  # answer 503, don't hang
-    store = cfg.checkpoint_dir
+    # Retries bounded, writes refused when Redis is full: answer 503, don't hang.
+    bus = open_bus(url, cfg.queue.namespace, "api", retries=2, pause_when_full=False)
     app = FastAPI(
         title="DAPO control plane", version="1", description=__doc__, docs_url=None, redoc_url=None
     )
@@ -320,7 +321,6 @@ def create_app(cfg: DapoConfig) -> FastAPI:
     )
     app.add_middleware(HostCheck, allowed=allowed_hosts(cfg))
     app.add_middleware(SecurityHeaders)  # added last: outermost, so refusals carry the headers too
-    page, script, style = _asset("dashboard.html"), _asset("dashboard.js"), _asset("dashboard.css")
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
         # GuardedBodies has refused the request already; kept so the schema documents the header.
@@ -328,54 +328,71 @@ def create_app(cfg: DapoConfig) -> FastAPI:
         if refusal is not None:
             raise refusal
 
-    auth = [Depends(require_token)]
-
     @app.exception_handler(redis.RedisError)
     async def _redis_down(_: Request, exc: redis.RedisError) -> PlainTextResponse:
         return PlainTextResponse(f"redis unavailable: {exc}", status_code=503)
 
-    @app.get("/healthz")
+    auth = [Depends(require_token)]
+    app.include_router(_status_routes(bus, cfg.queue.heartbeat_ttl_s))
+    app.include_router(_checkpoint_routes(bus, cfg.checkpoint_dir, auth))
+    app.include_router(_control_routes(bus, auth))
+    app.include_router(_dashboard_routes())
+    return app
+
+
+def _status_routes(bus: StreamBus, heartbeat_ttl_s: float) -> APIRouter:
+    """Liveness, readiness, the run's status, Prometheus metrics, the metrics history."""
+    router = APIRouter()
+
+    @router.get("/healthz")
     def healthz() -> dict[str, bool]:
         return {"ok": True}
 
-    @app.get("/readyz")
+    @router.get("/readyz")
     def readyz() -> dict[str, Any]:
         try:
             bus.ping()
         except redis.RedisError as exc:
             raise HTTPException(503, f"redis unreachable: {exc}") from None
-        status = run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
+        status = run_status(bus, heartbeat_ttl_s=heartbeat_ttl_s)
         if status["learner_state"] == "down":
             raise HTTPException(503, "learner heartbeat missing or stale")
         return {"ready": True, "learner_state": status["learner_state"]}
 
-    @app.get("/status")
+    @router.get("/status")
     def status() -> dict[str, Any]:
-        return run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s)
+        return run_status(bus, heartbeat_ttl_s=heartbeat_ttl_s)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @router.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
-        text = prometheus_text(run_status(bus, heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s))
+        text = prometheus_text(run_status(bus, heartbeat_ttl_s=heartbeat_ttl_s))
         return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
-    @app.get("/metrics/history")
+    @router.get("/metrics/history")
     def metrics_history(
         limit: Annotated[int, Query(ge=1, le=100_000)] = 2000,
     ) -> list[dict[str, Any]]:
         return bus.recent_metrics(limit)
 
-    @app.get("/checkpoints")
+    return router
+
+
+def _checkpoint_routes(bus: StreamBus, store: FsPath, auth: list[Any]) -> APIRouter:
+    """The committed checkpoints; a checkpoint or a restore requested (token)."""
+    router = APIRouter()
+
+    @router.get("/checkpoints")
     def checkpoints() -> list[dict[str, Any]]:
         return [c.as_dict() for c in list_checkpoints(store)]
 
-    @app.get("/checkpoints/{step}")
+    @router.get("/checkpoints/{step}")
     def checkpoint(step: Annotated[int, Path(ge=0)]) -> dict[str, Any]:
         info = get_checkpoint(store, step)
         if info is None:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
         return info.as_dict()
 
-    @app.post("/checkpoints", status_code=202, dependencies=auth)
+    @router.post("/checkpoints", status_code=202, dependencies=auth)
     def save_checkpoint(request: Request, body: CheckpointRequest | None = None) -> Accepted:
         keep = bool(body and body.keep)
         bus.post_control(CheckpointControl(keep=keep))
@@ -384,7 +401,7 @@ def create_app(cfg: DapoConfig) -> FastAPI:
             request="checkpoint", detail="saved at the next step boundary; see GET /checkpoints"
         )
 
-    @app.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
+    @router.post("/checkpoints/{step}/restore", status_code=202, dependencies=auth)
     def restore(request: Request, step: Annotated[int, Path(ge=0)]) -> Accepted:
         if get_checkpoint(store, step) is None:
             raise HTTPException(404, f"no committed checkpoint for step {step}")
@@ -395,31 +412,46 @@ def create_app(cfg: DapoConfig) -> FastAPI:
             detail=f"the learner restarts from step {step} at its next step boundary",
         )
 
-    @app.post("/pause", status_code=202, dependencies=auth)
+    return router
+
+
+def _control_routes(bus: StreamBus, auth: list[Any]) -> APIRouter:
+    """Pause and resume training (token)."""
+    router = APIRouter()
+
+    @router.post("/pause", status_code=202, dependencies=auth)
     def pause(request: Request) -> Accepted:
         bus.post_control(PauseRequest())
         audit(request, "pause requested")
         return Accepted(request="pause", detail="training pauses at the next step boundary")
 
-    @app.post("/resume", status_code=202, dependencies=auth)
+    @router.post("/resume", status_code=202, dependencies=auth)
     def resume(request: Request) -> Accepted:
         bus.clear_control("pause")
         audit(request, "resume requested")
         return Accepted(request="resume", detail="training resumes")
 
-    @app.get("/", response_class=HTMLResponse)
+    return router
+
+
+def _dashboard_routes() -> APIRouter:
+    """The dashboard: one page, its script and its style, read once."""
+    router = APIRouter()
+    page, script, style = _asset("dashboard.html"), _asset("dashboard.js"), _asset("dashboard.css")
+
+    @router.get("/", response_class=HTMLResponse)
     def dashboard() -> str:
         return page
 
-    @app.get("/dashboard.js", include_in_schema=False)
+    @router.get("/dashboard.js", include_in_schema=False)
     def dashboard_script() -> Response:
         return Response(script, media_type="text/javascript; charset=utf-8")
 
-    @app.get("/dashboard.css", include_in_schema=False)
+    @router.get("/dashboard.css", include_in_schema=False)
     def dashboard_style() -> Response:
         return Response(style, media_type="text/css; charset=utf-8")
 
-    return app
+    return router
 
 
 def main(cfg: DapoConfig, host: str | None = None, port: int | None = None) -> int:

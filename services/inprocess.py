@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from contracts import eval_stats
 from contracts.config import DapoConfig
-from contracts.data import encode_prompt, load_prompts
+from contracts.data import PromptRecord, encode_prompt, load_prompts
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round
 from contracts.schemas import PromptJob, Response, RolloutGroup, ScoredGroup
 from gatekeeper.service import group_metric, keep_group
@@ -54,6 +54,7 @@ from learner.service import init_distributed
 from learner.trainer import Trainer
 from reward.service import open_scorer, score_group
 from rollout.hf_engine import HFEngine
+from rollout.sample import Sample
 from rollout.tool_use import ToolBox, generate_with_tools
 from services.evaluation import eval_prompts, evaluate
 from services.launcher import prepare
@@ -101,27 +102,125 @@ def run_in_process(
     """Train `cfg.learner.total_steps` DAPO steps in this process; evaluate avg@k before the
     first step, every `eval.every_steps` steps and after the last (`on_eval(step, acc, rl_s)`
     after each); export the final weights as a Hugging Face model to `export_to` if given."""
-    prepare(cfg)  # the data files and the base model, as `dapo run` prepares them
-    init_distributed(cfg)  # a one-rank process group: the trainer's FSDP2 code path
-    trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
-    lora = cfg.learner.lora if cfg.learner.lora.enabled else None
-    engine = HFEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, lora=lora)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)
-    tools = ToolBox(cfg.rollout.tools, tokenizer) if cfg.rollout.tools.enabled else None
-    records = load_prompts(cfg.data.train_path, columns=cfg.data.columns)
-    order = list(range(len(records)))
-    random.Random(cfg.data.seed).shuffle(order)
-    eval_records, eval_ids = eval_prompts(cfg, tokenizer)
-    ro, alg = cfg.rollout, cfg.algorithm
-    result, cursor = InProcessResult(steps=cfg.learner.total_steps), 0
+    run = InProcessRun(cfg, on_eval)
+    result, every = run.result, cfg.eval.every_steps
+    try:
+        run.evaluate(step=0)
+        for step in range(1, result.steps + 1):
+            start = time.monotonic()
+            kept = run.dynamic_sampling()
+            run.train(kept)
+            result.rl_seconds += time.monotonic() - start
+            if (every and step % every == 0) or step == result.steps:
+                run.evaluate(step)
+        if export_to is not None:
+            run.export(export_to)
+    finally:
+        run.close()
+    return result
 
-    def evaluate_now(step: int) -> None:
+
+class InProcessRun:
+    """The parts of one in-process run (the services' parts, in one process) and the loop's
+    steps on them: generate and score a batch, sample dynamically, train, evaluate."""
+
+    def __init__(
+        self, cfg: DapoConfig, on_eval: Callable[[int, float, float], None] | None = None
+    ) -> None:
+        prepare(cfg)  # the data files and the base model, as `dapo run` prepares them
+        init_distributed(cfg)  # a one-rank process group: the trainer's FSDP2 code path
+        self.cfg, self.on_eval = cfg, on_eval
+        self.trainer = Trainer(cfg, rank=0, world_size=1, backend="gloo")
+        self.lora = cfg.learner.lora if cfg.learner.lora.enabled else None
+        self.engine = HFEngine(
+            cfg.model.path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, lora=self.lora
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)
+        tools = cfg.rollout.tools
+        self.tools = ToolBox(tools, self.tokenizer) if tools.enabled else None
+        self.records = load_prompts(cfg.data.train_path, columns=cfg.data.columns)
+        self.order = list(range(len(self.records)))
+        random.Random(cfg.data.seed).shuffle(self.order)
+        self.cursor = 0
+        self.eval_records, self.eval_ids = eval_prompts(cfg, self.tokenizer)
+        self.result = InProcessResult(steps=cfg.learner.total_steps)
+
+    def dynamic_sampling(self) -> list[ScoredGroup]:
+        """Generate until `train_batch_groups` groups pass the gate (all-correct and all-wrong
+        groups dropped); the batch's groups, in the order they passed."""
+        alg, kept = self.cfg.algorithm, list[ScoredGroup]()
+        while len(kept) < alg.train_batch_groups:
+            kept += [
+                g
+                for g in self.generate_and_score()
+                if not alg.gatekeeper or keep_group(group_metric(g, alg.gatekeeper_metric))
+            ]
+        return kept[: alg.train_batch_groups]
+
+    def generate_and_score(self) -> list[ScoredGroup]:
+        """One generation batch of `rollout.prompts_per_batch` prompts (a replica's batch),
+        judged as the reward workers judge it."""
+        ro, cfg = self.cfg.rollout, self.cfg
+        picks = [
+            self.order[(self.cursor + i) % len(self.records)] for i in range(ro.prompts_per_batch)
+        ]
+        self.cursor += ro.prompts_per_batch
+        batch = [self.records[i] for i in picks]
+        prompts = [
+            encode_prompt(self.tokenizer, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat)
+            for r in batch
+        ]
+        generate = (
+            self.engine.generate
+            if self.tools is None
+            else functools.partial(generate_with_tools, self.engine, self.tools)  # rollout.tools
+        )
+        outs = generate(
+            prompts,
+            n=ro.group_size,
+            max_tokens=ro.max_response_len,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            stop=ro.stop,
+        )
+        groups = []
+        for record, ids, samples in zip(batch, prompts, outs, strict=True):
+            group = _as_group(record, ids, samples, f"inproc-{self.result.groups_generated}")
+            self.result.groups_generated += 1
+            groups.append(score_group(group, self.tokenizer, self.scorer, cfg)[0])
+        return groups
+
+    def train(self, kept: list[ScoredGroup]) -> None:
+        """One optimizer step on the batch, then the engine takes the new weights (a memory
+        copy, not a broadcast): every row is on-policy, so no behaviour correction."""
+        alg, result = self.cfg.algorithm, self.result
+        batch = build_batch(
+            kept,
+            pad_id=0,
+            norm_by_std=alg.norm_by_std,
+            overlong_filter=self.cfg.reward.overlong.filter,
+        )
+        trained_at = time.monotonic()
+        self.trainer.train_step(batch, policy_version=0)
+        result.train_seconds += time.monotonic() - trained_at
+        result.train_tokens += float(batch.response_mask.sum())
+        result.groups_trained += len(kept)
+        self.engine.update_weights(self.trainer.named_full_params())
+
+    def evaluate(self, step: int) -> None:
         """A round of the weights of `step`, paired with the services' (the same seeds)."""
-        if not eval_records or not cfg.eval.in_run:
+        if not self.eval_records or not self.cfg.eval.in_run:
             return
-        metrics, per_problem = evaluate(engine, tokenizer, eval_records, eval_ids, cfg, tools=tools)
-        acc = metrics["eval/acc"]
+        metrics, per_problem = evaluate(
+            self.engine,
+            self.tokenizer,
+            self.eval_records,
+            self.eval_ids,
+            self.cfg,
+            tools=self.tools,
+        )
+        result, acc = self.result, metrics["eval/acc"]
         result.eval_history.append([step, acc, round(result.rl_seconds, 2)])
         result.rounds.append(
             Round(
@@ -132,100 +231,46 @@ def run_in_process(
                 extra={"acc_ci": [metrics["eval/acc_ci_low"], metrics["eval/acc_ci_high"]]},
             )
         )
-        if on_eval is not None:
-            on_eval(step, acc, result.rl_seconds)
+        if self.on_eval is not None:
+            self.on_eval(step, acc, result.rl_seconds)
 
-    def generate_and_score() -> list[ScoredGroup]:
-        """One generation batch of `rollout.prompts_per_batch` prompts (a replica's batch)."""
-        nonlocal cursor
-        batch = [records[order[(cursor + i) % len(records)]] for i in range(ro.prompts_per_batch)]
-        cursor += ro.prompts_per_batch
-        prompts = [
-            encode_prompt(tokenizer, r.messages, cfg.data.max_prompt_len, chat=cfg.data.chat)
-            for r in batch
-        ]
-        outs = (
-            engine.generate
-            if tools is None
-            else functools.partial(generate_with_tools, engine, tools)  # rollout.tools
-        )(
-            prompts,
-            n=ro.group_size,
-            max_tokens=ro.max_response_len,
-            temperature=ro.temperature,
-            top_p=ro.top_p,
-            stop=ro.stop,
+    def export(self, to: Path) -> None:
+        HFExporter(self.cfg.model.path, lora=self.lora).export(self.trainer.named_full_params(), to)
+
+    def close(self) -> None:
+        self.scorer.close()
+        if self.tools is not None:
+            self.tools.close()
+
+
+def _as_group(
+    record: PromptRecord, ids: list[int], samples: list[Sample], group_id: str
+) -> RolloutGroup:
+    """A prompt's samples as the message a replica sends (version 0: one policy throughout)."""
+    job = PromptJob(
+        group_id=group_id,
+        prompt_index=record.index,
+        prompt_ids=ids,
+        ground_truth=record.ground_truth,
+        data_source=record.data_source,
+        issued_version=0,
+        issued_at=0.0,
+        extra_info=record.extra_info,
+    )
+    responses = [
+        Response(
+            token_ids=s.token_ids,
+            logprobs=s.logprobs,
+            finish_reason=s.response_finish,
+            tool_spans=s.tool_spans,
+            tool_calls=s.tool_calls,
+            tool_errors=s.tool_errors,
+            tool_timeouts=s.tool_timeouts,
+            tool_seconds=s.tool_seconds,
         )
-        groups = []
-        for record, ids, samples in zip(batch, prompts, outs, strict=True):
-            job = PromptJob(
-                group_id=f"inproc-{result.groups_generated}",
-                prompt_index=record.index,
-                prompt_ids=ids,
-                ground_truth=record.ground_truth,
-                data_source=record.data_source,
-                issued_version=0,
-                issued_at=0.0,
-                extra_info=record.extra_info,
-            )
-            result.groups_generated += 1
-            responses = [
-                Response(
-                    token_ids=s.token_ids,
-                    logprobs=s.logprobs,
-                    finish_reason=s.response_finish,
-                    tool_spans=s.tool_spans,
-                    tool_calls=s.tool_calls,
-                    tool_errors=s.tool_errors,
-                    tool_timeouts=s.tool_timeouts,
-                    tool_seconds=s.tool_seconds,
-                )
-                for s in samples
-            ]
-            group = RolloutGroup(
-                job=job, policy_version=0, replica_id="in-process", responses=responses
-            )
-            groups.append(score_group(group, tokenizer, scorer, cfg)[0])
-        return groups
-
-    try:
-        evaluate_now(0)
-        for step in range(1, result.steps + 1):
-            start = time.monotonic()
-            kept: list[ScoredGroup] = []
-            while (
-                len(kept) < alg.train_batch_groups
-            ):  # dynamic sampling: generate until B groups pass
-                kept += [
-                    g
-                    for g in generate_and_score()
-                    if not alg.gatekeeper or keep_group(group_metric(g, alg.gatekeeper_metric))
-                ]
-            result.groups_trained += alg.train_batch_groups
-            batch = build_batch(
-                kept[: alg.train_batch_groups],
-                pad_id=0,
-                norm_by_std=alg.norm_by_std,
-                overlong_filter=cfg.reward.overlong.filter,
-            )
-            trained_at = time.monotonic()
-            trainer.train_step(
-                batch, policy_version=0
-            )  # every row on-policy: no behaviour correction
-            result.train_seconds += time.monotonic() - trained_at
-            result.train_tokens += float(batch.response_mask.sum())
-            engine.update_weights(trainer.named_full_params())  # a memory copy, not a broadcast
-            result.rl_seconds += time.monotonic() - start
-            every = cfg.eval.every_steps
-            if (every and step % every == 0) or step == result.steps:
-                evaluate_now(step)
-        if export_to is not None:
-            HFExporter(cfg.model.path, lora=lora).export(trainer.named_full_params(), export_to)
-    finally:
-        scorer.close()
-        if tools is not None:
-            tools.close()
-    return result
+        for s in samples
+    ]
+    return RolloutGroup(job=job, policy_version=0, replica_id="in-process", responses=responses)
 
 
 def main(cfg: DapoConfig) -> int:

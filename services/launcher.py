@@ -23,12 +23,13 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import redis
 from tqdm import tqdm
@@ -52,6 +53,9 @@ from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
 from services.task_status import task_section
+
+if TYPE_CHECKING:
+    from services.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 
@@ -561,151 +565,214 @@ def run_local(
     """Run everything on this machine. `gpus` overrides the GPU count (plans for other machines);
     `dry_run` prints the placement and the per-GPU memory budget and starts nothing;
     `allow_redis6` accepts an embedded Redis 6 (`services.redis_server` says what it risks)."""
-    from services.redis_server import RedisServer
-
-    placement = plan(
-        cfg, count_gpus() if gpus is None else gpus
-    )  # refuses a config that does not fit
+    placement = plan(cfg, count_gpus() if gpus is None else gpus)  # refuses what does not fit
     if dry_run:
-        sys.stdout.write(
-            placement.describe() + "\n" + _budget_text(cfg, model_config, gpu_memory_gib) + "\n"
-        )
+        budget = _budget_text(cfg, model_config, gpu_memory_gib)
+        sys.stdout.write(f"{placement.describe()}\n{budget}\n")
         return 0
-    # A reward.function or a tool that cannot be loaded fails before anything starts.
-    check_reward_function(cfg)
-    check_tools(cfg.rollout.tools)
-    from services.api import check_token_strength
-
-    check_token_strength(cfg.api.token_env)  # before the API service would fail on it
-    # The weight-sync key pair: the caller's (replicas started by hand can then join), else a
-    # fresh one for this run. The learner gets the private key, the replicas the public one.
-    weights_key_text = os.environ.get(WEIGHTS_KEY_ENV) or new_weights_key()[0]
-    weights_public_text = public_key_text(weights_key_text)  # a malformed one is refused here
+    _check_before_start(cfg)
+    keys = _weight_keys()
     started = time.monotonic()
     out = Path(cfg.output_dir)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     prepared = prepare(cfg)
     cfg = prepared.cfg  # model.path: a local directory from here on
-    config_path = out / "config.yaml"
-    # The services read the Redis URL (and its credentials) from their environment, never from
-    # a file: the config they are given has none.
-    config_path.write_text(
-        dump_config(
-            cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"redis_url": None})})
-        )
-    )
+    config_path = _write_service_config(cfg, out)
+    server, url = _start_redis(cfg, out, allow_redis6)
+    env = _shared_env(prepared.env, url)
+    bus = _open_run(cfg, url, resume)
+    from contracts.runtime import free_port
 
-    server = None
-    url = cfg.redis_url
-    if url is None:
-        # The embedded server declares a Redis user per role (contracts.bus.roles); each service
-        # gets its own role's URL below, and the supervisor connects as the operator.
-        server = RedisServer(
-            out / "redis",
-            appendonly=True,
-            password=secrets.token_urlsafe(24),
-            roles={role: secrets.token_urlsafe(24) for role in Role},
-            namespace=cfg.queue.namespace,
-            allow_redis6=allow_redis6 or None,  # else DAPO_ALLOW_REDIS6 decides
-        ).start()
-        url = server.role_url(Role.OPERATOR)
-    env = {**os.environ, **prepared.env, REDIS_URL_ENV: url, "PYTHONUNBUFFERED": "1"}
+    api_port = cfg.api.port or free_port()
+    services = _services(cfg, config_path, out / "logs", api_port)
+    _give_credentials(services, keys, server)
+    if placement.gpus:
+        for svc in services:
+            svc.devices = placement.visible_devices(svc.name)
+    refused = out / CHECKPOINT_REFUSED_FILE  # left by a learner that refused its checkpoint
+    refused.unlink(missing_ok=True)
+    learner = services[0]
+    interrupted = False
+    with _stop_signals() as stop:
+        progress = Progress(bus, cfg.learner.total_steps, quiet)
+        try:
+            for svc in services:
+                svc.start(env)
+            sys.stderr.write(f"dashboard and REST API: http://{cfg.api.host}:{api_port}/\n")
+            interrupted = _supervise(services, env, bus, refused, progress, stop)
+        finally:
+            progress.close()
+            learner_rc = learner.proc.poll() if learner.proc else None
+            finished = _run_finished(bus)
+            _stop_all(services, learner_first=interrupted)
+            summary = _write_outputs(
+                cfg, bus, services, prepared, time.monotonic() - started, placement.gpus
+            )
+            summary |= _run_end(learner_rc, interrupted, refused)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_curves_svg(summary, out / "curves.svg")
+            bus.close()
+            if server is not None:
+                server.stop()
+    _report(cfg, summary, out)
+    return 0 if learner_rc == 0 and finished and not interrupted else 1
+
+
+# --- the steps of run_local -------------------------------------------------------------------
+def _check_before_start(cfg: DapoConfig) -> None:
+    """What would fail a service later fails before anything starts: a reward function or a
+    tool that cannot be loaded, an API token too weak to serve."""
+    from services.api import check_token_strength
+
+    check_reward_function(cfg)
+    check_tools(cfg.rollout.tools)
+    check_token_strength(cfg.api.token_env)
+
+
+def _weight_keys() -> tuple[str, str]:
+    """The weight-sync key pair (private, public): the caller's, so replicas started by hand can
+    join, else a fresh one for this run. A malformed key is refused here."""
+    private = os.environ.get(WEIGHTS_KEY_ENV) or new_weights_key()[0]
+    return private, public_key_text(private)
+
+
+def _write_service_config(cfg: DapoConfig, out: Path) -> Path:
+    """The config every service reads. The services read the Redis URL (and its credentials)
+    from their environment, never from a file: the config they are given has none."""
+    path = out / "config.yaml"
+    queue = cfg.queue.model_copy(update={"redis_url": None})
+    path.write_text(dump_config(cfg.model_copy(update={"queue": queue})))
+    return path
+
+
+def _start_redis(cfg: DapoConfig, out: Path, allow_redis6: bool) -> tuple[RedisServer | None, str]:
+    """(the embedded server, None with a configured URL; the supervisor's URL). The embedded
+    server declares a Redis user per role (contracts.bus.roles); each service gets its own
+    role's URL (`_give_credentials`), and the supervisor connects as the operator."""
+    if cfg.redis_url is not None:
+        return None, cfg.redis_url
+    from services.redis_server import RedisServer
+
+    server = RedisServer(
+        out / "redis",
+        appendonly=True,
+        password=secrets.token_urlsafe(24),
+        roles={role: secrets.token_urlsafe(24) for role in Role},
+        namespace=cfg.queue.namespace,
+        allow_redis6=allow_redis6 or None,  # else DAPO_ALLOW_REDIS6 decides
+    ).start()
+    return server, server.role_url(Role.OPERATOR)
+
+
+def _shared_env(prepared: dict[str, str], url: str) -> dict[str, str]:
+    """The environment every service starts with; each adds what is its own alone."""
+    env = {**os.environ, **prepared, REDIS_URL_ENV: url, "PYTHONUNBUFFERED": "1"}
     for name in [n for n in env if n.startswith(f"{REDIS_URL_ENV}_")]:
         del env[name]  # a role's URL left in the caller's shell would outrank the run's own
     for name in (WEIGHTS_KEY_ENV, WEIGHTS_PUBLIC_KEY_ENV):
-        env.pop(name, None)  # given to the learner and the replicas only, below
-    # The supervisor must keep supervising while Redis is full, so its writes fail, not pause.
+        env.pop(name, None)  # given to the learner and the replicas only (_give_credentials)
+    return env
+
+
+def _open_run(cfg: DapoConfig, url: str, resume: bool) -> StreamBus:
+    """The supervisor's bus on a fresh run (namespace cleared, old checkpoints set aside) or a
+    resumed one. It must keep supervising while Redis is full: its writes fail, not pause."""
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
     bus.check_memory_policy()
     if not resume:
         bus.clear_namespace()
         _set_aside_checkpoints(cfg.checkpoint_dir)
-    bus.clear_run_field(
-        RunField.FINISHED
-    )  # a resumed run is not finished until its learner says so
+    bus.clear_run_field(RunField.FINISHED)  # a resumed run is not finished until it says so
     bus.ensure_groups()
+    return bus
 
-    from contracts.runtime import free_port
 
-    api_port = cfg.api.port or free_port()
-    services = _services(cfg, config_path, logs, api_port)
+def _give_credentials(
+    services: list[Service], keys: tuple[str, str], server: RedisServer | None
+) -> None:
+    """Each service's own secrets: the learner the private weight key; the replicas, reward
+    workers and gatekeeper the public one (announcements, jobs, dead letters); the replicas the
+    learner's host they pin and the name their seed follows; each its role's Redis URL."""
+    private, public = keys
     for svc in services:
         if svc.name == "learner":
-            svc.private_env[WEIGHTS_KEY_ENV] = weights_key_text
-        # They verify announcements and jobs; the gatekeeper, whose dead letters are the run's.
+            svc.private_env[WEIGHTS_KEY_ENV] = private
         if svc.name.startswith(("rollout", "reward", "gatekeeper")):
-            svc.private_env[WEIGHTS_PUBLIC_KEY_ENV] = weights_public_text
+            svc.private_env[WEIGHTS_PUBLIC_KEY_ENV] = public
         if svc.name.startswith("rollout"):
             # Pinned: an announcement naming any other host than the learner's is refused.
             svc.private_env[WEIGHTS_HOST_ENV] = os.environ.get(WEIGHTS_HOST_ENV) or "127.0.0.1"
             svc.private_env[REPLICA_NAME_ENV] = svc.name  # its seed survives a restart
         if server is not None:
             svc.private_env[REDIS_URL_ENV] = server.role_url(service_role(svc.name))
-    if placement.gpus:
-        for svc in services:
-            svc.devices = placement.visible_devices(svc.name)
-    interrupted = False
-    stop_requested = {"flag": False}
 
-    def _on_signal(signum: int, _frame: object) -> None:
-        stop_requested["flag"] = True
 
-    old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = Progress(bus, cfg.learner.total_steps, quiet)
-    learner = services[0]
-    refused = (
-        Path(cfg.output_dir) / CHECKPOINT_REFUSED_FILE
-    )  # left by a learner that refused its checkpoint
-    refused.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[threading.Event]:
+    """An event SIGINT and SIGTERM set while the block runs (the run then stops every service,
+    learner first); the previous handlers come back after."""
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for svc in services:
-            svc.start(env)
-        sys.stderr.write(f"dashboard and REST API: http://{cfg.api.host}:{api_port}/\n")
-        while True:
-            if stop_requested["flag"]:
-                interrupted = True
-                log.warning("interrupted: stopping every service")
-                break
-            if not learner.alive():
-                if _run_finished(bus) or learner.restarts >= MAX_RESTARTS or refused.exists():
-                    break
-                # Crashed, or stopped from outside (SIGTERM: it exits 0 after checkpointing): it
-                # resumes from the newest committed checkpoint.
-                _restart(learner, env, bus)
-            for svc in services[1:]:
-                if not svc.alive():
-                    _restart(svc, env, bus)
-            progress.show()
-            time.sleep(1.0)
+        yield stop
     finally:
-        progress.close()
-        learner_rc = learner.proc.poll() if learner.proc else None
-        finished = _run_finished(bus)
-        _stop_all(services, learner_first=interrupted)
-        wall = time.monotonic() - started
-        summary = summarize(cfg, bus, wall, services, prepared.eval_set)
-        write_metrics_jsonl(bus, out / "metrics.jsonl")
-        summary["interrupted"] = interrupted
-        summary["learner_exit_code"] = learner_rc
-        summary["learner_refused_checkpoint"] = (
-            refused.read_text().strip() if refused.exists() else None
-        )
-        # Where the services ran: on CPU they share these cores
-        # (`dapo plan --calibrate` models that)
-        summary["machine"] = {
-            "cpu_cores": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(),
-            "gpus": placement.gpus,
-        }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        write_curves_svg(summary, out / "curves.svg")
-        for sig, handler in old_handlers.items():
+        for sig, handler in old.items():
             signal.signal(sig, handler)
-        bus.close()
-        if server is not None:
-            server.stop()
+
+
+def _supervise(
+    services: list[Service],
+    env: dict[str, str],
+    bus: StreamBus,
+    refused: Path,
+    progress: Progress,
+    stop: threading.Event,
+) -> bool:
+    """Keep the services up until the learner is done (finished, out of restarts, or it refused
+    its checkpoint) or a signal asks to stop (returns True: interrupted). A crashed learner, or
+    one stopped from outside (SIGTERM: it exits 0 after checkpointing), resumes from the newest
+    committed checkpoint."""
+    learner = services[0]
+    while not stop.is_set():
+        if not learner.alive():
+            if _run_finished(bus) or learner.restarts >= MAX_RESTARTS or refused.exists():
+                return False
+            _restart(learner, env, bus)
+        for svc in services[1:]:
+            if not svc.alive():
+                _restart(svc, env, bus)
+        progress.show()
+        time.sleep(1.0)
+    log.warning("interrupted: stopping every service")
+    return True
+
+
+def _write_outputs(
+    cfg: DapoConfig,
+    bus: StreamBus,
+    services: list[Service],
+    prepared: Prepared,
+    wall_s: float,
+    gpus: int,
+) -> dict[str, Any]:
+    """The run's summary (returned; the caller adds how it ended) and metrics.jsonl."""
+    summary = summarize(cfg, bus, wall_s, services, prepared.eval_set)
+    write_metrics_jsonl(bus, Path(cfg.output_dir) / "metrics.jsonl")
+    # Where the services ran: on CPU they share these cores (`dapo plan --calibrate` models it)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    summary["machine"] = {"cpu_cores": cores, "gpus": gpus}
+    return summary
+
+
+def _run_end(learner_rc: int | None, interrupted: bool, refused: Path) -> dict[str, Any]:
+    return {
+        "interrupted": interrupted,
+        "learner_exit_code": learner_rc,
+        "learner_refused_checkpoint": refused.read_text().strip() if refused.exists() else None,
+    }
+
+
+def _report(cfg: DapoConfig, summary: dict[str, Any], out: Path) -> None:
     accuracy = (
         f"eval accuracy {summary['base_eval_acc']:.3f} -> {summary['final_eval_acc']:.3f}"
         if cfg.eval.in_run
@@ -717,7 +784,6 @@ def run_local(
         f"summary: {out / 'summary.json'}, per-step metrics: {out / 'metrics.jsonl'}, "
         f"curves: {out / 'curves.svg'}\n"
     )
-    return 0 if learner_rc == 0 and finished and not interrupted else 1
 
 
 def _budget_text(cfg: DapoConfig, model_config: str | None, gpu_memory_gib: float | None) -> str:
