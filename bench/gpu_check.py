@@ -96,8 +96,8 @@ def check_sync(model_dir: Path) -> None:
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     buckets = plan_buckets(named, 64)
     ann = Announcement(
-        version=1,
-        epoch=1,
+        policy_version=1,
+        membership_epoch=1,
         replicas=("engine",),
         store_host="127.0.0.1",
         store_port=store.port,

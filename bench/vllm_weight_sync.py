@@ -84,8 +84,8 @@ def rss_gib() -> float:
 def sync_once(engine: Engine, params: dict[str, torch.Tensor], version: int) -> float:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
-        version=version,
-        epoch=version,
+        policy_version=version,
+        membership_epoch=version,
         replicas=("replica-0",),
         store_host="127.0.0.1",
         store_port=store.port,

@@ -392,13 +392,16 @@ def scan_rows(
             yield None, row
             continue
         try:
-            yield row, parse_row(
+            yield (
                 row,
-                row_number=i,
-                source=source,
-                line=line,
-                columns=columns,
-                default_source=default_source,
+                parse_row(
+                    row,
+                    row_number=i,
+                    source=source,
+                    line=line,
+                    columns=columns,
+                    default_source=default_source,
+                ),
             )
         except DataError as exc:
             yield row, exc

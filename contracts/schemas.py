@@ -153,7 +153,7 @@ class PromptJob(_Msg):
     """Unique per issued job (`<run>-<cursor>`), the identity the ledger counts."""
     prompt_index: Index
     """Row of the training set (data cursor position modulo epoch)."""
-    epoch: Index = 0
+    data_epoch: Index = 0
     """Pass over the training set the job was issued in (the prompt history records it).
     Optional with a default, so jobs encoded before it existed still decode."""
     prompt_ids: Tokens

@@ -111,9 +111,9 @@ Bucket = tuple[ParamSpec, ...]
 class Announcement:
     """One weight sync: who takes part, where to rendezvous, and what the buckets hold."""
 
-    version: int
+    policy_version: int
     """The policy version being sent."""
-    epoch: int
+    membership_epoch: int
     """The membership epoch: +1 whenever the set of receivers changes (a fresh group)."""
     replicas: tuple[str, ...]
     """Replica ids; replica i has rank i + 1 (the learner is rank 0)."""
@@ -138,7 +138,7 @@ class Announcement:
         """Identity of the process group: a restarted learner serves a new store (possibly on the
         same port) and counts epochs from 1 again, so neither the address nor the epoch
         number is unique; the publisher token is."""
-        return f"{self.store_host}:{self.store_port}/{self.publisher}/epoch{self.epoch}"
+        return f"{self.store_host}:{self.store_port}/{self.publisher}/epoch{self.membership_epoch}"
 
     def rank_of(self, replica_id: str) -> int:
         return self.replicas.index(replica_id) + 1
@@ -176,8 +176,8 @@ class Announcement:
                 raise ValueError("an announced bucket is empty or mixes dtypes")
             dtype_of(bucket[0].dtype)  # from the table, or refused
         ann = cls(
-            version=_bounded(data["version"], "version", 0, MAX_VERSION),
-            epoch=_bounded(data["epoch"], "epoch", 0, MAX_VERSION),
+            policy_version=_bounded(data["policy_version"], "policy version", 0, MAX_VERSION),
+            membership_epoch=_bounded(data["membership_epoch"], "membership epoch", 0, MAX_VERSION),
             replicas=tuple(data["replicas"]),
             store_host=data["store_host"],
             store_port=_bounded(data["store_port"], "store port", 1, 65535),
@@ -286,7 +286,7 @@ def bound_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.soc
 
 
 def make_group(ann: Announcement, rank: int, *, is_master: bool = False) -> dist.ProcessGroup:
-    """Rendezvous with the other members of `ann.epoch` (blocks up to ann.timeout_s)."""
+    """Rendezvous with the other members of `ann.membership_epoch` (blocks up to ann.timeout_s)."""
     timeout = timedelta(seconds=ann.timeout_s)
     store = TCPStore(
         ann.store_host, ann.store_port, is_master=is_master, timeout=timeout, wait_for_workers=False
@@ -325,8 +325,8 @@ def flat_broadcast_seconds(nbytes: int, *, replicas: int = 1, repeats: int = 5) 
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
-        version=0,
-        epoch=0,
+        policy_version=0,
+        membership_epoch=0,
         replicas=tuple(f"probe{i}" for i in range(replicas)),
         store_host="127.0.0.1",
         store_port=store.port,
@@ -408,7 +408,9 @@ class _Receiver:
         except BaseException:
             self.group, self.group_key = None, ""
             raise
-        log.info("received policy version %d in %.3fs", ann.version, time.monotonic() - start)
+        log.info(
+            "received policy version %d in %.3fs", ann.policy_version, time.monotonic() - start
+        )
 
 
 _RECEIVER = _Receiver()
@@ -432,8 +434,8 @@ class WeightStream:
     device: str = "cpu"
 
     @property
-    def version(self) -> int:
-        return self.ann.version
+    def policy_version(self) -> int:
+        return self.ann.policy_version
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -527,4 +529,4 @@ class WeightChannel:
 
 
 def _decision_message(ann: Announcement, decision: str) -> bytes:
-    return f"{ann.group_key}|{ann.version}|{decision}".encode()
+    return f"{ann.group_key}|{ann.policy_version}|{decision}".encode()

@@ -195,7 +195,11 @@ class Gatekeeper:
         job = group.job
         correct, size = sum(bool(a) for a in group.acc), len(group.acc)
         self.bus.record_prompt_outcome(
-            job.prompt_index, epoch=job.epoch, correct=correct, size=size, kept=informative
+            job.prompt_index,
+            data_epoch=job.data_epoch,
+            correct=correct,
+            size=size,
+            kept=informative,
         )
         if not informative:
             easy = 0 < size == correct

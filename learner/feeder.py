@@ -312,7 +312,7 @@ class PromptFeeder:
         return PromptJob(
             group_id=f"{self.run_name}-{cursor}",
             prompt_index=index,
-            epoch=cursor // len(self.records),
+            data_epoch=cursor // len(self.records),
             prompt_ids=self._prompt_ids(index),
             ground_truth=rec.ground_truth,
             data_source=rec.data_source,

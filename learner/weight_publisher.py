@@ -80,10 +80,10 @@ class WeightPublisher:
         self.store, self._listener = bound_store(host, port, timeout_s)
         self.port = self.store.port
         self.token = secrets.token_hex(4)  # tells this learner's groups from a restarted one's
-        self.epoch = 0
+        self.membership_epoch = 0
         self.replicas: tuple[str, ...] = ()
         self.group: dist.ProcessGroup | None = None
-        self.version = -1
+        self.policy_version = -1
         self.buckets: tuple[Bucket, ...] = ()
         self.flat: list[torch.Tensor] = []
         self.last_sent: dict[str, float] = {}
@@ -110,7 +110,10 @@ class WeightPublisher:
         """
         if not self.buckets:
             self.buckets = plan_buckets(layout, self.bucket_mb, dtype=self.dtype)
-        self.flat, self.version = [], -1  # release the old version before gathering the new one
+        self.flat, self.policy_version = (
+            [],
+            -1,
+        )  # release the old version before gathering the new one
         where = {p.name: (i, p) for i, bucket in enumerate(self.buckets) for p in bucket}
         offsets = [_offsets(bucket) for bucket in self.buckets]
         flats: list[torch.Tensor | None] = [None] * len(self.buckets)
@@ -128,7 +131,7 @@ class WeightPublisher:
             lacking = [p.name for i, b in enumerate(self.buckets) if missing[i] for p in b][:3]
             raise ValueError(f"version {version}: the gathered parameters lack {lacking}")
         self.flat = [f for f in flats if f is not None]
-        self.version = version
+        self.policy_version = version
 
     def staged(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The staged version's tensors by name: views of the host buckets, read-only by
@@ -221,14 +224,14 @@ class WeightPublisher:
         """`publish` without the record: the replicas that received the staged version (none
         when there was nothing to do), or None when the sync failed or nobody joined."""
         chosen = tuple(sorted(replicas if replicas is not None else self.replica_versions()))
-        if not chosen or self.version < 0:
+        if not chosen or self.policy_version < 0:
             return ()
         if chosen != self.replicas or self.group is None:
-            self.epoch += 1
+            self.membership_epoch += 1
             self.replicas, self.group = chosen, None
         ann = Announcement(
-            version=self.version,
-            epoch=self.epoch,
+            policy_version=self.policy_version,
+            membership_epoch=self.membership_epoch,
             replicas=self.replicas,
             store_host=self.host,
             store_port=self.port,
@@ -252,7 +255,10 @@ class WeightPublisher:
         for rid in chosen:
             self.last_sent[rid] = now
         log.info(
-            "published version %d to %d replicas in %.3fs", self.version, len(chosen), now - start
+            "published version %d to %d replicas in %.3fs",
+            self.policy_version,
+            len(chosen),
+            now - start,
         )
         return chosen
 
@@ -270,7 +276,7 @@ class WeightPublisher:
             self.bus.incr(Counter.WEIGHT_SYNC_FAILURES)
             log.warning(
                 "weight broadcast of version %d to %s failed: %s",
-                ann.version,
+                ann.policy_version,
                 list(ann.replicas),
                 exc,
             )
@@ -284,10 +290,10 @@ class WeightPublisher:
         behind = [
             rid
             for rid, v in self.replica_versions().items()
-            if v < self.version and now - self.last_sent.get(rid, 0.0) > retry_after_s
+            if v < self.policy_version and now - self.last_sent.get(rid, 0.0) > retry_after_s
         ]
         if behind:
-            log.info("catching up %s to version %d", behind, self.version)
+            log.info("catching up %s to version %d", behind, self.policy_version)
             # not the step's publication: its `weight_sync/*` metrics stay the step's own
             self._sync(behind)
 

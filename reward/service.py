@@ -111,7 +111,7 @@ class MetricMeans:
         return {name: self.sums[name] / self.counts[name] for name in sorted(self.sums)}
 
 
-class RewardWorker:
+class RewardStage:
     """The reward stage's worker: scores whole groups, `REWARD_BATCH` at a time."""
 
     def __init__(
@@ -232,18 +232,18 @@ def score_group(
     return scored, results
 
 
-def build_worker(cfg: DapoConfig, ctx: ServiceContext) -> RewardWorker:
+def build_stage(cfg: DapoConfig, ctx: ServiceContext) -> RewardStage:
     """A reward worker as every host builds one (`dapo reward`; Ray Serve's `RewardHost`): the
     model's tokenizer (overlong shaping counts its tokens), the learner's public key (only jobs
     it signed are scored)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return RewardWorker(cfg, ctx.bus, tokenizer, weights_public_key())
+    return RewardStage(cfg, ctx.bus, tokenizer, weights_public_key())
 
 
 def main(cfg: DapoConfig) -> int:
     cfg = with_local_model(cfg)  # an hf:// model: its snapshot (the tokenizer) in the HF cache
     ctx = service_context(cfg, "reward")
-    serve_stage(ctx, build_worker(cfg, ctx), cfg.queue)
+    serve_stage(ctx, build_stage(cfg, ctx), cfg.queue)
     return 0

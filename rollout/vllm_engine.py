@@ -420,13 +420,13 @@ class VLLMEngine:
         start = time.monotonic()
         if self.lora is not None:
             what = (
-                f"policy version {weights.version}"
+                f"policy version {weights.policy_version}"
                 if isinstance(weights, WeightStream)
                 else "adapter"
             )
             tensors = self._swap_adapter(dict(weights), what)
         elif isinstance(weights, WeightStream):
-            what = f"policy version {weights.version}"
+            what = f"policy version {weights.policy_version}"
             tensors = self._swap_weights(what, "dapo_receive_weights", weights.to_json())
         else:
             what = "tensors"

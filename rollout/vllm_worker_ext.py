@@ -44,7 +44,9 @@ class WeightSyncExtension:
         next call.
         """
         stream = WeightStream.from_json(stream_json).on(self.device)
-        return self._dapo_apply(self._dapo_stream(stream), f"policy version {stream.version}")
+        return self._dapo_apply(
+            self._dapo_stream(stream), f"policy version {stream.policy_version}"
+        )
 
     def dapo_load_tensors(self, named: list[list[Any]]) -> dict[str, Any]:
         """Swap in `[name, dtype, shape, raw bytes]` tensors sent whole through the RPC

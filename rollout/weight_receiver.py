@@ -293,9 +293,9 @@ class WeightReceiver:
     def _check(self, ann: Announcement) -> None:
         """ValueError unless a signed announcement asks only what this replica can give: the
         expected host, and buckets holding exactly its own parameters (before any allocation)."""
-        if ann.group_key == self.group_key and ann.version <= self.policy_version:
+        if ann.group_key == self.group_key and ann.policy_version <= self.policy_version:
             raise ValueError(
-                f"version {ann.version} over the group this replica holds version "
+                f"version {ann.policy_version} over the group this replica holds version "
                 f"{self.policy_version} from: a replay"
             )
         if self.expected_host is not None and ann.store_host != self.expected_host:
@@ -335,7 +335,7 @@ class WeightReceiver:
             try:
                 tensors = list(WeightStream(ann, ann.rank_of(self.replica_id)))
             except Exception:
-                log.exception("weight broadcast %d (%s) failed", ann.version, ann.group_key)
+                log.exception("weight broadcast %d (%s) failed", ann.policy_version, ann.group_key)
                 self.group_key = ""
                 return
             self.group_key = ann.group_key
@@ -350,7 +350,7 @@ class WeightReceiver:
             staged, self._staged = self._staged, None
             # Versions only grow (a restore resumes above the newest published one), so an older
             # staged version lost a race with a store load and is moot.
-            if staged is None or staged[0].version < self.policy_version:
+            if staged is None or staged[0].policy_version < self.policy_version:
                 return
             start = time.monotonic()
             ann, announced_at, tensors = staged
@@ -359,7 +359,7 @@ class WeightReceiver:
         finally:
             self._staging.release()
         self.weights_from = announced_at
-        self._hold(ann.version, "broadcast")
+        self._hold(ann.policy_version, "broadcast")
 
     def _apply(self, ann: Announcement, announced_at: float) -> None:
         start = time.monotonic()
@@ -369,7 +369,7 @@ class WeightReceiver:
         try:
             self.engine.update_weights(WeightStream(ann, ann.rank_of(self.replica_id)))
         except Exception:
-            log.exception("weight broadcast %d (%s) failed", ann.version, ann.group_key)
+            log.exception("weight broadcast %d (%s) failed", ann.policy_version, ann.group_key)
             self.group_key = ""
             if not getattr(self.engine, "weights_consistent_after_failure", False):
                 self.load_published()  # half old, half new: never generate with such weights
@@ -378,7 +378,7 @@ class WeightReceiver:
             self.sync_s += time.monotonic() - start
         self.group_key = ann.group_key
         self.weights_from = announced_at
-        self._hold(ann.version, "broadcast")
+        self._hold(ann.policy_version, "broadcast")
 
     def _hold(self, version: int, source: str) -> None:
         if (

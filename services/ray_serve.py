@@ -1,7 +1,7 @@
 """Ray Serve hosting for the rollout and reward stages: `serve run services.ray_serve:app`.
 
 Each Serve replica hosts one stage handler, built by the same factory as `dapo rollout` /
-`dapo reward` (`rollout.service.build_replica`, `reward.service.build_worker`), and the work
+`dapo reward` (`rollout.service.build_replica`, `reward.service.build_stage`), and the work
 still flows through the Redis streams: Serve only places, counts, health-checks and restarts
 the processes. No prompt or group travels as a Serve request; the HTTP/handle `__call__` only
 reports status.
@@ -156,9 +156,9 @@ class RewardHost(_StageHost):
     kind = "reward"
 
     def setup(self) -> StageHandler:
-        from reward.service import build_worker
+        from reward.service import build_stage
 
-        return build_worker(self.cfg, self.ctx)  # as `dapo reward` builds it
+        return build_stage(self.cfg, self.ctx)  # as `dapo reward` builds it
 
 
 class StatusIngress:

@@ -10,7 +10,7 @@ does not touch it).
 A record, big-endian as Redis's BITFIELD numbers its bits:
 
     seen    u16  groups of this prompt the gatekeeper decided (saturates at 65535)
-    epoch   u16  the epoch of the latest of them
+    data_epoch  u16  the data epoch of the latest of them
     easy    u4   zero-advantage groups in a row whose responses were all right
     hard    u4   zero-advantage groups in a row otherwise (all wrong)
     correct u8   responses of the latest group that were right
@@ -55,7 +55,7 @@ class PromptStats:
     """One prompt's record (all zero: never decided)."""
 
     seen: int = 0
-    epoch: int = 0
+    data_epoch: int = 0
     easy_streak: int = 0
     hard_streak: int = 0
     correct: int = 0
@@ -77,7 +77,7 @@ class PromptHistory(RedisHygiene):
     """Reads and writes of the prompt history (see the module docstring)."""
 
     def record_prompt_outcome(
-        self, prompt_index: int, *, epoch: int, correct: int, size: int, kept: bool
+        self, prompt_index: int, *, data_epoch: int, correct: int, size: int, kept: bool
     ) -> bool:
         """Add one decided group of `prompt_index`; False when the index is out of range. `kept`:
         the group carried learning signal; one that did not is easy when every response was
@@ -96,7 +96,7 @@ class PromptHistory(RedisHygiene):
             "OVERFLOW",
             "SAT",
             "INCRBY", "u16", at, 1,
-            "SET", "u16", at + 16, min(max(epoch, 0), 0xFFFF),
+            "SET", "u16", at + 16, min(max(data_epoch, 0), 0xFFFF),
             *easy,
             *hard,
             "SET", "u8", at + 40, min(max(correct, 0), 0xFF),
@@ -132,5 +132,5 @@ def decode_record(raw: bytes) -> PromptStats:
     """One record's bytes (fewer than a record: beyond the string's end, never written)."""
     if len(raw) < RECORD.size:
         return PromptStats()
-    seen, epoch, streaks, correct, size, kept = RECORD.unpack(raw[: RECORD.size])
-    return PromptStats(seen, epoch, streaks >> 4, streaks & 0xF, correct, size, kept)
+    seen, data_epoch, streaks, correct, size, kept = RECORD.unpack(raw[: RECORD.size])
+    return PromptStats(seen, data_epoch, streaks >> 4, streaks & 0xF, correct, size, kept)

@@ -71,7 +71,7 @@ def test_the_reward_worker_scores_only_groups_of_jobs_the_learner_signed(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from reward.service import RewardWorker
+    from reward.service import RewardStage
 
     bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
     bus.ensure_groups()
@@ -84,7 +84,7 @@ def test_the_reward_worker_scores_only_groups_of_jobs_the_learner_signed(
         }
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    worker = RewardWorker(cfg, bus, tokenizer, WEIGHTS_KEY.public_key())
+    worker = RewardStage(cfg, bus, tokenizer, WEIGHTS_KEY.public_key())
     worker.handle(bus.read(bus.keys.rollouts, count=10, block_ms=10))
     scored = [
         decode_scored_group(f).job.group_id for _, f in bus.redis.xrange(bus.keys.scored.stream)

@@ -168,16 +168,16 @@ def test_stage_consumes_lazily_and_staged_round_trips(bus: StreamBus) -> None:
             seen.append(name)
             yield name, t
 
-    assert pub.version == -1 and list(pub.staged()) == []
+    assert pub.policy_version == -1 and list(pub.staged()) == []
     pub.stage(3, gathered(), named)
-    assert pub.version == 3 and len(seen) == len(named)
+    assert pub.policy_version == 3 and len(seen) == len(named)
     back = dict(pub.staged())
     assert list(back) == [n for n, _ in named]
     for name, t in named:
         assert torch.equal(back[name], t)
     with pytest.raises(ValueError, match="lack"):
         pub.stage(4, iter(named[:2]), named)
-    assert pub.version == -1  # a failed stage leaves nothing half-staged
+    assert pub.policy_version == -1  # a failed stage leaves nothing half-staged
 
 
 def test_a_publication_records_the_bytes_of_every_published_tensor(
@@ -228,10 +228,10 @@ def test_join_sets_aside_silent_replica_then_reuses_group(
     assert pub.publish()
     assert pub.replicas == ("r0",) and "silent" in pub.quarantined
     assert bus.counters().get(Counter.WEIGHT_SYNC_DROPPED_REPLICAS) == 1
-    epoch = pub.epoch
+    epoch = pub.membership_epoch
     pub.stage(2, iter([(n, t + 1) for n, t in named]), named)
     assert pub.publish()  # the same replicas: no new join, the group is reused
-    assert pub.epoch == epoch
+    assert pub.membership_epoch == epoch
     assert done.wait(30) and sub.policy_version == 2
     for name, t in named:
         assert torch.equal(engine.weights[name], t + 1)

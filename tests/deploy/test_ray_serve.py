@@ -296,17 +296,17 @@ def test_check_health_surfaces_a_dead_worker(
 ) -> None:
     from contracts.keys import Keys
     from contracts.runtime import StageLoop
-    from reward.service import RewardWorker
+    from reward.service import RewardStage
     from services.ray_serve import RewardHost, WorkerDied
 
     def explode() -> None:
         raise RuntimeError("verifier exploded")
 
     # The worker fails as the skeleton starts it (after the heartbeat, inside the stage loop).
-    def failing_loop(self: RewardWorker) -> StageLoop:
+    def failing_loop(self: RewardStage) -> StageLoop:
         return StageLoop(self.bus.keys.rollouts, start=explode)
 
-    monkeypatch.setattr(RewardWorker, "loop", property(failing_loop))
+    monkeypatch.setattr(RewardStage, "loop", property(failing_loop))
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
     host.thread.join(10)
     with pytest.raises(WorkerDied, match="verifier exploded"):

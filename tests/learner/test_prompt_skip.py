@@ -73,12 +73,12 @@ def issued_rows(bus: StreamBus) -> list[int]:
     return [decode_job(fields).prompt_index for _, fields in rows]
 
 
-def gate(bus: StreamBus, prompt_index: int, acc: list[bool], *, epoch: int = 0) -> None:
+def gate(bus: StreamBus, prompt_index: int, acc: list[bool], *, data_epoch: int = 0) -> None:
     """One scored group of `prompt_index` through the real gatekeeper."""
     job = PromptJob(
-        group_id=f"g-{prompt_index}-{epoch}-{sum(acc)}",
+        group_id=f"g-{prompt_index}-{data_epoch}-{sum(acc)}",
         prompt_index=prompt_index,
-        epoch=epoch,
+        data_epoch=data_epoch,
         prompt_ids=[5],
         ground_truth="2",
         issued_version=0,
@@ -191,14 +191,16 @@ def test_the_gatekeeper_records_each_prompts_groups(bus: StreamBus) -> None:
     gate(bus, 3, [True, True, True, True])  # all right: no signal, filtered, easy
     three = bus.prompt_stats([3])[0]
     assert (three.easy_streak, three.hard_streak) == (1, 0)
-    gate(bus, 3, [False] * 4, epoch=1)  # all wrong: no signal, hard, which ends the easy streak
-    gate(bus, 7, [True, False, False, False], epoch=1)  # kept
+    gate(
+        bus, 3, [False] * 4, data_epoch=1
+    )  # all wrong: no signal, hard, which ends the easy streak
+    gate(bus, 7, [True, False, False, False], data_epoch=1)  # kept
     never, three, seven = bus.prompt_stats([0, 3, 7])
     assert never.seen == 0 and never.pass_rate is None
-    assert (three.seen, three.epoch, three.easy_streak, three.hard_streak) == (2, 1, 0, 1)
+    assert (three.seen, three.data_epoch, three.easy_streak, three.hard_streak) == (2, 1, 0, 1)
     assert three.kept == 0 and three.pass_rate == 0.0
     assert (seven.seen, seven.streak, seven.kept, seven.pass_rate) == (1, 0, 1, 0.25)
-    gate(bus, 3, [True, False, True, True], epoch=2)  # signal again: both streaks restart
+    gate(bus, 3, [True, False, True, True], data_epoch=2)  # signal again: both streaks restart
     assert bus.prompt_stats([3])[0].streak == 0
     assert bus.ledger().filtered == 2 and bus.counters()[Counter.GATEKEEPER_KEPT] == 2
     counters = bus.counters()
@@ -207,7 +209,7 @@ def test_the_gatekeeper_records_each_prompts_groups(bus: StreamBus) -> None:
 
 def test_streaks_of_each_kind_grow_reset_each_other_and_saturate(bus: StreamBus) -> None:
     def record(correct: int, kept: bool = False) -> tuple[int, int]:
-        bus.record_prompt_outcome(5, epoch=0, correct=correct, size=4, kept=kept)
+        bus.record_prompt_outcome(5, data_epoch=0, correct=correct, size=4, kept=kept)
         stats = bus.prompt_stats([5])[0]
         return stats.easy_streak, stats.hard_streak
 
@@ -221,13 +223,13 @@ def test_streaks_of_each_kind_grow_reset_each_other_and_saturate(bus: StreamBus)
 
 
 def test_a_prompt_out_of_range_is_not_recorded(bus: StreamBus) -> None:
-    assert not bus.record_prompt_outcome(MAX_PROMPTS, epoch=0, correct=0, size=4, kept=False)
+    assert not bus.record_prompt_outcome(MAX_PROMPTS, data_epoch=0, correct=0, size=4, kept=False)
     assert bus.prompt_history_bytes() == 0 and bus.prompt_stats([MAX_PROMPTS])[0].seen == 0
 
 
 def test_prompts_without_a_streak_are_never_skipped(bus: StreamBus) -> None:
     for i in range(0, N_PROMPTS, 2):  # half the prompts had signal last time
-        bus.record_prompt_outcome(i, epoch=0, correct=1, size=4, kept=True)
+        bus.record_prompt_outcome(i, data_epoch=0, correct=1, size=4, kept=True)
     f = feeder(bus, PromptSkipConfig(enabled=True), limit=N_PROMPTS)
     assert f.admit(0) == N_PROMPTS  # one epoch, with no zero-advantage streak anywhere
     assert issued_rows(bus) == list(range(N_PROMPTS)) and f.skipped == 0
@@ -238,7 +240,7 @@ def test_a_long_streak_is_skipped_with_the_floors_probability(bus: StreamBus) ->
     skip = PromptSkipConfig(enabled=True, hard_keep_base=0.5, min_keep=0.2)
     for i in range(N_PROMPTS):  # 10 zero-advantage groups in a row: 0.5**10 is below the floor
         for _ in range(10):
-            bus.record_prompt_outcome(i, epoch=0, correct=0, size=8, kept=False)
+            bus.record_prompt_outcome(i, data_epoch=0, correct=0, size=8, kept=False)
     f = feeder(bus, skip)
     assert f.admit(0) == 10_000
     seen = f.cursor  # every position the feeder came to: issued or skipped
@@ -254,7 +256,7 @@ def test_a_long_streak_is_skipped_with_the_floors_probability(bus: StreamBus) ->
 
 def test_a_streak_of_one_keeps_about_half(bus: StreamBus) -> None:
     for i in range(N_PROMPTS):
-        bus.record_prompt_outcome(i, epoch=0, correct=8, size=8, kept=False)
+        bus.record_prompt_outcome(i, data_epoch=0, correct=8, size=8, kept=False)
     f = feeder(bus, PromptSkipConfig(enabled=True, easy_keep_base=0.5, min_keep=0.05))
     f.admit(0)
     p = f.jobs_issued / f.cursor
@@ -264,7 +266,7 @@ def test_a_streak_of_one_keeps_about_half(bus: StreamBus) -> None:
 def test_skipping_off_issues_every_prompt_whatever_its_history(bus: StreamBus) -> None:
     for i in range(N_PROMPTS):
         for _ in range(10):
-            bus.record_prompt_outcome(i, epoch=0, correct=0, size=8, kept=False)
+            bus.record_prompt_outcome(i, data_epoch=0, correct=0, size=8, kept=False)
     for skip in (None, PromptSkipConfig(enabled=False)):
         bus.redis.delete(bus.keys.prompts.stream)
         f = feeder(bus, skip, limit=N_PROMPTS)
@@ -300,14 +302,14 @@ def test_a_restarted_learner_reads_the_same_history_and_decides_the_same(
 def test_jobs_carry_their_epoch_and_a_budget_counts_issued_jobs_only(bus: StreamBus) -> None:
     for i in range(N_PROMPTS):
         for _ in range(3):
-            bus.record_prompt_outcome(i, epoch=0, correct=0, size=8, kept=False)
+            bus.record_prompt_outcome(i, data_epoch=0, correct=0, size=8, kept=False)
     f = feeder(bus, PromptSkipConfig(enabled=True, hard_keep_base=0.5, min_keep=0.1))
     f.max_jobs = 30
     assert f.admit(0) == 30 and f.admit(0) == 0
     assert bus.ledger().issued == 30 < f.cursor
     jobs = [decode_job(fields) for _, fields in bus.redis.xrange(bus.keys.prompts.stream)]
-    assert [j.epoch for j in jobs] == [cursor // N_PROMPTS for cursor in cursors(jobs)]
-    assert max(j.epoch for j in jobs) >= 1  # 30 of 50 at 1/8 each: several passes
+    assert [j.data_epoch for j in jobs] == [cursor // N_PROMPTS for cursor in cursors(jobs)]
+    assert max(j.data_epoch for j in jobs) >= 1  # 30 of 50 at 1/8 each: several passes
 
 
 def cursors(jobs: list[PromptJob]) -> list[int]:
@@ -320,14 +322,14 @@ def test_a_planted_value_where_the_history_belongs_is_skipped_and_replaced(
     bus.redis.hset(bus.keys.prompt_history, "x", "1")
     assert all(s.seen == 0 for s in bus.prompt_stats([0, 1]))
     assert bus.counters()[Counter.BAD_REDIS_VALUES] >= 1
-    assert bus.record_prompt_outcome(1, epoch=0, correct=0, size=4, kept=False)
+    assert bus.record_prompt_outcome(1, data_epoch=0, correct=0, size=4, kept=False)
     assert bus.prompt_stats([1])[0].streak == 1
 
 
 def test_at_equal_streaks_the_feeder_issues_all_wrong_prompts_more_often(bus: StreamBus) -> None:
     for i in range(N_PROMPTS):  # two zero-advantage groups in a row: even all right, odd wrong
         for _ in range(2):
-            bus.record_prompt_outcome(i, epoch=0, correct=8 * (i % 2 == 0), size=8, kept=False)
+            bus.record_prompt_outcome(i, data_epoch=0, correct=8 * (i % 2 == 0), size=8, kept=False)
     skip = PromptSkipConfig(enabled=True)  # the default bases: 0.5 easy, 0.75 hard
     f = feeder(bus, skip, limit=4000)
     assert f.admit(0) == 4000

@@ -148,7 +148,8 @@ def _broadcast_as_learner(
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ann = Announcement(
-        version=version, epoch=version, replicas=("replica-0",), store_host="127.0.0.1",
+        policy_version=version, membership_epoch=version, replicas=("replica-0",),
+        store_host="127.0.0.1",
         store_port=store.port, backend="gloo", timeout_s=timeout_s,
         buckets=plan_buckets(list(params.items()), bucket_mb=1),  # several buckets
     )  # fmt: skip
