@@ -233,7 +233,7 @@ def score_group(
 
 
 def build_stage(cfg: DapoConfig, ctx: ServiceContext) -> RewardStage:
-    """A reward worker as every host builds one (`dapo reward`; Ray Serve's `RewardHost`): the
+    """The reward stage as every host builds it (`dapo reward`; Ray Serve's `RewardHost`): the
     model's tokenizer (overlong shaping counts its tokens), the learner's public key (only jobs
     it signed are scored)."""
     from transformers import AutoTokenizer
