@@ -35,6 +35,7 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from contracts.config import ConfigError, DapoConfig, load_config
 from contracts.runtime import EXIT_BAD_CONFIG
@@ -332,8 +333,12 @@ def _cmd_secrets(args: argparse.Namespace) -> int:
     return 0
 
 
+if TYPE_CHECKING:  # subscriptable for the type checker only
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
 def _service_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    sub: Subcommands,
     name: str,
     help_: str,
     fn: Callable[[argparse.Namespace], int],
@@ -355,7 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dapo", description="DAPO reinforcement learning as services over Redis."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_run(sub)
+    _add_services(sub)
+    _add_planning(sub)
+    _add_assets(sub)
+    _add_deployment(sub)
+    return parser
 
+
+def _add_run(sub: Subcommands) -> None:
+    """`dapo run`: the whole system on this machine."""
     run = _service_parser(
         sub,
         "run",
@@ -399,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model's config.json for the --dry-run budget (default: model.path/config.json)",
     )
 
+
+def _add_services(sub: Subcommands) -> None:
+    """One service of a run each (`dapo rollout`, ...), evaluation, the API, the status."""
     _service_parser(
         sub,
         "rollout",
@@ -440,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = _service_parser(sub, "status", "print the run's status as a table", _cmd_status)
     st.add_argument("--json", action="store_true", help="the raw status JSON instead of a table")
 
+
+def _add_planning(sub: Subcommands) -> None:
+    """Before and beside runs: `dapo plan`, `dapo ablate`."""
     pl = sub.add_parser(
         "plan",
         help="size a cluster before renting it: memory, step time, split, staleness, Redis",
@@ -507,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
 
+
+def _add_assets(sub: Subcommands) -> None:
+    """What runs read: data sets, models, LoRA adapters."""
     data = sub.add_parser("data", help="data utilities")
     dsub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     synth = dsub.add_parser(
@@ -578,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--base", help="the base model folder (default: the adapter's own)")
     merge.set_defaults(fn=_cmd_lora_merge)
 
+
+def _add_deployment(sub: Subcommands) -> None:
+    """What deployments load: Redis users and functions, the sandbox host, secrets."""
     users = sub.add_parser(
         "redis-users",
         help="the Redis users by role (ACL rules), as the deployments' Redis loads them",
@@ -616,7 +642,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     secrets_.add_argument("--k8s", action="store_true", help="kubectl create secret commands")
     secrets_.set_defaults(fn=_cmd_secrets)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
