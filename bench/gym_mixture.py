@@ -14,7 +14,8 @@ rounds credited to the weights that produced them) and its evaluation set (each 
 - the run's per-task training figures from `summary.json` (accuracy, gatekeeper pass rate,
   response length).
 
-Nothing is asserted; figures only. Results go to `bench/results/<date>-gym-mixture.json`.
+Nothing is asserted; figures only. Results go to `bench/results/<date>-gym-mixture.json`, the
+first run's per-task curves beside it (`.svg`).
 
     .venv/bin/python bench/gym_mixture.py [--seeds 1] [--run DIR ...] [overrides...]
 
@@ -41,6 +42,7 @@ from contracts.config import load_config  # noqa: E402
 from contracts.eval_stats import EVAL_ROUNDS_FILE, accuracy_interval, read_rounds  # noqa: E402
 from contracts.tasks import task_label  # noqa: E402
 from learner.evaluation import eval_problems  # noqa: E402
+from services.plots import write_series_svg  # noqa: E402
 
 CONFIG = "configs/smollm2-135m-gym.yaml"
 
@@ -133,7 +135,15 @@ def main() -> int:
                 f"{100 * row['gain']:+.1f} ({100 * row['gain_ci'][0]:+.1f}..."
                 f"{100 * row['gain_ci'][1]:+.1f}) points"
             )
-    save_result("gym-mixture", {"config": CONFIG, "runs": results})
+    saved = save_result("gym-mixture", {"config": CONFIG, "runs": results})
+    first = next(iter(results.values()))["tasks"]
+    series = [
+        (task, [(c["step"], c["acc"]) for c in row["curve"]])
+        for task, row in first.items()
+        if task != "all"
+    ]
+    svg = write_series_svg("held-out avg@k by task", series, saved.with_suffix(".svg"))
+    print(f"curves: {svg}")
     gains = [100 * res["tasks"]["all"]["gain"] for res in results.values()]
     print(f"gym_mixture_gain={statistics.mean(gains):.1f}")
     return 0

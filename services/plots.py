@@ -78,3 +78,17 @@ def write_curves_svg(summary: dict[str, Any], path: Path) -> Path:
     parts.append("</svg>")
     path.write_text("\n".join(parts))
     return path
+
+
+def write_series_svg(
+    title: str, series: list[tuple[str, list[tuple[float, float]]]], path: Path
+) -> Path:
+    """One panel of up to three named curves (x: step): a bench's per-task accuracy."""
+    w, h = 520, 260
+    body = _panel(title, series[: len(COLORS)], 60, 40, w, h)
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 100}" height="{h + 80}" '
+        'font-family="sans-serif">' + "".join(body) + "</svg>\n"
+    )
+    path.write_text(svg)
+    return path
