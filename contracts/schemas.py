@@ -389,20 +389,22 @@ def check_job_signature(group: RolloutGroup, key: WeightKey) -> None:
 
 
 def job_signed(fields: dict[bytes, bytes], key: WeightKey) -> bool | None:
-    """Whether a job or group's stream fields carry a job the learner signed: False for one that
-    does not decode (no job of ours fails to), None for a kind that carries no job (an
-    evaluation result). How a dead letter tells the run's own entries from planted ones."""
+    """Whether a job or group's stream fields carry a job the learner signed; None for a kind
+    that carries no job (an evaluation result). How a dead letter tells the run's own entries
+    from planted ones. Only the job is read (the rest may be what failed to decode, or a
+    message of another schema version from the run's own learner); a job that is not there, or
+    not valid, or not signed, is not the run's."""
     kind = fields.get(b"kind")
     if kind == b"eval":
         return None
     try:
-        if kind == b"job":
-            job = decode_job(fields)
-        elif kind in (b"group", b"scored"):
-            job = (decode_group if kind == b"group" else decode_scored_group)(fields).job
-        else:
+        meta = parse_json(fields[b"meta"], "meta")
+        raw_job = meta if kind == b"job" else meta["job"]  # type: ignore[index]
+        if not isinstance(raw_job, dict):
             return False
-    except SchemaError:
+        prompt_ids = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
+        job = PromptJob.model_validate({**raw_job, "prompt_ids": prompt_ids})
+    except (KeyError, TypeError, ValueError):  # SchemaError and ValidationError are ValueErrors
         return False
     return signature_holds(key, job_message(job), job.sig or None)
 

@@ -140,8 +140,17 @@ def test_a_planted_entry_that_does_not_decode_is_poison_not_one_of_ours_that_die
     snap = bus.ledger()
     assert (snap.issued, snap.dead, snap.balanced) == (1, 0, True)
     assert bus.counters()[Counter.POISON_MESSAGES] == 3
+    # A group of a job the learner signed, written in a schema version this reader does not
+    # speak (a producer of another release): the run's own, counted dead.
+    other_version = encode_group(issued)
+    other_version.update(v=b"99")
+    bus.redis.xadd(stream, other_version)
+    [(entry_id, fields)] = bus.read(bus.keys.scored, count=1, block_ms=10)
+    assert bus.dead_letter(bus.keys.scored, entry_id, fields, "gatekeeper: schema version")
+    assert bus.ledger().dead == 1
+    bus.redis.hincrby(bus.keys.ledger, "issued", 1)  # as its producer counted it
     # The issued job dies where the replica reads it: one of ours, counted dead.
     [(entry_id, fields)] = bus.read(bus.keys.prompts, count=1, block_ms=10)
     assert bus.dead_letter(bus.keys.prompts, entry_id, fields, "rollout: bad")
     snap = bus.ledger()
-    assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (1, 1, 0, True)
+    assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (2, 2, 0, True)

@@ -15,11 +15,19 @@ import redis
 
 from contracts.bus import StreamBus, connect
 from contracts.keys import Keys
-from contracts.schemas import encode_group
+from contracts.schemas import RolloutGroup, encode_group, sign_job
 from services.redis_server import RedisServer
 from services.status import run_status
 from tests.contracts.test_schemas import make_group
-from tests.helpers import finish, judged, learner_step, pid_of, start_run, wait_for
+from tests.helpers import (
+    WEIGHTS_KEY,
+    finish,
+    judged,
+    learner_step,
+    pid_of,
+    start_run,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
 
@@ -53,6 +61,11 @@ def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
     assert sum(v for k, v in restarted.items() if k.startswith("rollout")) == 1
 
 
+def signed(group: RolloutGroup) -> RolloutGroup:
+    """The group of a job the run's learner signed (its key is the tests' own)."""
+    return group.model_copy(update={"job": sign_job(group.job, WEIGHTS_KEY)})
+
+
 def test_poison_messages_are_dead_lettered_and_the_run_goes_on(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis", appendonly=True) as server:
         r = redis.Redis.from_url(server.url)
@@ -62,11 +75,12 @@ def test_poison_messages_are_dead_lettered_and_the_run_goes_on(tmp_path: Path) -
         keys = bus.keys
         # 1. Undecodable bytes with no group id: poison, not a ledger entry.
         r.xadd(keys.prompts.stream, {"junk": b"\xff\x00\xfe"})
-        # 2. A group from a producer speaking another schema version (counted as issued by it).
-        wrong = encode_group(make_group())
+        # 2. A group from a producer speaking another schema version (counted as issued by it):
+        # its job is the run's learner's, signed, so it dies as one of the run's.
+        wrong = encode_group(signed(make_group()))
         wrong.update(v=b"99", group_id=b"poison-version")
-        # 3. A scored group that lost a response on the way.
-        short = encode_group(judged(make_group()))
+        # 3. A scored group of a signed job that lost a response on the way.
+        short = encode_group(judged(signed(make_group())))
         meta = json.loads(short["meta"])
         meta["responses"].pop()
         short.update(meta=json.dumps(meta).encode(), group_id=b"poison-short")
