@@ -4,7 +4,7 @@ In docker-compose and Kubernetes each stage that runs untrusted code (the rollou
 tools, the reward workers' checkers) has a sandbox container beside it: the same image, another
 uid, no secret in its environment, no network (compose: `network_mode: none`; Kubernetes: a
 pod shares its network, so the workers' own seccomp and Landlock layers refuse it). This process
-runs there (`dapo sandbox-host`, or `python -m sandbox.host`) and listens on a Unix socket in a
+runs there (`dapo sandbox-host`) and listens on a Unix socket in a
 volume the two containers share. The stage's `sandbox.pool.Sandbox` connects to it when
 `DAPO_SANDBOX_SOCKET` names the socket, one connection per worker; for each, this host starts a
 worker here exactly as the pool does locally (`sandbox.pool.LocalWorker`: `python -I`, a private
@@ -20,23 +20,18 @@ which is what the sandbox is for), nor fairness between callers beyond `max_work
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import select
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
-if __name__ == "__main__":  # run as a script: make `sandbox` importable (the project root)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from sandbox.frames import FrameError, FrameReader, FrameTimeout, encode
+from sandbox.frames import MAX_FRAME_BYTES, FrameError, FrameReader, FrameTimeout, encode
 from sandbox.pool import (
     HOST_SOCKET_ENV,
     LocalWorker,
@@ -50,6 +45,9 @@ SOCKET_ENV: Final = HOST_SOCKET_ENV
 """The socket a stage's sandboxes connect to; unset: workers are local processes."""
 HELLO_TIMEOUT_S: Final = 30.0
 """How long a connection may take to send its worker's hello."""
+RELAY_BUFFER_BYTES: Final = 4 * MAX_FRAME_BYTES
+"""Bytes a relay holds for a side that does not read (a frame is at most `MAX_FRAME_BYTES`):
+past it the session ends and its worker is killed."""
 
 
 class SandboxHost:
@@ -102,6 +100,9 @@ class SandboxHost:
         return sorted(self._pids)
 
     def stop(self) -> None:
+        """Stop accepting (idempotent); sessions in progress end with their workers."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._listener.close()
         Path(self.socket_path).unlink(missing_ok=True)
@@ -137,53 +138,45 @@ class SandboxHost:
             self._active.release()
 
 
-def _relay(conn: socket.socket, worker: LocalWorker, hello: bytes) -> None:
-    """Bytes both ways until either side closes: the caller's frames to the worker's stdin, the
-    worker's stdout to the caller (who bounds what it reads, as from a local worker)."""
+def _relay(conn: socket.socket, worker: LocalWorker, first: bytes) -> None:
+    """Bytes both ways until either side closes or stalls past `RELAY_BUFFER_BYTES`: the
+    caller's frames to the worker's stdin, the worker's stdout to the caller (who bounds what it
+    reads, as from a local worker). Nothing here blocks on one side: a worker that stops reading
+    its stdin must not keep the relay from seeing the caller give up (which kills the worker)."""
     assert worker.proc.stdout is not None
-    out = worker.proc.stdout.fileno()
-    os.set_blocking(worker.stdin.fileno(), True)  # a relay thread of its own may wait
-    worker.stdin.write(hello)
-    worker.stdin.flush()
-    caller = conn.fileno()
-    while True:
-        readable, _, _ = select.select([caller, out], [], [])
+    caller, out, into = conn.fileno(), worker.proc.stdout.fileno(), worker.stdin.fileno()
+    conn.setblocking(False)  # the worker's stdin is non-blocking already (LocalWorker)
+    to_worker, to_caller = bytearray(first), bytearray()
+    while len(to_worker) <= RELAY_BUFFER_BYTES and len(to_caller) <= RELAY_BUFFER_BYTES:
+        writers = [fd for fd, pending in ((into, to_worker), (caller, to_caller)) if pending]
+        readable, writable, _ = select.select([caller, out], writers, [])
         if caller in readable:
             data = conn.recv(1 << 16)
             if not data:
                 return  # the caller gave up: the worker is killed
-            worker.stdin.write(data)
-            worker.stdin.flush()
+            to_worker += data
         if out in readable:
             data = os.read(out, 1 << 16)
             if not data:
                 return  # the worker is gone: the caller sees its connection close
-            conn.sendall(data)
+            to_caller += data
+        for fd, pending in ((into, to_worker), (caller, to_caller)):
+            if fd in writable:
+                with contextlib.suppress(BlockingIOError):
+                    del pending[: os.write(fd, pending)]
+    log.warning("sandbox session ended: over %d bytes waiting in the relay", RELAY_BUFFER_BYTES)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="dapo sandbox-host",
-        description="Start sandbox workers for the stages of other containers, over a Unix "
-        "socket (their DAPO_SANDBOX_SOCKET).",
-    )
-    parser.add_argument("--socket", required=True, help="the Unix socket to listen on")
-    parser.add_argument("--max-workers", type=int, default=64, help="connections served at once")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox-host %(message)s")
-    host = SandboxHost(args.socket, max_workers=args.max_workers)
+def serve(socket_path: str, *, max_workers: int = 64) -> int:
+    """`dapo sandbox-host`: serve until SIGTERM or Ctrl-C."""
     import signal
 
+    host = SandboxHost(socket_path, max_workers=max_workers)
     signal.signal(signal.SIGTERM, lambda *_: host.stop())
     try:
         host.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        if not host._stop.is_set():
-            host.stop()
+        host.stop()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -294,9 +294,9 @@ def _cmd_redis_functions(args: argparse.Namespace) -> int:
 
 
 def _cmd_sandbox_host(args: argparse.Namespace) -> int:
-    from sandbox.host import main
+    from sandbox.host import serve
 
-    return main(["--socket", args.socket, "--max-workers", str(args.max_workers)])
+    return serve(args.socket, max_workers=args.max_workers)
 
 
 def _cmd_secrets(args: argparse.Namespace) -> int:

@@ -173,3 +173,9 @@ def environment(args: str) -> str:
 
 def working_directory(args: str) -> str:
     return os.getcwd()
+
+
+def hang_at_load(args: str) -> object:
+    """A factory that never returns: the worker stops reading its stdin while loading."""
+    time.sleep(3600)
+    return echo

@@ -1,0 +1,41 @@
+"""The sandbox host's relay (`sandbox/host.py`), spoken to as a hostile or impatient caller."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox.frames import encode
+from sandbox.host import SandboxHost
+
+
+def test_a_caller_that_gives_up_on_a_stalled_worker_gets_it_killed(
+    workers_from: SandboxHost | None,
+) -> None:
+    """The worker stops reading its stdin (it hangs while loading) while the caller sends more
+    than the pipe holds, then closes: the relay must not block on the stalled pipe, so it sees
+    the caller go and kills the worker."""
+    if workers_from is None:
+        pytest.skip("the relay exists only between a caller and a sandbox host")
+    hello = {
+        "function": "tests.sandbox.hostile:hang_at_load",
+        "paths": [str(Path(__file__).resolve().parents[2])],
+        "factory_args": "",
+    }
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.settimeout(10)  # a relay that stops reading fails the test, not hangs it
+    caller.connect(workers_from.socket_path)
+    caller.sendall(encode(hello))
+    deadline = time.monotonic() + 10
+    while not workers_from.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers_from.pids(), "no worker started"
+    caller.sendall(encode({"args": "x" * 500_000, "id": "1"}) * 2)  # 1 MB: past the pipe
+    caller.close()
+    deadline = time.monotonic() + 10
+    while workers_from.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers_from.pids() == [], "the stalled worker outlived its caller"
