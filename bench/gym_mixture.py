@@ -63,7 +63,7 @@ def run_seed(seed: int, out: Path, overrides: list[str]) -> Path:
         f"learner.seed={seed}",
         *overrides,
     ]
-    subprocess.run(cmd, cwd=REPO, check=True)
+    subprocess.run(cmd, cwd=REPO, check=True, timeout=7200)  # a run takes about 30 min
     return run_dir
 
 

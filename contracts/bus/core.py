@@ -44,7 +44,8 @@ class BusCore:
         """The same streams and connection, read under another consumer name (the learner's
         drain reads undelivered jobs without taking over its own pending entries)."""
         other = type(self)(self.redis, self.keys, consumer)
-        other.fence, other.job_key = self.fence, self.job_key
+        # One connection, one server: the scripts (and what they learned of it) are shared.
+        other.fence, other.job_key, other.scripts = self.fence, self.job_key, self.scripts
         return other
 
     def hold_fence(self, token: str, ttl_s: float) -> None:

@@ -80,7 +80,9 @@ def load_library(client: redis.Redis) -> None:
     client.function_load(library_code(), replace=True)
 
 
-def server_major_version(client: redis.Redis) -> int:
+def connected_major_version(client: redis.Redis) -> int:
+    """The major version of the server `client` is connected to (INFO, which every role may
+    ask); `services.redis_server.server_major_version` asks a binary instead."""
     version = str(client.info("server")["redis_version"])
     return int(version.split(".")[0])
 
@@ -119,7 +121,7 @@ class BusScripts:
 
     def _uses_functions(self) -> bool:
         if self._functions is None:
-            self._functions = server_major_version(self.client) >= 7
+            self._functions = connected_major_version(self.client) >= 7
         return self._functions
 
     def _fcall(self, name: str, argv: list[Any]) -> Any:
