@@ -81,7 +81,8 @@ def publication_extra_mib(trainer: Any, cfg: Any, rank: int) -> dict[str, float]
     publisher = None
     if rank == 0:  # staging needs no Redis; publish() (not called here) does
         publisher = WeightPublisher(
-            None,
+            run_state=None,
+            telemetry=None,
             host="127.0.0.1",
             backend="gloo",
             timeout_s=60,  # type: ignore[arg-type]

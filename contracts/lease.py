@@ -36,7 +36,8 @@ import time
 
 import redis
 
-from contracts.bus import FencedError, StreamBus
+from contracts.bus import FencedError
+from contracts.bus.core import BusCore
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class LeaseHeldError(RuntimeError):
 class LearnerLease:
     """The lease of one learner process (rank 0). `token` is '' until `acquire` succeeds."""
 
-    def __init__(self, bus: StreamBus, *, holder: str, ttl_s: float) -> None:
+    def __init__(self, bus: BusCore, *, holder: str, ttl_s: float) -> None:
         self.bus, self.holder, self.ttl_s = bus, holder, ttl_s
         self.key = bus.keys.learner_lease
         self.token = ""

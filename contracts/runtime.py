@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import redis
 
-from contracts.bus import Entry, StreamBus, is_oom, open_bus
+from contracts.bus import Entry, StreamBus, Telemetry, Transport, is_oom, open_bus
 from contracts.bus.roles import consumed_stages
 from contracts.config import ConfigError, DapoConfig, QueueConfig
 from contracts.keys import Stage
@@ -138,7 +138,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        bus: StreamBus,
+        telemetry: Telemetry,
         kind: str,
         inst: str,
         ttl_s: float,
@@ -147,8 +147,8 @@ class Heartbeat:
         # A heartbeat must not pause when Redis is at maxmemory (the instance would look dead
         # after ttl_s): this client fails instead, and a refused SET falls back to PEXPIRE, which
         # Redis still accepts, so the last status stays visible.
-        self.client = redis.Redis(connection_pool=bus.redis.connection_pool)
-        self.key, self.ttl_s = bus.keys.heartbeat(kind, inst), ttl_s
+        self.client = redis.Redis(connection_pool=telemetry.redis.connection_pool)
+        self.key, self.ttl_s = telemetry.keys.heartbeat(kind, inst), ttl_s
         self.base = {
             "kind": kind,
             "id": inst,
@@ -228,7 +228,7 @@ class StageFailing(RuntimeError):
 
 
 def run_stage_loop(
-    bus: StreamBus,
+    transport: Transport,
     loop: StageLoop,
     handle: Callable[[list[Entry]], None],
     *,
@@ -250,7 +250,7 @@ def run_stage_loop(
             if time.monotonic() - last_reclaim > loop.reclaim_every_s:
                 last_reclaim = time.monotonic()
                 # A consumer whose heartbeat is gone loses its entries without the claim timeout.
-                entries = bus.reclaim(
+                entries = transport.reclaim(
                     stage,
                     min_idle_s=queue.claim_idle_s,
                     max_deliveries=queue.max_deliveries,
@@ -259,10 +259,10 @@ def run_stage_loop(
                 )
             if not entries:
                 block_ms = queue.block_ms if loop.block else None
-                entries = bus.read(stage, count=batch, block_ms=block_ms)
+                entries = transport.read(stage, count=batch, block_ms=block_ms)
             if entries:
                 ids = [entry_id for entry_id, _ in entries]
-                with bus.claims_kept(stage, ids, every_s=queue.claim_idle_s / 3):
+                with transport.claims_kept(stage, ids, every_s=queue.claim_idle_s / 3):
                     handle(entries)
                 failed_in_a_row = 0
             elif loop.idle is not None:
@@ -313,6 +313,7 @@ class ServiceContext:
     kind: str
     inst: str
     bus: StreamBus
+    """The whole bus: the stage's factory hands the stage only the parts it uses."""
     stop: StopFlag
     beating: Heartbeat | None = None
 

@@ -49,7 +49,7 @@ from contracts.config import ConfigError
 from contracts.signing import WeightKey, sign, signature_holds
 
 if TYPE_CHECKING:
-    from contracts.bus import StreamBus
+    from contracts.bus.hygiene import RedisHygiene
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +466,7 @@ class WeightChannel:
     stream (`Keys.weights`), each sync's join set and its go/abort decision. Writes go through
     the bus's fence, so a learner that lost its lease cannot announce."""
 
-    def __init__(self, bus: StreamBus, key: WeightKey) -> None:
+    def __init__(self, bus: RedisHygiene, key: WeightKey) -> None:
         """`key`: the learner's private key (it announces and decides), or a replica's public
         key (it verifies only)."""
         self.bus, self.key = bus, key

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from contracts.bus import Entry, Fields, StreamBus
+from contracts.bus import Entry, Fields, RunState, Transport
 from contracts.keys import LEDGER_STALE, LEDGER_TRAINED, Counter, RunField
 from contracts.runtime import StopFlag
 from contracts.schemas import (
@@ -103,9 +103,10 @@ class StreamSource:
 
     def __init__(
         self,
-        bus: StreamBus,
         feeder: PromptFeeder,
         *,
+        transport: Transport,
+        run_state: RunState,
         batch_groups: int,
         max_staleness: int,
         max_deliveries: int,
@@ -117,7 +118,10 @@ class StreamSource:
         budget_s: float = 5.0,
         drain_timeout_s: float = 120.0,
     ) -> None:
-        self.bus, self.feeder, self.stop, self.catch_up = bus, feeder, stop, catch_up
+        # The parts of the bus it touches: `transport` (the train stream and the ledger) and
+        # `run_state` (the data cursor, the ids already trained).
+        self.transport, self.run_state = transport, run_state
+        self.feeder, self.stop, self.catch_up = feeder, stop, catch_up
         self.vocab_size = vocab_size
         """Rows of the model's embedding: token ids must be below it (`check_vocabulary`)."""
         self.sizes = sizes
@@ -149,8 +153,8 @@ class StreamSource:
         the one Redis recorded later, and the ledger's count of training jobs issued (which the
         same script that issues them moves, so it is never behind, even when the learner died
         between issuing and recording its cursor, or the recorded cursor is garbage)."""
-        recorded = self.bus.run_int(RunField.DATA_CURSOR)
-        issued = self.bus.ledger().issued
+        recorded = self.run_state.run_int(RunField.DATA_CURSOR)
+        issued = self.transport.ledger().issued
         self.feeder.cursor = max(checkpoint_cursor, recorded, issued)
         # Without skipping every cursor position was issued, so the checkpoint's cursor also
         # bounds what a sample budget has spent when Redis lost the ledger.
@@ -200,26 +204,30 @@ class StreamSource:
         if len(self.pending) < self.batch_groups:
             return False
         # In issue order: the pending entries are the only training jobs left in the streams.
-        return not self.in_issue_order or self.bus.ledger().train_in_flight <= len(self.pending)
+        return not self.in_issue_order or self.transport.ledger().train_in_flight <= len(
+            self.pending
+        )
 
     def _receive(self, policy_version: int) -> None:
-        stage = self.bus.keys.train
+        stage = self.transport.keys.train
         # In issue order the source keeps reading past a full hand (an earlier-issued group may
         # still come); the stream holds at most a round's jobs, which admission bounds.
         wanted = self.batch_groups if self.in_issue_order else self.batch_groups - len(self.pending)
-        entries = self.orphans or self.bus.read(stage, count=wanted, block_ms=200)
+        entries = self.orphans or self.transport.read(stage, count=wanted, block_ms=200)
         self.orphans = []
         for entry_id, fields in entries:
             try:
                 picked = Picked(entry_id, self._decode(fields))
             except SchemaError as exc:
-                self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
+                self.transport.dead_letter(stage, entry_id, fields, f"learner: {exc}")
                 continue
             if self.job_key is not None:
                 try:
                     check_job_signature(picked.group, self.job_key)
                 except SchemaError as exc:  # not one of our jobs: the ledger never counted it
-                    self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}", foreign=True)
+                    self.transport.dead_letter(
+                        stage, entry_id, fields, f"learner: {exc}", foreign=True
+                    )
                     continue
             if self._stale(picked, policy_version):
                 self._drop([entry_id])
@@ -238,11 +246,14 @@ class StreamSource:
 
     def _drop(self, entry_ids: Sequence[str]) -> None:
         for entry_id in entry_ids:
-            self.bus.hop(self.bus.keys.train, entry_id, outcome=LEDGER_STALE)
+            self.transport.hop(self.transport.keys.train, entry_id, outcome=LEDGER_STALE)
 
     def _take_over_pending(self) -> list[Entry]:
-        taken = self.bus.reclaim(
-            self.bus.keys.train, min_idle_s=0.0, max_deliveries=self.max_deliveries, count=100_000
+        taken = self.transport.reclaim(
+            self.transport.keys.train,
+            min_idle_s=0.0,
+            max_deliveries=self.max_deliveries,
+            count=100_000,
         )
         if taken:
             log.info("took over %d groups a previous learner had not trained", len(taken))
@@ -252,31 +263,31 @@ class StreamSource:
     def account(self, picked: Sequence[Picked]) -> None:
         """Count trained groups in the ledger; a group id seen before is counted as a duplicate."""
         for p in picked:
-            self.bus.hop(self.bus.keys.train, p.entry_id, outcome=LEDGER_TRAINED)
-            if not self.bus.mark_trained_id(p.group.job.group_id):
-                self.bus.incr(Counter.TRAINED_TWICE)
+            self.transport.hop(self.transport.keys.train, p.entry_id, outcome=LEDGER_TRAINED)
+            if not self.run_state.mark_trained_id(p.group.job.group_id):
+                self.transport.incr(Counter.TRAINED_TWICE)
                 log.error("group %s was trained twice", p.group.job.group_id)
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {"data_cursor": self.feeder.cursor, "ledger": self.bus.ledger().as_dict()}
+        return {"data_cursor": self.feeder.cursor, "ledger": self.transport.ledger().as_dict()}
 
     def reset_after_data_loss(self) -> None:
         """Redis lost the streams: what was in hand is gone from the ledger too;
         re-record the cursor."""
         self.pending, self.orphans = [], []
-        self.bus.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
+        self.run_state.update_run_info({RunField.DATA_CURSOR: self.feeder.cursor})
 
     # --- the end of a completed run ------------------------------------------------------------
     def drain(self) -> None:
         """Stop issuing and account for every training job still in flight (counted `stale`).
         Evaluation jobs are left to run: the evaluation lane waits for them."""
-        keys, deadline = self.bus.keys, time.monotonic() + self.drain_timeout_s
+        keys, deadline = self.transport.keys, time.monotonic() + self.drain_timeout_s
         self._drop(
             [p.entry_id for p in self.pending]
             + [eid for eid, _ in [*self.orphans, *self._take_over_pending()]]
         )
         self.pending, self.orphans = [], []
-        drainer = self.bus.as_consumer(f"{self.bus.consumer}-drain")
+        drainer = self.transport.as_consumer(f"{self.transport.consumer}-drain")
         for entry_id, fields in drainer.read(
             keys.prompts, count=1_000_000, block_ms=None
         ):  # undelivered jobs
@@ -285,15 +296,17 @@ class StreamSource:
             else:
                 drainer.hop(keys.prompts, entry_id, outcome=LEDGER_STALE)
         while time.monotonic() < deadline:
-            self._drop([eid for eid, _ in self.bus.read(keys.train, count=1000, block_ms=100)])
-            if self.bus.ledger().train_in_flight == 0:
+            self._drop(
+                [eid for eid, _ in self.transport.read(keys.train, count=1000, block_ms=100)]
+            )
+            if self.transport.ledger().train_in_flight == 0:
                 break
             self.catch_up()  # a replica waiting for weights must not hold jobs forever
-        ledger = self.bus.ledger()
+        ledger = self.transport.ledger()
         if ledger.train_in_flight:
             log.warning(
                 "drain timed out with %d jobs in flight; stream depths %s",
                 ledger.train_in_flight,
-                self.bus.depths(),
+                self.transport.depths(),
             )
         log.info("drained: %s", ledger.as_dict())

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from contracts.bus import StreamBus
+from contracts.bus import RunState, Telemetry
 from contracts.keys import Counter, RunField
 from contracts.lease import LearnerLease
 from contracts.runtime import Heartbeat
@@ -82,17 +82,21 @@ class RunControl:
 
     def __init__(
         self,
-        bus: StreamBus,
         *,
+        run_state: RunState,
+        telemetry: Telemetry,
         run_name: str,
         instance: str,
         heartbeat_ttl_s: float,
         lease: LearnerLease | None = None,
     ) -> None:
-        self.bus, self.run_name, self.instance, self.lease = bus, run_name, instance, lease
+        # The parts of the bus it touches: `run_state` (state, policy version, run info, control
+        # requests) and `telemetry` (its heartbeat, counters).
+        self.run_state, self.telemetry = run_state, telemetry
+        self.run_name, self.instance, self.lease = run_name, instance, lease
         self._status: Callable[[], dict[str, Any]] = dict
         self.heartbeat = Heartbeat(
-            bus, "learner", instance, heartbeat_ttl_s, lambda: self._status()
+            telemetry, "learner", instance, heartbeat_ttl_s, lambda: self._status()
         )
 
     def start(self, status: Callable[[], dict[str, Any]]) -> None:
@@ -100,31 +104,31 @@ class RunControl:
         later means Redis lost the run's state."""
         self._status = status
         self.heartbeat.start()
-        self.bus.update_run_info(
+        self.run_state.update_run_info(
             {RunField.RUN_NAME: self.run_name, RunField.ALIVE_MARKER: self.instance}
         )
 
     def announce(self, state: str, progress: Progress) -> None:
-        self.bus.set_learner_state(
+        self.run_state.set_learner_state(
             state, step=progress.step, policy_version=progress.policy_version
         )
 
     def published_policy_version(self) -> int:
-        return self.bus.policy_version()
+        return self.run_state.policy_version()
 
     def set_policy_version(self, progress: Progress) -> None:
-        self.bus.set_policy_version(progress.policy_version)
+        self.run_state.set_policy_version(progress.policy_version)
 
     def take_request(self) -> Command | None:
         """The operator request to carry out now: restore, then checkpoint (both taken once),
         then pause (stays set until POST /resume removes it)."""
-        requests = self.bus.control_requests()
+        requests = self.run_state.control_requests()
         restore, checkpoint = requests.get("restore"), requests.get("checkpoint")
         if isinstance(restore, RestoreRequest):
-            self.bus.clear_control(restore.kind)
+            self.run_state.clear_control(restore.kind)
             return Restore(restore.step)
         if isinstance(checkpoint, CheckpointRequest):
-            self.bus.clear_control(checkpoint.kind)
+            self.run_state.clear_control(checkpoint.kind)
             return SaveCheckpoint(keep=checkpoint.keep)
         if isinstance(requests.get("pause"), PauseRequest):
             return Pause()
@@ -134,30 +138,30 @@ class RunControl:
         """Detect Redis having lost the run's state (restarted without AOF, or flushed): the
         marker written at start is gone. The loss is recorded in run info and the counters, never
         hidden; the queued work is gone with it, and the ledger restarts from zero."""
-        if self.bus.run_field(RunField.ALIVE_MARKER) is not None:
+        if self.run_state.run_field(RunField.ALIVE_MARKER) is not None:
             return False
         log.error(
             "Redis lost the run's state (queued groups and ledger are gone); continuing "
             "from step %d",
             progress.step,
         )
-        self.bus.ensure_groups()
-        self.bus.update_run_info(
+        self.run_state.ensure_groups()
+        self.run_state.update_run_info(
             {
                 RunField.RUN_NAME: self.run_name,
                 RunField.ALIVE_MARKER: self.instance,
                 RunField.REDIS_DATA_LOST_AT: time.time(),
             }
         )
-        self.bus.set_policy_version(progress.policy_version)
-        self.bus.incr(Counter.REDIS_DATA_LOSS)
+        self.run_state.set_policy_version(progress.policy_version)
+        self.telemetry.incr(Counter.REDIS_DATA_LOSS)
         return True
 
     def record(self, fields: RunInfo) -> None:
-        self.bus.update_run_info(fields)
+        self.run_state.update_run_info(fields)
 
     def count(self, counter: Counter) -> None:
-        self.bus.incr(counter)
+        self.telemetry.incr(counter)
 
     def check_lease(self) -> None:
         """Raise `FencedError` when another learner holds the lease (before a checkpoint: the

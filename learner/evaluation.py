@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from contracts.bus import Entry, StreamBus
+from contracts.bus import Entry, RunState, Transport
 from contracts.config import DapoConfig
 from contracts.data import PromptRecord, encode_prompt
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round, accuracy_interval
@@ -160,9 +160,10 @@ class EvalLane:
 
     def __init__(
         self,
-        bus: StreamBus,
         prompts: list[tuple[list[int], str, str]],
         *,
+        transport: Transport,
+        run_state: RunState,
         run_name: str,
         samples: int,
         max_deliveries: int,
@@ -176,8 +177,10 @@ class EvalLane:
         where each round's per-problem record is appended (None: nowhere); job_key: the learner's
         key, which signs every job (`PromptJob.sig`; None: unsigned)."""
         self.job_key = job_key
-        self.bus, self.prompts, self.run_name, self.samples, self.catch_up = (
-            bus,
+        # The parts of the bus it touches: `transport` (rounds out as jobs, results in from the
+        # evaluation lane) and `run_state` (the rounds already reported).
+        self.transport, self.run_state = transport, run_state
+        self.prompts, self.run_name, self.samples, self.catch_up = (
             prompts,
             run_name,
             samples,
@@ -193,17 +196,17 @@ class EvalLane:
         self.finished: set[int] = set()
         # Only one learner runs at a time: results pending in the stream were held by a previous
         # incarnation for rounds it had not finished. Take them over.
-        self.taken_over: list[Entry] = bus.reclaim(
-            bus.keys.evals, min_idle_s=0.0, max_deliveries=max_deliveries, count=1_000_000
+        self.taken_over: list[Entry] = transport.reclaim(
+            transport.keys.evals, min_idle_s=0.0, max_deliveries=max_deliveries, count=1_000_000
         )
         # Every round reported is in the run's history: with none there, what the file holds is
         # an earlier run's.
-        if rounds_path is not None and not bus.eval_history():
+        if rounds_path is not None and not run_state.eval_history():
             rounds_path.unlink(missing_ok=True)
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.rounds) or self.bus.ledger().eval_in_flight > 0
+        return bool(self.rounds) or self.transport.ledger().eval_in_flight > 0
 
     def published(self, progress: Progress, rl_seconds: float) -> None:
         self.publications[progress.policy_version] = (progress.step, rl_seconds)
@@ -236,7 +239,7 @@ class EvalLane:
             )
             for i, (ids, truth, source) in enumerate(self.prompts)
         ]
-        self.bus.issue(jobs, evaluation=True)
+        self.transport.issue(jobs, evaluation=True)
         self.issued_at[progress.policy_version] = time.monotonic()
         log.info(
             "evaluation of step %d (policy version %d) issued: %d problems x %d samples",
@@ -248,7 +251,8 @@ class EvalLane:
 
     def poll(self) -> list[RoundReport]:
         entries, self.taken_over = (
-            self.taken_over + self.bus.read(self.bus.keys.evals, count=100_000, block_ms=None),
+            self.taken_over
+            + self.transport.read(self.transport.keys.evals, count=100_000, block_ms=None),
             [],
         )
         for entry_id, fields in entries:
@@ -275,11 +279,11 @@ class EvalLane:
             time.sleep(0.1)
 
     def _add(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
-        stage = self.bus.keys.evals
+        stage = self.transport.keys.evals
         try:
             result = decode_eval_result(fields)
         except SchemaError as exc:
-            self.bus.dead_letter(stage, entry_id, fields, f"learner: {exc}")
+            self.transport.dead_letter(stage, entry_id, fields, f"learner: {exc}")
             return
         version = result.tag.policy_version
         rnd = (
@@ -290,7 +294,7 @@ class EvalLane:
         if (
             rnd is None or result.tag.problem in rnd.results
         ):  # a stray of a round reported, or a duplicate
-            self.bus.hop(stage, entry_id, outcome=LEDGER_EVALUATED)
+            self.transport.hop(stage, entry_id, outcome=LEDGER_EVALUATED)
             return
         rnd.results[result.tag.problem] = result
         rnd.entry_ids.append(entry_id)
@@ -298,12 +302,12 @@ class EvalLane:
     def _lane_quiet(self) -> bool:
         """Every evaluation job still in flight is a result held here: nothing more will come."""
         held = sum(len(r.entry_ids) for r in self.rounds.values())
-        return self.bus.ledger().eval_in_flight == held
+        return self.transport.ledger().eval_in_flight == held
 
     def _finish(self, version: int) -> RoundReport:
         rnd = self.rounds.pop(version)
         for entry_id in rnd.entry_ids:
-            self.bus.hop(self.bus.keys.evals, entry_id, outcome=LEDGER_EVALUATED)
+            self.transport.hop(self.transport.keys.evals, entry_id, outcome=LEDGER_EVALUATED)
         self.finished.add(version)
         metrics = rnd.metrics(self.issued_at.pop(version, None))
         metrics |= eval_task_metrics(self._task_outcomes(rnd))
@@ -393,10 +397,12 @@ def eval_problems(cfg: DapoConfig) -> tuple[list[PromptRecord], Overlap]:
 
 
 def eval_lane(
-    bus: StreamBus,
     cfg: DapoConfig,
     tokenizer: Any,
     catch_up: Callable[[], None],
+    *,
+    transport: Transport,
+    run_state: RunState,
     job_key: SigningKey | None = None,
 ) -> Evaluations:
     """Rank 0's lane over `data.eval_path`'s distinct problems, or none without an eval set."""
@@ -412,8 +418,9 @@ def eval_lane(
         for p in problems
     ]
     return EvalLane(
-        bus,
         prompts,
+        transport=transport,
+        run_state=run_state,
         run_name=cfg.run_name,
         samples=cfg.eval.samples_per_problem,
         max_deliveries=cfg.queue.max_deliveries,

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from contracts.bus import StreamBus, pass_rate
+from contracts.bus import PromptHistory, RunState, Telemetry, Transport, pass_rate
 from contracts.config import PromptSkipConfig
 from contracts.data import PromptRecord, encode_prompt
 from contracts.keys import Counter, RunField
@@ -114,10 +114,13 @@ def skip_draw(seed: int, cursor: int) -> float:
 class PromptFeeder:
     def __init__(
         self,
-        bus: StreamBus,
         records: list[PromptRecord],
         tokenizer: Any,
         *,
+        transport: Transport,
+        run_state: RunState,
+        telemetry: Telemetry,
+        prompt_history: PromptHistory,
         run_name: str,
         limit: int,
         kept_ahead: int,
@@ -133,7 +136,12 @@ class PromptFeeder:
     ) -> None:
         if not records:
             raise ValueError("the training set is empty")
-        self.bus, self.records, self.tokenizer = bus, records, tokenizer
+        # The parts of the bus it touches: `transport` (jobs out, the ledger it admits by),
+        # `run_state` (its cursor and skipping state), `telemetry` (counters) and
+        # `prompt_history` (how each prompt fared, to skip the ones that will be filtered).
+        self.transport, self.run_state = transport, run_state
+        self.telemetry, self.prompt_history = telemetry, prompt_history
+        self.records, self.tokenizer = records, tokenizer
         self.run_name, self.limit, self.max_prompt_len = run_name, limit, max_prompt_len
         self.chat = chat  # `data.prompt_format`: through the chat template, or the text as it is
         self.job_key = job_key  # the learner's: signs every job (`PromptJob.sig`); None: unsigned
@@ -191,7 +199,7 @@ class PromptFeeder:
     def admit(self, policy_version: int) -> int:
         """Issue the prompt jobs admission control allows now; returns how many. The cursor may
         move further than that: past the prompts skipped on the way."""
-        ledger, counters = self.bus.ledger(), self.bus.counters()
+        ledger, counters = self.transport.ledger(), self.telemetry.counters()
         # Never back: Redis restarted without persistence counts from 0 again.
         self.jobs_issued = max(self.jobs_issued, ledger.issued)
         kept = counters.get(Counter.GATEKEEPER_KEPT, 0)
@@ -200,7 +208,7 @@ class PromptFeeder:
             self._adapt_skipping(self.skip, policy_version, counters, kept + ledger.filtered)
         n = self.wanted(
             in_flight=ledger.train_in_flight,
-            train_depth=self.bus.depths()["learner"],
+            train_depth=self.transport.depths()["learner"],
             pass_rate=1.0 if recent.rate is None else recent.rate,
         )
         if self.max_jobs is not None:  # trim the admission that reaches the sample budget
@@ -214,10 +222,10 @@ class PromptFeeder:
         # Recorded before the jobs exist, for a restarted learner (`StreamSource.resume`): a
         # position recorded but never issued is only skipped, one issued twice would be trained
         # twice (the ledger's issued count no longer bounds the cursor once prompts are skipped).
-        self.bus.update_run_info(
+        self.run_state.update_run_info(
             {RunField.DATA_CURSOR: self.cursor, RunField.RECENT_PASS_RATE: recent.to_json()}
         )
-        issued = self.bus.issue(jobs) if jobs else 0
+        issued = self.transport.issue(jobs) if jobs else 0
         self.jobs_issued += issued
         return issued
 
@@ -259,19 +267,19 @@ class PromptFeeder:
                 high=skip.keep_base_max,
             )
         if state != self.skip_state:
-            self.bus.update_run_info({RunField.PROMPT_SKIP: state.to_json()})
+            self.run_state.update_run_info({RunField.PROMPT_SKIP: state.to_json()})
             self.skip_state = state
 
     def _stored(self, field: RunField, parse: Callable[[str], T]) -> T | None:
         """A JSON record of the feeder's in the run info; None when absent or malformed (then
         skipped and counted like any bad value: the feeder starts that record afresh)."""
-        raw = self.bus.run_field(field)
+        raw = self.run_state.run_field(field)
         if raw is None:
             return None
         try:
             return parse(raw)
         except (ValueError, TypeError, KeyError) as exc:
-            self.bus.skip_bad_value(self.bus.keys.run_info, f"{field}: {exc!r}", raw)
+            self.run_state.skip_bad_value(self.run_state.keys.run_info, f"{field}: {exc!r}", raw)
             return None
 
     def _choose(self, n: int) -> list[int]:
@@ -285,7 +293,7 @@ class PromptFeeder:
         skipped, budget = 0, n * CANDIDATES_PER_JOB
         while len(chosen) < n and skipped < budget:
             window = range(self.cursor, self.cursor + 2 * (n - len(chosen)))
-            history = self.bus.prompt_stats([self._index(c) for c in window])
+            history = self.prompt_history.prompt_stats([self._index(c) for c in window])
             for cursor, stats in zip(window, history, strict=True):
                 self.cursor = cursor + 1
                 keep = keep_probability(
@@ -303,7 +311,7 @@ class PromptFeeder:
                     skipped += 1
         if skipped:
             self.skipped += skipped
-            self.bus.incr(Counter.PROMPTS_SKIPPED, skipped)
+            self.telemetry.incr(Counter.PROMPTS_SKIPPED, skipped)
         return chosen
 
     def _job(self, cursor: int, policy_version: int) -> PromptJob:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from contracts.bus import StreamBus
+from contracts.bus import RunState, Telemetry, Transport
 from contracts.config import TrackingConfig
 from contracts.keys import RunField
 from contracts.schemas import ScoredGroup
@@ -160,12 +160,21 @@ class RunReporter:
     """Rank 0: metrics stream, trackers, log line, evaluation history, completion samples."""
 
     def __init__(
-        self, bus: StreamBus, trackers: Tracker, completions: CompletionSampler | None = None
+        self,
+        trackers: Tracker,
+        completions: CompletionSampler | None = None,
+        *,
+        transport: Transport,
+        run_state: RunState,
+        telemetry: Telemetry,
     ) -> None:
-        self.bus, self.trackers, self.completions = bus, trackers, completions
-        self.evals: list[tuple[int, float, float]] = bus.eval_history()
-        self.task_evals: list[tuple[int, dict[str, float]]] = bus.task_eval_history()
-        self.task_counts = bus.task_stats()
+        # The parts of the bus it reads and writes: `transport` (the ledger, stream depths),
+        # `run_state` (evaluation history, run info) and `telemetry` (metrics, task counts).
+        self.transport, self.run_state, self.telemetry = transport, run_state, telemetry
+        self.trackers, self.completions = trackers, completions
+        self.evals: list[tuple[int, float, float]] = run_state.eval_history()
+        self.task_evals: list[tuple[int, dict[str, float]]] = run_state.task_eval_history()
+        self.task_counts = telemetry.task_stats()
         """Each task's counts as of the last step (`rollout_metrics` reports the difference)."""
         self.lags: list[float] = []
         self.step_groups: Sequence[ScoredGroup] = ()
@@ -187,15 +196,15 @@ class RunReporter:
         self.lags.append(
             metrics["rollout/version_lag_mean"]
         )  # every step trains the same number of groups
-        ledger = self.bus.ledger()
-        rate = self.bus.pass_rate(ledger.filtered)
-        tasks, self.task_counts = self.task_counts, self.bus.task_stats()
+        ledger = self.transport.ledger()
+        rate = self.transport.pass_rate(ledger.filtered)
+        tasks, self.task_counts = self.task_counts, self.telemetry.task_stats()
         return {
             **metrics,
             # Each task over the groups the gatekeeper decided since the last step, filtered ones
             # included: the batch's own figures above see only the kept groups.
             **step_task_metrics(self.task_counts, tasks),
-            **{f"depth/{stage}": float(n) for stage, n in self.bus.depths().items()},
+            **{f"depth/{stage}": float(n) for stage, n in self.transport.depths().items()},
             "gate/pass_rate": 0.0 if rate is None else rate,
             "gate/filtered_total": float(ledger.filtered),
             "ledger/issued": float(ledger.issued),
@@ -216,7 +225,7 @@ class RunReporter:
         self.rewrite_eval_history()
 
     def rewrite_eval_history(self) -> None:
-        self.bus.update_run_info(
+        self.run_state.update_run_info(
             {
                 RunField.EVAL_HISTORY: json.dumps(self.evals),
                 RunField.TASK_EVAL_HISTORY: json.dumps(self.task_evals),
@@ -230,7 +239,7 @@ class RunReporter:
             "time": time.time(),
             **metrics,
         }
-        self.bus.append_metrics(record)
+        self.telemetry.append_metrics(record)
         self.trackers.log(progress.step, metrics)
         if (
             self.completions is not None
@@ -253,7 +262,7 @@ class RunReporter:
         )
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        last = self.bus.last_metrics()
+        last = self.telemetry.last_metrics()
         kept = ("eval/", "critic/rewards", "critic/score", "rollout/acc")
         return {
             "eval_history": self.evals,

@@ -137,9 +137,12 @@ def rank0_collaborators(
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     key = weights_key()  # the learner's own: it signs jobs and weight announcements
     feeder = PromptFeeder(
-        bus,
         load_prompts(cfg.data.train_path, columns=cfg.data.columns),
         tokenizer,
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name=cfg.run_name,
         limit=PromptFeeder.admission_limit(
             alg.max_staleness, alg.train_batch_groups, alg.oversampling
@@ -155,7 +158,8 @@ def rank0_collaborators(
         job_key=key,  # every job signed: reward and the learner take no job it did not issue
     )
     publisher = WeightPublisher(
-        bus,
+        run_state=bus,
+        telemetry=bus,
         host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"),
         port=weights_port(),
         backend=backend if le.weights_backend == "auto" else le.weights_backend,
@@ -165,8 +169,9 @@ def rank0_collaborators(
         key=key,
     )
     source = StreamSource(
-        bus,
         feeder,
+        transport=bus,
+        run_state=bus,
         batch_groups=alg.train_batch_groups,
         max_staleness=alg.max_staleness,
         max_deliveries=cfg.queue.max_deliveries,
@@ -184,9 +189,20 @@ def rank0_collaborators(
         job_key=key,
     )
     reporter = RunReporter(
-        bus, Trackers(cfg), CompletionSampler.from_config(cfg.tracking, cast(Any, tokenizer).decode)
+        Trackers(cfg),
+        CompletionSampler.from_config(cfg.tracking, cast(Any, tokenizer).decode),
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
     )
-    evaluations = eval_lane(bus, cfg, tokenizer, catch_up=publisher.catch_up, job_key=key)
+    evaluations = eval_lane(
+        cfg,
+        tokenizer,
+        catch_up=publisher.catch_up,
+        transport=bus,
+        run_state=bus,
+        job_key=key,
+    )
     return Collaborators(
         source=source,
         publisher=publisher,
@@ -194,7 +210,8 @@ def rank0_collaborators(
         exporter=HFExporter(cfg.model.path, lora=le.lora if le.lora.enabled else None),
         reporter=reporter,
         control=RunControl(
-            bus,
+            run_state=bus,
+            telemetry=bus,
             run_name=cfg.run_name,
             instance=inst,
             heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s,

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from contracts.bus import StreamBus
+from contracts.bus import RunState, Telemetry
 from contracts.keys import Counter
 from contracts.signing import WeightKey
 from contracts.weight_sync import (
@@ -63,8 +63,9 @@ class WeightPublisher:
 
     def __init__(
         self,
-        bus: StreamBus,
         *,
+        run_state: RunState,
+        telemetry: Telemetry,
         host: str,
         port: int = 0,
         backend: str,
@@ -73,8 +74,11 @@ class WeightPublisher:
         dtype: str | None = None,
         key: WeightKey,
     ) -> None:
-        self.bus, self.host, self.backend, self.dtype = bus, host, backend, dtype
-        self.channel = WeightChannel(bus, key)  # signs every announcement and decision
+        # The parts of the bus it touches: `run_state`, where announcements and decisions are
+        # written (through `channel`, which signs each), and `telemetry` (the live replicas'
+        # heartbeats, counters).
+        self.telemetry, self.host, self.backend, self.dtype = telemetry, host, backend, dtype
+        self.channel = WeightChannel(run_state, key)
         self.timeout_s, self.bucket_mb = timeout_s, bucket_mb
         # Listens on `host` only (the configured weights host), not on every interface.
         self.store, self._listener = bound_store(host, port, timeout_s)
@@ -150,7 +154,7 @@ class WeightPublisher:
         """
         now = time.monotonic()
         out = {}
-        for info in self.bus.live_instances("rollout"):
+        for info in self.telemetry.live_instances("rollout"):
             rid = info["id"]
             version = int(info.get("policy_version", -1))
             if rid in self.quarantined:
@@ -193,7 +197,7 @@ class WeightPublisher:
         self._decide(ann, "abort")
         silent = set(ann.replicas) - joined
         self._set_aside(silent)
-        self.bus.incr(Counter.WEIGHT_SYNC_DROPPED_REPLICAS, len(silent))
+        self.telemetry.incr(Counter.WEIGHT_SYNC_DROPPED_REPLICAS, len(silent))
         log.warning(
             "replicas %s did not join weight sync %s; re-forming without them",
             sorted(silent),
@@ -273,7 +277,7 @@ class WeightPublisher:
         except Exception as exc:  # a replica died or hung: drop the group, retry later
             self.failures += 1
             self.group, self.replicas = None, ()
-            self.bus.incr(Counter.WEIGHT_SYNC_FAILURES)
+            self.telemetry.incr(Counter.WEIGHT_SYNC_FAILURES)
             log.warning(
                 "weight broadcast of version %d to %s failed: %s",
                 ann.policy_version,

@@ -20,7 +20,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from contracts.bus import Entry, StreamBus
+from contracts.bus import Entry, Transport
 from contracts.config import ConfigError, DapoConfig, RewardConfig
 from contracts.keys import Counter
 from contracts.model_source import with_local_model
@@ -115,11 +115,17 @@ class RewardStage:
     """The reward stage's worker: scores whole groups, `REWARD_BATCH` at a time."""
 
     def __init__(
-        self, cfg: DapoConfig, bus: StreamBus, tokenizer: Any, job_key: WeightKey | None = None
+        self,
+        cfg: DapoConfig,
+        tokenizer: Any,
+        *,
+        transport: Transport,
+        job_key: WeightKey | None = None,
     ) -> None:
-        """`job_key`: the learner's public key; a group whose job it does not verify is
-        dead-lettered unscored (None: unchecked, for a worker built by hand)."""
-        self.cfg, self.bus, self.tokenizer = cfg, bus, tokenizer
+        """`transport`: the only part of the bus a reward stage touches (it reads, hops and
+        dead-letters). `job_key`: the learner's public key; a group whose job it does not verify
+        is dead-lettered unscored (None: unchecked, for a worker built by hand)."""
+        self.cfg, self.transport, self.tokenizer = cfg, transport, tokenizer
         self.job_key = job_key
         self.scorer = open_scorer(cfg.reward, gym=cfg.data.gym is not None)
         self.groups = 0
@@ -129,7 +135,7 @@ class RewardStage:
 
     @property
     def loop(self) -> StageLoop:
-        return StageLoop(self.bus.keys.rollouts, batch=REWARD_BATCH)
+        return StageLoop(self.transport.keys.rollouts, batch=REWARD_BATCH)
 
     def close(self) -> None:
         self.scorer.close()
@@ -143,24 +149,26 @@ class RewardStage:
         }
 
     def handle(self, entries: list[Entry]) -> None:
-        stage = self.bus.keys.rollouts
+        stage = self.transport.keys.rollouts
         max_len = self.cfg.rollout.max_response_len
         for entry_id, fields in entries:
             try:
                 group = decode_group(fields)
             except SchemaError as exc:
-                self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}")
+                self.transport.dead_letter(stage, entry_id, fields, f"reward: {exc}")
                 continue
             if self.job_key is not None:  # a prompt or an answer chosen by someone else
                 try:
                     check_job_signature(group, self.job_key)
                 except SchemaError as exc:  # not one of our jobs: the ledger never counted it
-                    self.bus.dead_letter(stage, entry_id, fields, f"reward: {exc}", foreign=True)
+                    self.transport.dead_letter(
+                        stage, entry_id, fields, f"reward: {exc}", foreign=True
+                    )
                     continue
             longest = max(r.model_tokens for r in group.responses)  # tool results excepted
             # No sampler produces this; the overlong penalty is unbounded past it.
             if longest > max_len:
-                self.bus.dead_letter(
+                self.transport.dead_letter(
                     stage,
                     entry_id,
                     fields,
@@ -174,9 +182,12 @@ class RewardStage:
             self.unverified += sum(r.reason is not None for r in results)
             self.timeouts += scored.reward_timeouts
             if scored.reward_timeouts:
-                self.bus.incr(Counter.REWARD_TIMEOUTS, scored.reward_timeouts)
-            self.groups += self.bus.hop(
-                stage, entry_id, downstream=self.bus.keys.scored.stream, fields=encode_group(scored)
+                self.transport.incr(Counter.REWARD_TIMEOUTS, scored.reward_timeouts)
+            self.groups += self.transport.hop(
+                stage,
+                entry_id,
+                downstream=self.transport.keys.scored.stream,
+                fields=encode_group(scored),
             )
 
 
@@ -239,7 +250,7 @@ def build_stage(cfg: DapoConfig, ctx: ServiceContext) -> RewardStage:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return RewardStage(cfg, ctx.bus, tokenizer, weights_public_key())
+    return RewardStage(cfg, tokenizer, transport=ctx.bus, job_key=weights_public_key())
 
 
 def main(cfg: DapoConfig) -> int:

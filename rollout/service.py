@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from contracts.bus import Entry, StreamBus
+from contracts.bus import Entry, RunState, Transport
 from contracts.config import DapoConfig
 from contracts.faults import slowdown
 from contracts.model_source import with_local_model
@@ -70,25 +70,29 @@ class RolloutReplica:
     def __init__(
         self,
         cfg: DapoConfig,
-        bus: StreamBus,
         engine: Engine,
         replica_id: str,
         stop: StopFlag,
         *,
+        transport: Transport,
+        run_state: RunState,
         beat_now: Callable[[], None] = lambda: None,
         tools: ToolBox | None = None,
     ) -> None:
-        self.cfg, self.bus, self.engine, self.id, self.stop = cfg, bus, engine, replica_id, stop
+        """The parts of the bus a replica touches: `transport` (its prompt jobs in, its groups
+        out) and `run_state` (the published policy version, and its weights' announcements)."""
+        self.cfg, self.engine, self.id, self.stop = cfg, engine, replica_id, stop
+        self.transport, self.run_state = transport, run_state
         self.tools = tools  # `rollout.tools`: multi-turn generation (rollout/tool_use.py)
         # A new policy version is reported at once: the learner's catch-up reads it from heartbeats.
         self.weights = WeightReceiver.from_config(
             cfg,
-            bus,
+            run_state,
             engine,
             replica_id,
             stop,
             on_change=beat_now,
-            watch_also=(bus.keys.prompts.stream,),
+            watch_also=(transport.keys.prompts.stream,),
         )
         self.groups_done = 0
         self.busy_s = 0.0
@@ -105,7 +109,7 @@ class RolloutReplica:
         """Read without blocking, a batch at a time; apply weight updates before each read; when
         there is no job, sleep until a job or a weight announcement is appended."""
         return StageLoop(
-            self.bus.keys.prompts,
+            self.transport.keys.prompts,
             batch=self.cfg.rollout.prompts_per_batch,
             block=False,
             reclaim_every_s=RECLAIM_EVERY_S,
@@ -148,28 +152,30 @@ class RolloutReplica:
 
     # --- work ------------------------------------------------------------------------------
     def handle(self, entries: list[Entry]) -> None:
-        stage = self.bus.keys.prompts
+        stage = self.transport.keys.prompts
         jobs: list[tuple[str, PromptJob]] = []
         for entry_id, fields in entries:
             try:
                 jobs.append((entry_id, decode_job(fields)))
             except SchemaError as exc:
-                self.bus.dead_letter(stage, entry_id, fields, f"rollout: {exc}")
+                self.transport.dead_letter(stage, entry_id, fields, f"rollout: {exc}")
         # The learner publishes a version before it issues jobs at it, so a job read here at a
         # version newer than the published one was not issued by the learner: waiting for that
         # version would park this replica for good.
-        published, fields_of = self.bus.published_policy_version(), dict(entries)
+        published, fields_of = self.run_state.published_policy_version(), dict(entries)
         if published is not None:  # None: no valid value to judge by, so none is refused
             for entry_id, job in [(e, j) for e, j in jobs if j.issued_version > published]:
                 reason = f"issued at version {job.issued_version}, past the published {published}"
-                self.bus.dead_letter(stage, entry_id, fields_of[entry_id], f"rollout: {reason}")
+                self.transport.dead_letter(
+                    stage, entry_id, fields_of[entry_id], f"rollout: {reason}"
+                )
             jobs = [(e, j) for e, j in jobs if j.issued_version <= published]
         if not jobs:
             return
         need = max(job.issued_version for _, job in jobs)
         if not self.weights.wait_for(need):  # stopping: give the work back untouched
             for entry_id, fields in entries:
-                self.bus.hand_back(stage, entry_id, fields)
+                self.transport.hand_back(stage, entry_id, fields)
             return
         # Training and evaluation jobs sample differently (group_size vs eval.samples, the eval
         # temperature and top_p): one engine call per kind, each batched.
@@ -185,7 +191,7 @@ class RolloutReplica:
             else (tag.samples, ev.temperature, ev.top_p)
         )
         stage, start, synced, held = (
-            self.bus.keys.prompts,
+            self.transport.keys.prompts,
             time.monotonic(),
             self.weights.sync_s,
             self.policy_version,
@@ -235,10 +241,10 @@ class RolloutReplica:
                     for s, v in zip(samples, versions, strict=True)
                 ],
             )
-            self.groups_done += self.bus.hop(
+            self.groups_done += self.transport.hop(
                 stage,
                 entry_id,
-                downstream=self.bus.keys.rollouts.stream,
+                downstream=self.transport.keys.rollouts.stream,
                 fields=encode_group(group),
             )
 
@@ -273,7 +279,7 @@ class RolloutReplica:
 
     def run(self) -> None:
         """The stage loop alone, until asked to stop (tests; a process runs `serve_stage`)."""
-        run_stage_loop(self.bus, self.loop, self.handle, queue=self.cfg.queue, stop=self.stop)
+        run_stage_loop(self.transport, self.loop, self.handle, queue=self.cfg.queue, stop=self.stop)
 
 
 def _eval_seeds(cfg: DapoConfig, job: PromptJob) -> list[int]:
@@ -304,7 +310,14 @@ def build_replica(cfg: DapoConfig, ctx: ServiceContext) -> RolloutReplica:
         tools = ToolBox(cfg.rollout.tools, AutoTokenizer.from_pretrained(cfg.model.path))
         log.info("tools %s in sandboxes (%s)", list(tools.sandboxes), tools.isolation)
     return RolloutReplica(
-        cfg, ctx.bus, engine, ctx.inst, ctx.stop, beat_now=ctx.beat_now, tools=tools
+        cfg,
+        engine,
+        ctx.inst,
+        ctx.stop,
+        transport=ctx.bus,
+        run_state=ctx.bus,
+        beat_now=ctx.beat_now,
+        tools=tools,
     )
 
 

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import redis
 import torch
 
-from contracts.bus import StreamBus
+from contracts.bus import RunState
 from contracts.checkpoint_store import (
     HF_EXPORT,
     MARKER,
@@ -99,7 +99,7 @@ class WeightReceiver:
 
     def __init__(
         self,
-        bus: StreamBus,
+        run_state: RunState,
         engine: WeightSink,
         replica_id: str,
         *,
@@ -114,8 +114,15 @@ class WeightReceiver:
         expected: dict[str, tuple[int, ...]],
         expected_host: str | None = None,
     ) -> None:
-        self.bus, self.engine, self.replica_id, self.stop = bus, engine, replica_id, stop
-        self.channel = WeightChannel(bus, key)
+        # The part of the bus a replica's weights touch: the published policy version, and the
+        # announcements' channel beside it.
+        self.run_state, self.engine, self.replica_id, self.stop = (
+            run_state,
+            engine,
+            replica_id,
+            stop,
+        )
+        self.channel = WeightChannel(run_state, key)
         self.expected = expected
         """What a broadcast must hold: this replica's weights (or adapters), name -> shape."""
         self.expected_host = expected_host
@@ -154,7 +161,7 @@ class WeightReceiver:
     def from_config(
         cls,
         cfg: DapoConfig,
-        bus: StreamBus,
+        run_state: RunState,
         engine: WeightSink,
         replica_id: str,
         stop: StopFlag,
@@ -162,7 +169,7 @@ class WeightReceiver:
         watch_also: tuple[str, ...] = (),
     ) -> WeightReceiver:
         return cls(
-            bus,
+            run_state,
             engine,
             replica_id,
             checkpoint_dir=cfg.checkpoint_dir,
@@ -281,7 +288,7 @@ class WeightReceiver:
                 AttributeError,
             ) as exc:  # not the learner's, or not for this model: skip it
                 log.error("refused weight announcement %s: %s", eid.decode(), exc)
-                self.bus.skip_bad_value(f"{self.bus.keys.weights} {eid.decode()}", exc)
+                self.run_state.skip_bad_value(f"{self.run_state.keys.weights} {eid.decode()}", exc)
                 continue
             # Fresh by the learner's signed clock (a copy re-added later gets a new stream id,
             # not a new signature), while its rendezvous can still be open.
@@ -384,7 +391,7 @@ class WeightReceiver:
         if (
             version < self.policy_version
         ):  # a broadcast never does this: the learner numbers upwards
-            self.bus.incr(Counter.REPLICA_VERSION_REGRESSIONS)
+            self.run_state.incr(Counter.REPLICA_VERSION_REGRESSIONS)
             log.warning(
                 "%s brought version %d while holding %d", source, version, self.policy_version
             )
@@ -409,7 +416,7 @@ class WeightReceiver:
         the way. A replica in a working group never does this."""
         if time.time() - self.weights_from < self.lost_contact_s:
             return False
-        published = self.bus.policy_version()
+        published = self.run_state.policy_version()
         if published - self.policy_version <= self.max_staleness:
             return False
         latest = latest_checkpoint(self.checkpoint_dir)
@@ -436,7 +443,7 @@ class WeightReceiver:
             )
             self.weights_from = time.time()  # don't retry at once
             return False
-        self.bus.incr(Counter.REPLICA_STORE_CATCH_UPS)
+        self.run_state.incr(Counter.REPLICA_STORE_CATCH_UPS)
         return True
 
     def _load_from_store(self, checkpoint: CheckpointInfo | None) -> None:
@@ -501,7 +508,7 @@ class WeightReceiver:
                     return None, True
                 continue
             self._refused.add(key)
-            self.bus.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
+            self.run_state.incr(Counter.REPLICA_REFUSED_CHECKPOINTS)
             log.error(
                 "refusing to load checkpoint step %d (%s): %s",
                 checkpoint.step,

@@ -17,6 +17,7 @@ from contracts.config import DapoConfig, build_config
 from contracts.keys import Keys
 from contracts.schemas import RolloutGroup, ScoredGroup
 from contracts.signing import KEY_ENV, weights_key
+from gatekeeper.service import Gatekeeper
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_WEIGHTS_KEY = "9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60"
@@ -146,3 +147,8 @@ def judged(group: RolloutGroup, acc: list[bool] | None = None) -> ScoredGroup:
     return ScoredGroup.of(
         group, scores=list(rewards), acc=acc, rewards=rewards, preds=[""] * len(acc)
     )
+
+
+def gatekeeper_on(bus: StreamBus, **options: Any) -> Gatekeeper:
+    """A gatekeeper handed the whole bus for each concern it takes, as `gatekeeper.main` does."""
+    return Gatekeeper(transport=bus, run_state=bus, telemetry=bus, prompt_history=bus, **options)

@@ -1,5 +1,6 @@
 """The layers of ARCHITECTURE.md hold: import-linter's contracts pass on the repository and fail
-on a deliberately wrong import, and nothing outside the contracts touches the raw Redis client."""
+on a deliberately wrong import, nothing outside the contracts touches the raw Redis client, and a
+stage is handed the parts of the bus it uses, never the whole of it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("sandbox", "contracts", "rollout", "reward", "gatekeeper", "learner", "services")
 LINT = Path(sys.executable).with_name("lint-imports")
+BUS_CONCERNS = ("transport", "run_state", "telemetry", "prompt_history")
+"""The parts of the bus a stage is handed, by the names its constructors give them."""
+STAGES = ("rollout", "reward", "gatekeeper", "learner")
+WHOLE_BUS_IN_STAGES = {"learner/service.py"}
+"""The stage modules that may hold the whole `StreamBus`: the learner process's assembly, which
+opens it and hands each collaborator its parts (the other stages get theirs from their hosts'
+`ServiceContext`)."""
 
 
 def _copy_tree(dest: Path) -> None:
@@ -78,6 +86,36 @@ def test_no_raw_redis_client_outside_the_contracts() -> None:
                     owner = (
                         node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
                     )
-                    if "bus" in owner:
+                    if "bus" in owner or owner in BUS_CONCERNS:
                         offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, f"raw Redis client used outside contracts: {offenders}"
+
+
+def test_a_stage_is_handed_the_parts_of_the_bus_it_uses() -> None:
+    """Outside their process's assembly, stage modules never name `StreamBus`: each constructor
+    takes the concerns it touches, typed by concern, which mypy then holds it to."""
+    holders = set()
+    for pkg in STAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            if any(isinstance(n, ast.Name) and n.id == "StreamBus" for n in ast.walk(tree)):
+                holders.add(path.relative_to(REPO).as_posix())
+    assert holders == WHOLE_BUS_IN_STAGES
+
+
+def test_the_concerns_of_the_bus_do_not_overlap() -> None:
+    """A concern type admits only its own methods (and the shared core's): were one concern to
+    inherit another, or two to define the same method, a stage typed by one could use the other
+    without its constructor saying so."""
+    from contracts.bus import PromptHistory, RunState, StreamBus, Telemetry, Transport
+    from contracts.bus.hygiene import RedisHygiene
+
+    concerns = (Transport, RunState, Telemetry, PromptHistory)
+    for concern in concerns:
+        assert concern.__bases__ == (RedisHygiene,), concern
+    own = [{name for name in vars(c) if not name.startswith("__")} for c in concerns]
+    for i, names in enumerate(own):
+        for other in own[i + 1 :]:
+            assert not names & other, names & other
+    assert set(StreamBus.__bases__) == set(concerns)  # the union, and nothing of its own
+    assert not {name for name in vars(StreamBus) if not name.startswith("__")}

@@ -38,7 +38,11 @@ The bus is split by concern, all behind the same fenced writes (`core`):
 - `scripts`: the Lua scripts, `library`: the same as a Redis function library and how a client
   calls it; `connection`: the client and the server's memory policy.
 
-`StreamBus` is all of them in one object, as every process uses it.
+`StreamBus` is all of them in one object: a process opens one (`open_bus`) and its factory
+hands each stage only the concerns it uses, typed by concern (`RolloutReplica(transport=bus,
+run_state=bus)`), so a constructor says what it touches and mypy refuses a stage a method of a
+concern it was not given. Only the application (the launcher, the API, `dapo status`) and a
+process's own assembly (`ServiceContext`, the learner's `build_*` steps) hold the whole bus.
 """
 
 from __future__ import annotations
@@ -114,8 +118,12 @@ __all__ = [
     "Fields",
     "LedgerSnapshot",
     "PausingRedis",
+    "PromptHistory",
     "PromptStats",
+    "RunState",
     "StreamBus",
+    "Telemetry",
+    "Transport",
     "check_memory_policy",
     "connect",
     "is_oom",

@@ -51,7 +51,13 @@ def test_malformed_heartbeats_are_skipped_and_counted(bus: StreamBus) -> None:
     assert [i["id"] for i in live] == ["r0"] and live[0]["policy_version"] == 4
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)
     publisher = WeightPublisher(
-        bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1, key=WEIGHTS_KEY
+        run_state=bus,
+        telemetry=bus,
+        host="127.0.0.1",
+        backend="gloo",
+        timeout_s=5.0,
+        bucket_mb=1,
+        key=WEIGHTS_KEY,
     )
     assert publisher.replica_versions() == {"r0": 4}  # the learner's weight sync reads the same
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(
@@ -110,7 +116,13 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
         bus.redis.xadd(bus.keys.weights, {"other": b"field"})
         named = [("w", torch.ones(3))]
         publisher = WeightPublisher(
-            bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1, key=WEIGHTS_KEY
+            run_state=bus,
+            telemetry=bus,
+            host="127.0.0.1",
+            backend="gloo",
+            timeout_s=10.0,
+            bucket_mb=1,
+            key=WEIGHTS_KEY,
         )
         publisher.stage(1, iter(named), named)
         assert publisher.publish()
@@ -146,7 +158,13 @@ def listening_addresses(port: int) -> set[str]:
 
 def test_the_weight_sync_store_listens_on_the_configured_host_only(bus: StreamBus) -> None:
     publisher = WeightPublisher(
-        bus, host="127.0.0.1", backend="gloo", timeout_s=5.0, bucket_mb=1, key=WEIGHTS_KEY
+        run_state=bus,
+        telemetry=bus,
+        host="127.0.0.1",
+        backend="gloo",
+        timeout_s=5.0,
+        bucket_mb=1,
+        key=WEIGHTS_KEY,
     )
     assert listening_addresses(publisher.port) == {
         socket.inet_aton("127.0.0.1")[::-1].hex().upper()

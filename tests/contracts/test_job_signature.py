@@ -84,7 +84,7 @@ def test_the_reward_worker_scores_only_groups_of_jobs_the_learner_signed(
         }
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    worker = RewardStage(cfg, bus, tokenizer, WEIGHTS_KEY.public_key())
+    worker = RewardStage(cfg, tokenizer, transport=bus, job_key=WEIGHTS_KEY.public_key())
     worker.handle(bus.read(bus.keys.rollouts, count=10, block_ms=10))
     scored = [
         decode_scored_group(f).job.group_id for _, f in bus.redis.xrange(bus.keys.scored.stream)

@@ -14,9 +14,9 @@ from contracts.config import QueueConfig
 from contracts.keys import Keys
 from contracts.runtime import Heartbeat, StageLoop, StopFlag, instance_id, run_stage_loop
 from contracts.schemas import decode_scored_group, encode_group, encode_job
-from gatekeeper.service import Gatekeeper, keep_group
+from gatekeeper.service import keep_group
 from tests.contracts.test_schemas import make_group
-from tests.helpers import judged, wait_for
+from tests.helpers import gatekeeper_on, judged, wait_for
 
 
 @pytest.fixture()
@@ -82,7 +82,7 @@ def test_reclaim_from_dead_consumer_then_dead_letter(bus: StreamBus, redis_url: 
 
 def test_poison_message_is_dead_lettered_not_counted_as_issued(bus: StreamBus) -> None:
     bus.redis.xadd(bus.keys.scored.stream, {"junk": b"\xff\x00"})
-    gate = Gatekeeper(bus)
+    gate = gatekeeper_on(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert bus.redis.xlen(bus.keys.dead) == 1
     assert bus.redis.hget(bus.keys.counters, "poison_messages") == b"1"
@@ -100,7 +100,7 @@ def test_gatekeeper_routes_and_counts(bus: StreamBus) -> None:
             g.responses[0].finish_reason = "length"
         fields = encode_group(judged(g, accs))
         bus.hop(bus.keys.prompts, eid, downstream=bus.keys.scored.stream, fields=fields)
-    gate = Gatekeeper(bus)
+    gate = gatekeeper_on(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert (gate.kept, gate.filtered, gate.pass_rate) == (1, 1, 0.5)
     # Responses are counted for the truncation rate whether their group was kept or filtered.
@@ -123,7 +123,7 @@ def test_gatekeeper_dead_letters_a_group_newer_than_any_published_policy(bus: St
         g.job.group_id = f"gid-{version}"
         fields = encode_group(judged(g, [True, False, True, True]))
         bus.hop(bus.keys.prompts, eid, downstream=bus.keys.scored.stream, fields=fields)
-    gate = Gatekeeper(bus)
+    gate = gatekeeper_on(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     [(_, dead)] = bus.redis.xrange(bus.keys.dead)
     assert dead[b"group_id"] == b"gid-9"

@@ -89,7 +89,13 @@ def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
 
 def publisher(bus: StreamBus) -> WeightPublisher:
     return WeightPublisher(
-        bus, host="127.0.0.1", backend="gloo", timeout_s=10.0, bucket_mb=1, key=WEIGHTS_KEY
+        run_state=bus,
+        telemetry=bus,
+        host="127.0.0.1",
+        backend="gloo",
+        timeout_s=10.0,
+        bucket_mb=1,
+        key=WEIGHTS_KEY,
     )
 
 
@@ -476,7 +482,14 @@ def test_the_weight_sync_store_listens_on_the_port_a_network_policy_opens(
             weights_port({PORT_ENV: bad})
     port = free_port()
     publisher = WeightPublisher(
-        bus, host="127.0.0.1", port=port, backend="gloo", timeout_s=5, bucket_mb=1, key=WEIGHTS_KEY
+        run_state=bus,
+        telemetry=bus,
+        host="127.0.0.1",
+        port=port,
+        backend="gloo",
+        timeout_s=5,
+        bucket_mb=1,
+        key=WEIGHTS_KEY,
     )
     assert publisher.port == port
     with socket.create_connection(("127.0.0.1", port), timeout=5):

@@ -378,9 +378,12 @@ def test_serve_replicas_score_prompt_jobs(
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         records = [parse_row(row, row_number=i) for i, row in enumerate(synth_rows(4, seed=1))]
         feeder = PromptFeeder(
-            bus,
             records,
             tokenizer,
+            transport=bus,
+            run_state=bus,
+            telemetry=bus,
+            prompt_history=bus,
             run_name="serve",
             limit=4,
             kept_ahead=4,

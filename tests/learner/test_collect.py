@@ -36,9 +36,12 @@ def bus(redis_url: str) -> StreamBus:
 def source(bus: StreamBus, *, max_staleness: int, batch_groups: int) -> StreamSource:
     """The learner's collector, with a feeder that issues nothing itself (`kept_ahead=0`)."""
     feeder = PromptFeeder(
-        bus,
         [RECORD],
         None,
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name="t",
         limit=0,
         kept_ahead=0,
@@ -47,8 +50,9 @@ def source(bus: StreamBus, *, max_staleness: int, batch_groups: int) -> StreamSo
         seed=0,
     )
     return StreamSource(
-        bus,
         feeder,
+        transport=bus,
+        run_state=bus,
         batch_groups=batch_groups,
         max_staleness=max_staleness,
         max_deliveries=3,
@@ -146,9 +150,12 @@ def test_a_sample_budget_issues_exactly_its_jobs_however_admission_batches_them(
     assert budget_jobs(30, 4) == 8 and budget_jobs(32, 4) == 8 and budget_jobs(None, 4) is None
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6])
     feeder = PromptFeeder(
-        bus,
         [RECORD],
         tokenizer,
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name="t",
         limit=100,
         kept_ahead=5,

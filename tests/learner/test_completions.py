@@ -76,7 +76,8 @@ def test_the_trackers_receive_completions_every_n_steps(tmp_path: Path, redis_ur
     batches = [[Picked(f"e{s}{g}", group(f"s{s}{g}", [5, 6, 7])) for g in "ab"] for s in range(5)]
     trackers = RecordingTrackers()
     sampler = CompletionSampler.from_config(cfg.tracking, decode)
-    reporter = RunReporter(open_bus(redis_url, "dapo", "test"), trackers, sampler)
+    bus = open_bus(redis_url, "dapo", "test")
+    reporter = RunReporter(trackers, sampler, transport=bus, run_state=bus, telemetry=bus)
     loop, _ = rank0(cfg, source=FakeSource(batches), reporter=reporter)
     assert loop.run() == 0
     assert trackers.logged_steps == [1, 2, 3, 4, 5]
@@ -93,10 +94,13 @@ def test_the_trackers_receive_completions_every_n_steps(tmp_path: Path, redis_ur
 def test_no_completions_when_switched_off(tmp_path: Path, redis_url: str) -> None:
     cfg = config(tmp_path, "learner.total_steps=2", "tracking.log_completions_every=0")
     trackers = RecordingTrackers()
+    bus = open_bus(redis_url, "dapo", "test")
     reporter = RunReporter(
-        open_bus(redis_url, "dapo", "test"),
         trackers,
         CompletionSampler.from_config(cfg.tracking, decode),
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
     )
     loop, _ = rank0(
         cfg,

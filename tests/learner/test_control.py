@@ -22,7 +22,12 @@ def test_check_lease_refuses_once_another_learner_holds_the_lease(redis_url: str
     lease = LearnerLease(bus, holder="learner-a", ttl_s=30.0)
     lease.acquire(wait_s=0)
     control = RunControl(
-        bus, run_name="run", instance="learner-a", heartbeat_ttl_s=5.0, lease=lease
+        run_state=bus,
+        telemetry=bus,
+        run_name="run",
+        instance="learner-a",
+        heartbeat_ttl_s=5.0,
+        lease=lease,
     )
     control.check_lease()  # held: the checkpoint may be written
 

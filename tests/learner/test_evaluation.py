@@ -15,9 +15,9 @@ from contracts.eval_stats import read_rounds
 from contracts.heldout import distinct_problems
 from contracts.keys import Counter, Keys
 from contracts.schemas import EvalResult, Response, ScoredGroup, decode_job, encode_group
-from gatekeeper.service import Gatekeeper
 from learner.commands import Progress
 from learner.evaluation import EvalLane
+from tests.helpers import gatekeeper_on
 
 PROBLEMS = [([1, 2, 3], "5", "synth"), ([4, 5], "9", "synth"), ([6], "1", "synth")]
 SAMPLES = 4
@@ -39,7 +39,7 @@ def lane(bus: StreamBus, **kw: object) -> EvalLane:
         "catch_up": lambda: None,
         **kw,
     }
-    return EvalLane(bus, PROBLEMS, **args)  # type: ignore[arg-type]
+    return EvalLane(PROBLEMS, transport=bus, run_state=bus, **args)  # type: ignore[arg-type]
 
 
 def serve(
@@ -71,8 +71,8 @@ def serve(
         replica.hop(
             keys.prompts, entry_id, downstream=keys.scored.stream, fields=encode_group(group)
         )
-    gate = Gatekeeper(bus.as_consumer("gatekeeper"))
-    gate.handle(gate.bus.read(keys.scored, count=100, block_ms=None))
+    gate = gatekeeper_on(bus.as_consumer("gatekeeper"))
+    gate.handle(gate.transport.read(keys.scored, count=100, block_ms=None))
     assert (
         gate.kept == 0 and gate.filtered == 0
     )  # evaluation groups are never gated (all-correct ones neither)

@@ -75,9 +75,12 @@ def bus(redis_url: str) -> StreamBus:
 
 def feeder(bus: StreamBus) -> PromptFeeder:
     return PromptFeeder(
-        bus,
         [RECORD],
         SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6]),
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name="t",
         limit=1_000,
         kept_ahead=10,

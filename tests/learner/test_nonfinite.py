@@ -33,14 +33,13 @@ from contracts.schemas import (
     encode_group,
     encode_job,
 )
-from gatekeeper.service import Gatekeeper
 from learner.batch import TrainBatch, build_batch
 from learner.collect import StreamSource
 from learner.commands import Picked, Progress, Train
 from learner.feeder import PromptFeeder
 from learner.trainer import NonFiniteTrainingError, Trainer
 from tests.contracts.test_schemas import make_group
-from tests.helpers import judged
+from tests.helpers import gatekeeper_on, judged
 from tests.learner.test_loop import FakeSource, rank0
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,9 +184,12 @@ def stream_source(
         extra_info={},
     )
     feeder = PromptFeeder(
-        bus,
         [record],
         None,
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name="t",
         limit=0,
         kept_ahead=0,
@@ -196,8 +198,9 @@ def stream_source(
         seed=0,
     )
     return StreamSource(
-        bus,
         feeder,
+        transport=bus,
+        run_state=bus,
         batch_groups=batch_groups,
         max_staleness=100,
         max_deliveries=3,
@@ -217,7 +220,7 @@ def test_the_gatekeeper_dead_letters_a_group_with_bad_numbers(
     good, bad = scored("good"), scored("bad")
     corrupt(bad)
     forward(bus, [good, bad], bus.keys.scored)
-    gate = Gatekeeper(bus)
+    gate = gatekeeper_on(bus)
     gate.handle(bus.read(bus.keys.scored, count=10, block_ms=10))
     assert dead_letters(bus) == [("bad", f"gatekeeper: {reason}")]
     trained = bus.redis.xrange(bus.keys.train.stream)

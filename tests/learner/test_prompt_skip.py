@@ -15,9 +15,9 @@ from contracts.config import PromptSkipConfig
 from contracts.data import PromptRecord
 from contracts.keys import LEDGER_FILTERED, Counter, Keys, RunField
 from contracts.schemas import PromptJob, Response, ScoredGroup, decode_job, encode_group
-from gatekeeper.service import Gatekeeper
 from learner.feeder import PromptFeeder
 from learner.prompt_skip import Decided, SkipState, adapt_keep_base, keep_probability
+from tests.helpers import gatekeeper_on
 
 N_PROMPTS = 50
 
@@ -55,9 +55,12 @@ def feeder(
     bus: StreamBus, skip: PromptSkipConfig | None, *, seed: int = 0, limit: int = 10_000
 ) -> PromptFeeder:
     return PromptFeeder(
-        bus,
         records(),
         Chars(),
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name="t",
         limit=limit,
         kept_ahead=limit,
@@ -95,8 +98,8 @@ def gate(bus: StreamBus, prompt_index: int, acc: list[bool], *, data_epoch: int 
         acc=acc,
     )
     bus.redis.xadd(bus.keys.scored.stream, encode_group(group))
-    gatekeeper = Gatekeeper(bus.as_consumer("gatekeeper"))
-    gatekeeper.handle(gatekeeper.bus.read(bus.keys.scored, count=10, block_ms=10))
+    gatekeeper = gatekeeper_on(bus.as_consumer("gatekeeper"))
+    gatekeeper.handle(gatekeeper.transport.read(bus.keys.scored, count=10, block_ms=10))
 
 
 # --- the rule (pure) ------------------------------------------------------------------------

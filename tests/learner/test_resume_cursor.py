@@ -15,7 +15,7 @@ from learner.collect import StreamSource
 def resumed(bus: StreamBus, checkpoint_cursor: int, *, skipping: bool = False) -> SimpleNamespace:
     source = StreamSource.__new__(StreamSource)  # only what resume() touches
     feeder = SimpleNamespace(cursor=0, jobs_issued=0, skip=object() if skipping else None)
-    source.bus, source.feeder = bus, feeder
+    source.transport, source.run_state, source.feeder = bus, bus, feeder
     source.resume(checkpoint_cursor)
     return feeder
 

@@ -16,6 +16,7 @@ from learner.commands import Progress
 from learner.evaluation import EvalLane
 from learner.report import RunReporter
 from learner.tracking import Completion
+from tests.helpers import gatekeeper_on
 
 
 @pytest.fixture()
@@ -63,8 +64,8 @@ def gate(bus: StreamBus, groups: list[ScoredGroup]) -> Gatekeeper:
         replica.hop(
             bus.keys.prompts, entry_id, downstream=bus.keys.scored.stream, fields=encode_group(g)
         )
-    keeper = Gatekeeper(bus.as_consumer("gatekeeper"))
-    keeper.handle(keeper.bus.read(bus.keys.scored, count=100, block_ms=None))
+    keeper = gatekeeper_on(bus.as_consumer("gatekeeper"))
+    keeper.handle(keeper.transport.read(bus.keys.scored, count=100, block_ms=None))
     return keeper
 
 
@@ -85,7 +86,7 @@ class Recorder:
 def test_the_gatekeeper_counts_each_task_and_the_learner_reports_each_step(
     bus: StreamBus,
 ) -> None:
-    reporter = RunReporter(bus, Recorder())
+    reporter = RunReporter(Recorder(), transport=bus, run_state=bus, telemetry=bus)
     keeper = gate(
         bus,
         [
@@ -115,7 +116,7 @@ def test_the_gatekeeper_counts_each_task_and_the_learner_reports_each_step(
 
 def test_a_reporter_started_mid_run_reports_only_what_comes_after(bus: StreamBus) -> None:
     gate(bus, [group("a", [True, False], n=0)])
-    reporter = RunReporter(bus, Recorder())  # a restarted learner
+    reporter = RunReporter(Recorder(), transport=bus, run_state=bus, telemetry=bus)  # restarted
     gate(bus, [group("a", [False, False], n=1)])
     assert reporter.rollout_metrics([], trained_on=0)["task/a/accuracy"] == 0.0
 
@@ -134,9 +135,15 @@ def test_evaluation_groups_are_not_counted_and_each_round_has_per_task_accuracy(
 ) -> None:
     problems = [([1], "5", "chain_sum"), ([2], "9", "chain_sum"), ([3], "x", "spell_backward")]
     lane = EvalLane(
-        bus, problems, run_name="run", samples=2, max_deliveries=3, catch_up=lambda: None
+        problems,
+        transport=bus,
+        run_state=bus,
+        run_name="run",
+        samples=2,
+        max_deliveries=3,
+        catch_up=lambda: None,
     )
-    reporter = RunReporter(bus, Recorder())
+    reporter = RunReporter(Recorder(), transport=bus, run_state=bus, telemetry=bus)
     lane.issue(Progress(step=4, policy_version=5), 1.0)
     replica = bus.as_consumer("replica")
     correct = {0: [True, True], 1: [True, False], 2: [False, False]}
@@ -150,8 +157,8 @@ def test_evaluation_groups_are_not_counted_and_each_round_has_per_task_accuracy(
             downstream=bus.keys.scored.stream,
             fields=encode_group(scored),
         )
-    keeper = Gatekeeper(bus.as_consumer("gatekeeper"))
-    keeper.handle(keeper.bus.read(bus.keys.scored, count=10, block_ms=None))
+    keeper = gatekeeper_on(bus.as_consumer("gatekeeper"))
+    keeper.handle(keeper.transport.read(bus.keys.scored, count=10, block_ms=None))
     assert keeper.evaluations == 3 and bus.task_stats() == {}  # the training lane's only
     [(step, metrics)] = lane.poll()
     assert metrics["task/chain_sum/eval_acc"] == 0.75

@@ -85,7 +85,14 @@ def test_an_evaluation_job_takes_no_update_announced_mid_generation(
     bus.set_policy_version(4)  # the learner published the update the replica takes mid-way
     engine = HFEngine(str(tiny_model_dir), seed=0)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    worker = RolloutReplica(cfg, bus.as_consumer("replica"), engine, "replica", StopFlag())
+    worker = RolloutReplica(
+        cfg,
+        engine,
+        "replica",
+        StopFlag(),
+        transport=bus.as_consumer("replica"),
+        run_state=bus.as_consumer("replica"),
+    )
     worker.weights = UpdateMidGeneration(engine, version=3)  # type: ignore[assignment]
     worker.weights.background = background
     tag: EvalTag | None = None
@@ -93,7 +100,7 @@ def test_an_evaluation_job_takes_no_update_announced_mid_generation(
         tag = EvalTag(round_step=2, policy_version=2, problem=0, problems=1, samples=6)
     bus.issue([encode_job(_job("g0", tag))], evaluation=evaluation)
 
-    worker.handle(worker.bus.read(bus.keys.prompts, count=10, block_ms=None))
+    worker.handle(worker.transport.read(bus.keys.prompts, count=10, block_ms=None))
 
     [(_, fields)] = bus.redis.xrange(bus.keys.rollouts.stream)
     group = decode_group(fields)

@@ -96,7 +96,14 @@ def test_a_replica_keeps_the_claim_on_a_batch_that_outlasts_the_claim_timeout(
 
     def start(name: str) -> SlowEngine:
         engine = SlowEngine(seconds=1.5)  # three claim timeouts
-        worker = RolloutReplica(cfg, bus.as_consumer(name), engine, name, stop)
+        worker = RolloutReplica(
+            cfg,
+            engine,
+            name,
+            stop,
+            transport=bus.as_consumer(name),
+            run_state=bus.as_consumer(name),
+        )
         thread = threading.Thread(target=worker.run, name=name, daemon=True)
         thread.start()
         replicas[name] = (worker, engine, thread)
@@ -167,7 +174,9 @@ def test_a_round_is_seeded_by_problem_and_held_at_one_version(
     bus = StreamBus(connect(redis_url), Keys("rollout-hold"), consumer="test")
     bus.ensure_groups()
     engine = RecordingEngine()
-    worker = RolloutReplica(cfg, bus.as_consumer("r"), engine, "r", StopFlag())
+    worker = RolloutReplica(
+        cfg, engine, "r", StopFlag(), transport=bus.as_consumer("r"), run_state=bus.as_consumer("r")
+    )
     assert worker.weights.background
     syncs: list[int] = []
     monkeypatch.setattr(worker.weights, "sync", lambda: syncs.append(1))
@@ -182,7 +191,7 @@ def test_a_round_is_seeded_by_problem_and_held_at_one_version(
     bus.issue([encode_job(_eval_job(0))], evaluation=True)
 
     def batch(count: int) -> list:  # type: ignore[type-arg]
-        return worker.bus.read(bus.keys.prompts, count=count, block_ms=None)
+        return worker.transport.read(bus.keys.prompts, count=count, block_ms=None)
 
     worker._sync_before_read()
     assert len(syncs) == 1
@@ -226,13 +235,15 @@ def test_rollout_stop_reaches_the_engine_and_ends_a_response_as_stop(
     bus = StreamBus(connect(redis_url), Keys("rollout-stop"), consumer="test")
     bus.ensure_groups()
     engine = StoppingEngine()
-    worker = RolloutReplica(cfg, bus.as_consumer("r"), engine, "r", StopFlag())
+    worker = RolloutReplica(
+        cfg, engine, "r", StopFlag(), transport=bus.as_consumer("r"), run_state=bus.as_consumer("r")
+    )
     job = PromptJob(
         group_id="t0", prompt_index=0, prompt_ids=[9], ground_truth="1", issued_at=0.0,
         issued_version=0,
     )  # fmt: skip
     bus.issue([encode_job(job)])
-    worker.handle(worker.bus.read(bus.keys.prompts, count=1, block_ms=None))
+    worker.handle(worker.transport.read(bus.keys.prompts, count=1, block_ms=None))
     assert engine.stops == ("\n",)
     [(_, fields)] = bus.redis.xrange(bus.keys.rollouts.stream)
     assert {r.finish_reason for r in decode_group(fields).responses} == {"stop"}
@@ -249,7 +260,9 @@ def test_a_job_at_a_version_never_published_is_dead_lettered_not_waited_for(
     bus.ensure_groups()
     bus.set_policy_version(3)
     engine = RecordingEngine()
-    worker = RolloutReplica(cfg, bus.as_consumer("r"), engine, "r", StopFlag())
+    worker = RolloutReplica(
+        cfg, engine, "r", StopFlag(), transport=bus.as_consumer("r"), run_state=bus.as_consumer("r")
+    )
     worker.weights.policy_version = 3  # holds the published weights
     jobs = [
         PromptJob(
@@ -263,7 +276,7 @@ def test_a_job_at_a_version_never_published_is_dead_lettered_not_waited_for(
         for gid, version in (("planted", 2**30), ("t0", 3))
     ]
     bus.issue([encode_job(job) for job in jobs])
-    worker.handle(worker.bus.read(bus.keys.prompts, count=2, block_ms=None))
+    worker.handle(worker.transport.read(bus.keys.prompts, count=2, block_ms=None))
     [(_, generated)] = bus.redis.xrange(bus.keys.rollouts.stream)
     assert decode_group(generated).job.group_id == "t0"
     [(_, dead)] = bus.redis.xrange(bus.keys.dead)

@@ -119,9 +119,12 @@ def test_each_job_carries_its_task_and_the_weights_hold_in_the_jobs(
     write_rows(path, train)
     records = load_prompts(path)  # what the learner reads
     feeder = PromptFeeder(
-        bus,
         records,
         SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6]),
+        transport=bus,
+        run_state=bus,
+        telemetry=bus,
+        prompt_history=bus,
         run_name="gym",
         limit=1_000,
         kept_ahead=1_000,
