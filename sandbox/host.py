@@ -13,9 +13,14 @@ completed here: the parent whose death ends the worker, and what this host allow
 namespace, another uid), are this host's, not the caller's to say.
 
 A connection that closes kills its worker (the stage gave up on a call: a time-out); a worker
-that exits closes its connection (the stage sees the worker die). What this does NOT guarantee:
-that the caller is a stage of this run (whoever reaches the socket may run code in a sandbox,
-which is what the sandbox is for), nor fairness between callers beyond `max_workers`.
+that exits closes its connection (the stage sees the worker die).
+
+Only the uids this host is told to serve may connect (`--allow-uid`; by default its own): the
+kernel names the caller's uid (`SO_PEERCRED`), so a process under any other uid that can reach
+the socket, a sandbox worker included (this host's workers run as its uid or another of their
+own), is refused before a worker starts, and counted. What this does NOT guarantee: that the
+caller is a stage of this run rather than another process of an allowed uid, nor fairness
+between callers beyond `max_workers`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,9 +60,19 @@ class SandboxHost:
     """Listens on `socket_path`; every connection gets a worker of its own (see the module
     docstring). `serve_forever` until `stop()`."""
 
-    def __init__(self, socket_path: str, *, max_workers: int = 64) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        max_workers: int = 64,
+        allowed_uids: frozenset[int] | None = None,
+    ) -> None:
+        """`allowed_uids`: the callers' uids to serve (None: this host's own uid only)."""
         self.socket_path = socket_path
         self.max_workers = max_workers
+        self.allowed_uids = frozenset({os.getuid()}) if allowed_uids is None else allowed_uids
+        self.refused = 0
+        """Connections refused for their caller's uid."""
         self.network_namespace = network_namespace_available()
         self.own_uid = other_uid_available()
         self._active = threading.BoundedSemaphore(max_workers)
@@ -74,8 +90,9 @@ class SandboxHost:
 
     def serve_forever(self) -> None:
         log.info(
-            "sandbox host on %s (network namespace: %s, workers as another uid: %s)",
+            "sandbox host on %s for uids %s (network namespace: %s, workers as another uid: %s)",
             self.socket_path,
+            sorted(self.allowed_uids),
             self.network_namespace,
             self.own_uid,
         )
@@ -89,6 +106,16 @@ class SandboxHost:
                 if self._stop.is_set():
                     return
                 raise
+            uid = peer_uid(conn)
+            if uid not in self.allowed_uids:
+                self.refused += 1
+                log.warning(
+                    "refused a connection from uid %d: this host serves uids %s (--allow-uid)",
+                    uid,
+                    sorted(self.allowed_uids),
+                )
+                conn.close()
+                continue
             if not self._active.acquire(blocking=False):
                 log.warning("refused a connection: %d workers already run", self.max_workers)
                 conn.close()
@@ -138,6 +165,14 @@ class SandboxHost:
             self._active.release()
 
 
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket, as the kernel recorded it when
+    that process connected (Linux `SO_PEERCRED`: pid, uid, gid)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
 def _relay(conn: socket.socket, worker: LocalWorker, first: bytes) -> None:
     """Bytes both ways until either side closes or stalls past `RELAY_BUFFER_BYTES`: the
     caller's frames to the worker's stdin, the worker's stdout to the caller (who bounds what it
@@ -167,11 +202,13 @@ def _relay(conn: socket.socket, worker: LocalWorker, first: bytes) -> None:
     log.warning("sandbox session ended: over %d bytes waiting in the relay", RELAY_BUFFER_BYTES)
 
 
-def serve(socket_path: str, *, max_workers: int = 64) -> int:
+def serve(
+    socket_path: str, *, max_workers: int = 64, allowed_uids: frozenset[int] | None = None
+) -> int:
     """`dapo sandbox-host`: serve until SIGTERM or Ctrl-C."""
     import signal
 
-    host = SandboxHost(socket_path, max_workers=max_workers)
+    host = SandboxHost(socket_path, max_workers=max_workers, allowed_uids=allowed_uids)
     signal.signal(signal.SIGTERM, lambda *_: host.stop())
     try:
         host.serve_forever()

@@ -296,7 +296,8 @@ def _cmd_redis_functions(args: argparse.Namespace) -> int:
 def _cmd_sandbox_host(args: argparse.Namespace) -> int:
     from sandbox.host import serve
 
-    return serve(args.socket, max_workers=args.max_workers)
+    allowed = frozenset(args.allow_uid) if args.allow_uid else None
+    return serve(args.socket, max_workers=args.max_workers, allowed_uids=allowed)
 
 
 def _cmd_secrets(args: argparse.Namespace) -> int:
@@ -631,6 +632,14 @@ def _add_deployment(sub: Subcommands) -> None:
     )
     host.add_argument("--socket", required=True, help="the Unix socket to listen on")
     host.add_argument("--max-workers", type=int, default=64, help="workers at once")
+    host.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        metavar="UID",
+        help="a uid whose processes may connect (repeat for several; the kernel names the "
+        "caller's uid); default: this host's own uid only",
+    )
     host.set_defaults(fn=_cmd_sandbox_host)
     secrets_ = sub.add_parser(
         "secrets",

@@ -349,7 +349,13 @@ def test_compose_untrusted_code_runs_in_a_sandbox_container_of_its_own() -> None
     services = compose()["services"]
     for host_name, stages in SANDBOX_HOSTS.items():
         host = services[host_name]
-        assert is_sandbox_host(host) and host["command"][1:] == ["--socket", SANDBOX_SOCKET]
+        # It serves the stages' uid (the image's user, 10001) and no other.
+        serves = ["--allow-uid", "10001"]
+        assert is_sandbox_host(host) and host["command"][1:] == [
+            "--socket",
+            SANDBOX_SOCKET,
+            *serves,
+        ]
         check_invocation(compose_argv(host), f"docker-compose.yml service {host_name}")
         assert str(host["user"]).split(":")[0] == "10002", "not the services' uid (10001)"
         assert host["network_mode"] == "none"
@@ -1822,10 +1828,12 @@ def test_untrusted_code_runs_in_a_sandbox_container_of_its_own(overlay: str) -> 
         [host] = [c for c in pod["containers"] if c["name"] == SANDBOX_CONTAINER]
         where = f"{overlay}: {name}"
         check_invocation(host["command"], where)
-        assert host["command"][1:] == ["sandbox-host", "--socket", SANDBOX_SOCKET], where
+        stage_uid = pod["securityContext"]["runAsUser"]
+        serves = ["--allow-uid", str(stage_uid)]  # the stage's uid, and no other
+        assert host["command"][1:] == ["sandbox-host", "--socket", SANDBOX_SOCKET, *serves], where
         assert host["image"] == stage["image"], f"{where}: the stage's image, the same paths"
         uid = host["securityContext"]["runAsUser"]
-        assert uid not in (0, pod["securityContext"]["runAsUser"]), f"{where}: uid {uid}"
+        assert uid not in (0, stage_uid), f"{where}: uid {uid}"
         assert "envFrom" not in host and all("valueFrom" not in e for e in host.get("env", [])), (
             f"{where}: the sandbox holds no secret"
         )
