@@ -38,7 +38,7 @@ from pydantic import (
 
 from contracts.signing import SigningKey, WeightKey, sign, signature_holds
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """2: the stream field `gid` became `group_id`, `PromptJob.issued_version` became `policy_version`.
 3: `PromptJob.eval` (evaluation jobs) and the `EvalResult` message.
 4: `EvalResult.policy_version` became `policy_version_min` / `policy_version_max`.
@@ -46,7 +46,9 @@ SCHEMA_VERSION = 6
 job) held two different `policy_version`s; `policy_version` now always names the version that
 generated something (a group, a response's range, an evaluation round).
 6: scored groups are their own message kind (`scored`, `ScoredGroup`) with every score field
-required; a `group` carries no score fields."""
+required; a `group` carries no score fields.
+7: an `EvalResult` carries its signed job (its `group_id` and `tag` are the job's), so a dead
+letter tells the run's own evaluation results from planted ones as it does groups."""
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -270,11 +272,12 @@ class ScoredGroup(RolloutGroup):
 
 
 class EvalResult(_Msg):
-    """One evaluation job's outcome, as the gatekeeper forwards it to the evaluation lane: counts
-    only (the responses themselves are not needed to compute avg@k)."""
+    """One evaluation job's outcome, as the gatekeeper forwards it to the evaluation lane: its
+    job (signed by the learner, so the lane and a dead letter can tell it is the run's) and
+    counts (the responses themselves are not needed to compute avg@k)."""
 
-    group_id: str
-    tag: EvalTag
+    job: PromptJob
+    """The evaluation job this is the outcome of (`job.eval` is set)."""
     policy_version_min: Index
     """Lowest policy version that generated a token of the responses (at least the round's
     `tag.policy_version`: a replica may hold a newer one when it takes the job)."""
@@ -290,6 +293,22 @@ class EvalResult(_Msg):
     truncated: int = Field(ge=0)
     """Responses cut at `rollout.max_response_len`."""
 
+    @model_validator(mode="after")
+    def _an_evaluation_job(self) -> EvalResult:
+        if self.job.eval is None:
+            raise ValueError(f"job {self.job.group_id} is not an evaluation job")
+        return self
+
+    @property
+    def group_id(self) -> str:
+        return self.job.group_id
+
+    @property
+    def tag(self) -> EvalTag:
+        """The round and problem the result belongs to (its job's `eval`)."""
+        assert self.job.eval is not None  # `_an_evaluation_job`
+        return self.job.eval
+
     @property
     def policy_version(self) -> int:
         """The policy the result measures (`policy_version_max`)."""
@@ -302,8 +321,7 @@ class EvalResult(_Msg):
         held = (group.policy_version, group.policy_version)  # responses that recorded no range
         ranges = [r.versions or held for r in group.responses]
         return cls(
-            group_id=group.job.group_id,
-            tag=group.job.eval,
+            job=group.job,
             policy_version_min=min(low for low, _ in ranges),
             policy_version_max=max(high for _, high in ranges),
             correct=sum(bool(a) for a in group.acc),
@@ -379,24 +397,25 @@ def sign_job(job: PromptJob, key: SigningKey) -> PromptJob:
     return job.model_copy(update={"sig": sign(key, job_message(job))})
 
 
-def check_job_signature(group: RolloutGroup, key: WeightKey) -> None:
-    """SchemaError unless the group's job carries the learner's signature (`PromptJob.sig`)."""
-    if not signature_holds(key, job_message(group.job), group.job.sig or None):
+def check_job_signature(message: RolloutGroup | EvalResult, key: WeightKey) -> None:
+    """SchemaError unless the job of a group or an evaluation result carries the learner's
+    signature (`PromptJob.sig`)."""
+    job = message.job
+    if not signature_holds(key, job_message(job), job.sig or None):
+        what = "evaluation result" if isinstance(message, EvalResult) else "group"
         raise SchemaError(
-            f"group {group.job.group_id}: its job is not signed by this run's learner (a job, a "
+            f"{what} {job.group_id}: its job is not signed by this run's learner (a job, a "
             "prompt or a ground truth written by someone else)"
         )
 
 
-def job_signed(fields: dict[bytes, bytes], key: WeightKey) -> bool | None:
-    """Whether a job or group's stream fields carry a job the learner signed; None for a kind
-    that carries no job (an evaluation result). How a dead letter tells the run's own entries
-    from planted ones. Only the job is read (the rest may be what failed to decode, or a
-    message of another schema version from the run's own learner); a job that is not there, or
-    not valid, or not signed, is not the run's."""
+def job_signed(fields: dict[bytes, bytes], key: WeightKey) -> bool:
+    """Whether a job's, group's or evaluation result's stream fields carry a job the learner
+    signed. How a dead letter tells the run's own entries from planted ones. Only the job is
+    read (the rest may be what failed to decode, or a message of another schema version from
+    the run's own learner); a job that is not there, or not valid, or not signed, is not the
+    run's."""
     kind = fields.get(b"kind")
-    if kind == b"eval":
-        return None
     try:
         meta = parse_json(fields[b"meta"], "meta")
         raw_job = meta if kind == b"job" else meta["job"]  # type: ignore[index]
@@ -464,16 +483,23 @@ def _tool_fields(response: Response) -> dict[str, Any]:
 
 
 def encode_eval_result(result: EvalResult) -> dict[str, bytes]:
+    """An evaluation result as stream fields: its job as a group's is (prompt ids packed)."""
+    meta = result.model_dump(exclude={"job": {"prompt_ids"}})
     return {
         "v": str(SCHEMA_VERSION).encode(),
         "kind": b"eval",
         "group_id": result.group_id.encode(),
-        "meta": json.dumps(result.model_dump(), separators=(",", ":")).encode(),
+        "meta": json.dumps(meta, separators=(",", ":")).encode(),
+        "prompt_ids": _pack_ints(result.job.prompt_ids),
     }
 
 
 def decode_eval_result(fields: dict[bytes, bytes]) -> EvalResult:
-    meta = _header(fields, "eval", packed=())
+    meta = _header(fields, "eval")
+    job = meta.get("job")
+    if not isinstance(job, dict):
+        raise SchemaError("missing job")
+    job["prompt_ids"] = _unpack("i", fields[b"prompt_ids"], "prompt_ids")
     try:
         return EvalResult.model_validate(meta)
     except ValidationError as exc:

@@ -60,6 +60,7 @@ from contracts.schemas import (
     EvalTag,
     PromptJob,
     SchemaError,
+    check_job_signature,
     decode_eval_result,
     encode_job,
 )
@@ -285,6 +286,12 @@ class EvalLane:
         except SchemaError as exc:
             self.transport.dead_letter(stage, entry_id, fields, f"learner: {exc}")
             return
+        if self.job_key is not None:
+            try:
+                check_job_signature(result, self.job_key)
+            except SchemaError as exc:  # not one of our jobs: the ledger never counted it
+                self.transport.dead_letter(stage, entry_id, fields, f"learner: {exc}", foreign=True)
+                return
         version = result.tag.policy_version
         rnd = (
             None

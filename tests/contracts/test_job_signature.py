@@ -12,15 +12,19 @@ from contracts.bus import StreamBus, connect
 from contracts.config import build_config
 from contracts.keys import Counter, Keys
 from contracts.schemas import (
+    EvalResult,
+    EvalTag,
     RolloutGroup,
     check_job_signature,
     decode_scored_group,
+    encode_eval_result,
     encode_group,
     encode_job,
     sign_job,
 )
+from learner.evaluation import EvalLane
 from tests.contracts.test_schemas import make_group
-from tests.helpers import WEIGHTS_KEY
+from tests.helpers import WEIGHTS_KEY, judged
 
 REASON = "its job is not signed by this run's learner"
 
@@ -154,3 +158,47 @@ def test_a_planted_entry_that_does_not_decode_is_poison_not_one_of_ours_that_die
     assert bus.dead_letter(bus.keys.prompts, entry_id, fields, "rollout: bad")
     snap = bus.ledger()
     assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (2, 2, 0, True)
+
+
+def test_the_evaluation_lane_takes_only_results_of_jobs_the_learner_signed(
+    redis_url: str,
+) -> None:
+    """An evaluation result carries its job: one of a job the learner signed is added up and
+    counted evaluated; a planted one (its job signed by another key, unsigned, or undecodable
+    with a group id) is dead-lettered as poison, by the learner and by the dead-letter default
+    of any process holding the public key, so the ledger balances and the round is ours only."""
+    bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+    bus.ensure_groups()
+    bus.job_key = WEIGHTS_KEY.public_key()  # as every stage holds it
+    tag = EvalTag(round_step=1, policy_version=1, problem=0, problems=1, samples=4)
+    issued, forged, unsigned = (make_group() for _ in range(3))
+    for i, g in enumerate((issued, forged, unsigned)):
+        g.job.group_id, g.job.eval = f"e{i}", tag
+    issued.job = sign_job(issued.job, WEIGHTS_KEY)
+    forged.job = sign_job(forged.job, Ed25519PrivateKey.generate())
+    assert bus.issue([encode_job(issued.job)], evaluation=True) == 1
+    [(entry_id, _)] = bus.read(bus.keys.prompts, count=1, block_ms=10)
+    result = encode_eval_result(EvalResult.of(judged(issued)))  # every response right
+    assert bus.hop(bus.keys.prompts, entry_id, downstream=bus.keys.evals.stream, fields=result)
+    for g in (forged, unsigned):
+        wrong = judged(g, [False] * len(g.responses))
+        bus.redis.xadd(bus.keys.evals.stream, encode_eval_result(EvalResult.of(wrong)))
+    garbage = {"v": "7", "kind": "eval", "group_id": "e9", "meta": "[[[["}
+    bus.redis.xadd(bus.keys.evals.stream, garbage)  # dead-lettered by the default rule
+    lane = EvalLane(
+        [([1], "4", "src")],
+        transport=bus,
+        run_state=bus,
+        run_name="t",
+        samples=2,
+        max_deliveries=3,
+        catch_up=lambda: None,
+        job_key=WEIGHTS_KEY,
+    )
+    [(_, metrics)] = lane.poll()
+    assert metrics["eval/acc"] == 1.0  # the signed result's alone: no planted wrong answer
+    assert set(dead(bus)) == {"e1", "e2", "e9"}
+    assert all(REASON in dead(bus)[g] for g in ("e1", "e2"))
+    snap = bus.ledger()
+    assert (snap.eval_issued, snap.evaluated, snap.eval_dead, snap.balanced) == (1, 1, 0, True)
+    assert bus.counters()[Counter.POISON_MESSAGES] == 3

@@ -145,8 +145,7 @@ def test_a_round_from_several_versions_reports_the_spread() -> None:
     rnd = _Round(tag)
     for problem, (low, high) in enumerate([(4, 4), (6, 6), (5, 7)]):
         rnd.results[problem] = EvalResult(
-            group_id=f"e{problem}",
-            tag=tag.model_copy(update={"problem": problem}),
+            job=_job(f"e{problem}", tag.model_copy(update={"problem": problem})),
             policy_version_min=low,
             policy_version_max=high,
             correct=1,
