@@ -304,7 +304,7 @@ def test_check_health_surfaces_a_dead_worker(
 
     # The worker fails as the skeleton starts it (after the heartbeat, inside the stage loop).
     def failing_loop(self: RewardStage) -> StageLoop:
-        return StageLoop(self.bus.keys.rollouts, start=explode)
+        return StageLoop(self.transport.keys.rollouts, start=explode)
 
     monkeypatch.setattr(RewardStage, "loop", property(failing_loop))
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
