@@ -6,12 +6,12 @@ A *task* is the `data_source` of a prompt row: a reasoning-gym task's name in th
 metrics are named `task/<name>/<metric>`, the name made safe for every consumer (TensorBoard,
 Prometheus labels, Redis hash fields) by `task_label`.
 
-`data.gym` (`contracts.gym_config.GymDataSpec`) names one reasoning-gym task or a weighted mixture
-of several; the launcher generates the training and evaluation files from it
-(`services.gym_data`). Each row's
-`extra_info` carries a `GymEntry` under `GYM_ENTRY_KEY`: what the task's own scorer needs, which
-runs in the reward stage's sandbox (`reward.gym_checker`). A row that carries one is scored by
-its task's scorer unless `reward.function` or `reward.verifier_by_source` says otherwise.
+`data.gym` (`contracts.config.gym.GymDataSpec`) names one reasoning-gym task or a weighted
+mixture of several; the launcher generates the training and evaluation files from it
+(`services.gym_data`). Each row's `extra_info` carries a `GymEntry` under `GYM_ENTRY_KEY`: what
+the task's own scorer needs, which runs in the reward stage's sandbox (`reward.gym_checker`). A
+row that carries one is scored by its task's scorer unless `reward.function` or
+`reward.verifier_by_source` says otherwise.
 
 Standard library only: the reward stage's sandbox workers import this (through
 `reward.gym_checker`), and every import there costs each worker's start and memory.

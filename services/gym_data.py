@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contracts.config import ConfigError, DapoConfig
+from contracts.config import ConfigError, DapoConfig, GymDataSpec, GymTaskSpec
 from contracts.data import write_rows
-from contracts.gym_config import GymDataSpec, GymTaskSpec
 from contracts.tasks import GYM_ENTRY_KEY, GymEntry
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """MkDocs hook: the configuration reference, generated from the pydantic config tree.
 
-`contracts/config.py` documents every field once, beside it: a docstring under the field (or a
-`Field(description=...)`). When the site is built this hook renders that tree as the page
+The package `contracts.config` (one module per section of the tree) documents every field once,
+beside it: a docstring under the field (or a `Field(description=...)`), read from whichever module
+defines the field's model. When the site is built this hook renders that tree as the page
 `configuration.md`, so the reference cannot drift from the code: every field of `DapoConfig`
 under its dotted key (the key a YAML file nests and a command-line override names), its type and
 bounds, its default and its documentation; each nested model is a section of its own.
@@ -12,6 +13,7 @@ bounds, its default and its documentation; each nested model is a section of its
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import sys
@@ -29,7 +31,8 @@ from pydantic.fields import FieldInfo
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = "configuration.md"
-SOURCE = "contracts/config.py"
+PACKAGE = "contracts.config"
+SOURCE = "contracts/config/"
 
 _BOUNDS = (
     (annotated_types.Gt, "gt", ">"),
@@ -214,9 +217,9 @@ def _field_at(key: str) -> FieldInfo | None:
 
 def render() -> str:
     """The whole reference page, in Markdown."""
-    module = sys.modules[root_model().__module__]
-    # The module docstring's first paragraph after its title: the file, overrides, strictness.
-    intro = inspect.cleandoc(module.__doc__ or "").split("\n\n")[1]
+    root_model()  # puts this checkout first on the path
+    # The package docstring's first paragraph after its title: the file, overrides, strictness.
+    intro = inspect.cleandoc(importlib.import_module(PACKAGE).__doc__ or "").split("\n\n")[1]
     parts = [
         "# Configuration",
         f"Generated from `{SOURCE}` when this site is built (`docs/hooks/config_reference.py`): "

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from contracts.config import ConfigError, build_config
-from contracts.gym_config import GymDataSpec
+from contracts.config import ConfigError, GymDataSpec, build_config
 from contracts.tasks import (
     GYM_ENTRY_KEY,
     GymEntry,

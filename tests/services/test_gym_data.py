@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 
 from contracts.bus import StreamBus, connect
-from contracts.config import ConfigError, build_config, load_config
+from contracts.config import ConfigError, GymDataSpec, build_config, load_config
 from contracts.data import load_prompts
-from contracts.gym_config import GymDataSpec
 from contracts.keys import Keys
 from contracts.schemas import decode_job
 from contracts.tasks import GymEntry

@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import Field, JsonValue, field_validator, model_validator
 
+from contracts.config.base import PositiveInt, Section
 from contracts.tasks import LABEL, AnswerFormat
 
 RESERVED_PARAMS = frozenset({"seed", "size"})
 """reasoning-gym config fields the run sets itself (`GymDataSpec.seed`, the set sizes)."""
 _DATASET = re.compile(r"[a-z][a-z0-9_]{0,63}")
-PositiveInt = Annotated[int, Field(gt=0)]
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class GymTaskSpec(_Spec):
+class GymTaskSpec(Section):
     """One reasoning-gym task of `data.gym.tasks`."""
 
     task: str
@@ -73,7 +68,7 @@ class GymTaskSpec(_Spec):
         return self.name or self.task
 
 
-class GymDataSpec(_Spec):
+class GymDataSpec(Section):
     """Training and evaluation sets generated offline from reasoning-gym (`data.gym`)."""
 
     tasks: tuple[GymTaskSpec, ...] = Field(min_length=1)
