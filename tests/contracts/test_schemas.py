@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import pytest
 
-from contracts import schemas
 from contracts.schemas import (
     MAX_INDEX,
     MAX_JSON_DEPTH,
@@ -29,6 +28,7 @@ from contracts.schemas import (
     group_id_of_fields,
     is_evaluation,
     parse_json,
+    parsing,
 )
 from tests.helpers import judged
 
@@ -214,7 +214,7 @@ def test_parse_json_bounds_size_and_depth_and_reads_brackets_in_strings_as_text(
     with pytest.raises(SchemaError, match=f"heartbeat is {len(small)} bytes of JSON, over 65536"):
         parse_json(small, "heartbeat", SMALL_JSON_BYTES)
     assert len(parse_json(small, "eval history")) == SMALL_JSON_BYTES // 2 + 1  # type: ignore[arg-type]
-    monkeypatch.setattr(schemas, "MAX_JSON_BYTES", 8)
+    monkeypatch.setattr(parsing, "MAX_JSON_BYTES", 8)
     with pytest.raises(SchemaError, match="eval history is 9 bytes of JSON, over 8"):
         parse_json(b"[1,2,3,4]", "eval history")
 
