@@ -117,13 +117,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_api(args: argparse.Namespace) -> int:
-    from services.api import main
+    from services.api.app import main
 
     return main(_config(args), host=args.host, port=args.port)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from services.status import print_status
+    from services.api.status import print_status
 
     return print_status(_config(args), as_json=args.json)
 

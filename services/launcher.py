@@ -49,10 +49,10 @@ from reward.service import check_reward_function
 from rollout.engine import REPLICA_NAME_ENV
 from rollout.tool_use import check_tools
 from sandbox.confine import term_with_parent
+from services.api.task_status import task_section
 from services.capacity import ModelShape, budget
 from services.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
-from services.task_status import task_section
 
 if TYPE_CHECKING:
     from services.redis_server import RedisServer
@@ -622,7 +622,7 @@ def run_local(
 def _check_before_start(cfg: DapoConfig) -> None:
     """What would fail a service later fails before anything starts: a reward function or a
     tool that cannot be loaded, an API token too weak to serve."""
-    from services.api import check_token_strength
+    from services.api.app import check_token_strength
 
     check_reward_function(cfg)
     check_tools(cfg.rollout.tools)
