@@ -50,8 +50,8 @@ from rollout.engine import REPLICA_NAME_ENV
 from rollout.tool_use import check_tools
 from sandbox.confine import term_with_parent
 from services.api.task_status import task_section
-from services.capacity import ModelShape, budget
-from services.placement import count_gpus, gpu_memory_of_this_machine, plan
+from services.planning.capacity import ModelShape, budget
+from services.planning.placement import count_gpus, gpu_memory_of_this_machine, plan
 from services.plots import write_curves_svg
 
 if TYPE_CHECKING:

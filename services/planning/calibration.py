@@ -30,7 +30,7 @@ from statistics import fmean
 from typing import Any
 
 from contracts.config import DapoConfig, load_config
-from services.capacity import ModelShape
+from services.planning.capacity import ModelShape
 from services.planning.costs import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
