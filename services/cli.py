@@ -198,7 +198,7 @@ def _cmd_data_synth(args: argparse.Namespace) -> int:
 
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
     from contracts.data import DataError
-    from services.data_fetch import fetch
+    from services.data.fetch import fetch
 
     try:
         for name in args.names:
@@ -549,7 +549,7 @@ def _add_assets(sub: Subcommands) -> None:
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(fn=_cmd_data_synth)
-    from services.data_fetch import describe
+    from services.data.fetch import describe
 
     fetch = dsub.add_parser(
         "fetch",
@@ -563,7 +563,7 @@ def _add_assets(sub: Subcommands) -> None:
         "--out", default="data", help="output directory (default: data, as in configs/)"
     )
     fetch.set_defaults(fn=_cmd_data_fetch)
-    from services.data_inspect import add_parser as add_inspect_parser
+    from services.data.inspection import add_parser as add_inspect_parser
 
     add_inspect_parser(dsub)
 

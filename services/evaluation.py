@@ -173,7 +173,7 @@ def main(
     from transformers import AutoTokenizer
 
     from rollout.engine import make_engine
-    from services.launcher import prepare_data
+    from services.data.prepare import prepare_data
 
     cfg = with_local_model(cfg)  # also the base a LoRA adapter folder is served on
     prepare_data(cfg)  # a synthetic evaluation set is written on first use, as `dapo run` does

@@ -56,8 +56,8 @@ from reward.service import open_scorer, score_group
 from rollout.hf_engine import HFEngine
 from rollout.sample import Sample
 from rollout.tool_use import ToolBox, generate_with_tools
+from services.data.prepare import prepare
 from services.evaluation import eval_prompts, evaluate
-from services.launcher import prepare
 
 log = logging.getLogger(__name__)
 

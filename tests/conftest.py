@@ -154,7 +154,7 @@ def tiny_cache() -> None:
     import sys
 
     code = (
-        "from contracts.config import load_config; from services.launcher import prepare; "
+        "from contracts.config import load_config; from services.data.prepare import prepare; "
         "prepare(load_config('configs/tiny.yaml'))"
     )
     lock_path = REPO / "runs" / ".tiny-cache.lock"

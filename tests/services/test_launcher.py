@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 import yaml
 
+import services.data.prepare as prepare_step
 import services.launcher as launcher
 from contracts.bus import LedgerSnapshot
 from contracts.config import ConfigError
 from contracts.model_source import MODEL_FILES
-from services.launcher import Progress, prepare
+from services.data.prepare import prepare
+from services.launcher import Progress
 from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -323,12 +325,12 @@ def test_the_tiny_base_learns_from_the_same_rows_whatever_the_run_trains_on(
     build it from the same rows, or whichever ran first decides every later run's model."""
     small = _synth_config(tmp_path, 1000, tmp_path / "base")
     large = _synth_config(tmp_path, 20000, tmp_path / "base")
-    rows = launcher._base_train_rows(small)
-    assert len(rows) == launcher.BASE_TRAIN_ROWS
-    assert rows == launcher._base_train_rows(large)
+    rows = prepare_step._base_train_rows(small)
+    assert len(rows) == prepare_step.BASE_TRAIN_ROWS
+    assert rows == prepare_step._base_train_rows(large)
     # Nor does the data seed: `dapo ablate --seeds 3` runs seeds 1 and 2 on seed 0's cached base.
     reseeded = small.model_copy(update={"data": small.data.model_copy(update={"seed": 2})})
-    assert launcher._base_train_rows(reseeded) == rows
+    assert prepare_step._base_train_rows(reseeded) == rows
 
 
 def test_a_cached_tiny_base_built_from_other_rows_is_refused(tmp_path: Path) -> None:
@@ -339,4 +341,4 @@ def test_a_cached_tiny_base_built_from_other_rows_is_refused(tmp_path: Path) -> 
     (tmp_path / "base" / "config.json").write_text("{}")
     (tmp_path / "base" / BUILD_INFO).write_text(json.dumps({"train_sha256": "0" * 64}))
     with pytest.raises(ConfigError, match="built from other training rows"):
-        launcher._local_model(cfg)
+        prepare_step._local_model(cfg)
