@@ -105,7 +105,7 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from services.evaluation import main
+    from services.experiments.evaluation import main
 
     return main(
         _config(args),
@@ -211,7 +211,7 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_ablate(args: argparse.Namespace) -> int:
-    from services.ablation import ablate
+    from services.experiments.ablation import ablate
 
     command = (
         "dapo ablate " + " ".join(shlex.quote(a) for a in sys.argv[2:])

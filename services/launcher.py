@@ -50,9 +50,9 @@ from rollout.tool_use import check_tools
 from sandbox.confine import term_with_parent
 from services.api.task_status import task_section
 from services.data.prepare import Prepared, prepare
+from services.experiments.plots import write_curves_svg
 from services.planning.capacity import ModelShape, budget
 from services.planning.placement import count_gpus, gpu_memory_of_this_machine, plan
-from services.plots import write_curves_svg
 
 if TYPE_CHECKING:
     from services.redis_server import RedisServer

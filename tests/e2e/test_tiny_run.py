@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from contracts.bus.roles import Role
 from contracts.config import REDIS_URL_ENV
 from contracts.eval_stats import read_rounds
-from services.evaluation import OFFLINE_ROUNDS_FILE
+from services.experiments.evaluation import OFFLINE_ROUNDS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

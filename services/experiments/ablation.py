@@ -44,7 +44,7 @@ import numpy as np
 from contracts.config import DapoConfig, load_config
 from contracts.eval_stats import EVAL_ROUNDS_FILE, read_rounds
 from contracts.keys import Counter
-from services.provenance import provenance
+from services.experiments.provenance import provenance
 
 log = logging.getLogger(__name__)
 
