@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -41,17 +40,9 @@ from contracts.config import ConfigError, DapoConfig, load_config
 from contracts.runtime import EXIT_BAD_CONFIG
 from sandbox.confine import make_undumpable
 from services.demo.synthetic import DIFFICULTY_LEVELS, TEMPLATES
+from services.logs import setup_logging
 
 log = logging.getLogger("dapo")
-
-
-def setup_logging(name: str) -> None:
-    level = os.environ.get("DAPO_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def _config(args: argparse.Namespace) -> DapoConfig:
@@ -63,10 +54,10 @@ def _config(args: argparse.Namespace) -> DapoConfig:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.in_process:
-        from services.inprocess import main as run_in_process
+        from services.run.inprocess import main as run_in_process
 
         return run_in_process(_config(args))
-    from services.launcher import run_local
+    from services.run.launcher import run_local
 
     return run_local(
         _config(args),
@@ -387,7 +378,7 @@ def _add_run(sub: Subcommands) -> None:
         "--in-process",
         action="store_true",
         help="the whole algorithm in this one process, synchronously, no Redis "
-        "(services/inprocess.py: the reference the services are measured against)",
+        "(services/run/inprocess.py: the reference the services are measured against)",
     )
     run.add_argument(
         "--allow-redis6",

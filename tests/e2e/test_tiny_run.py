@@ -67,7 +67,7 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
         "checkpoint.every_steps=60",
         "rollout.replicas=2",  # the main job's one, and a second: both end on the final version
         # Role URLs left in the caller's shell lead nowhere: the run must give every service its
-        # own role's URL on the embedded Redis instead (`services.launcher.run_local`).
+        # own role's URL on the embedded Redis instead (`services.run.launcher.run_local`).
         env={f"{REDIS_URL_ENV}_{role.value.upper()}": "redis://127.0.0.1:1/0" for role in Role},
     )
     assert summary["steps"] == steps

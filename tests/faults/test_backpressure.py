@@ -20,7 +20,7 @@ from contracts.config import load_config
 from contracts.keys import Keys
 from learner.feeder import PromptFeeder
 from services.api.status import run_status
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from contracts.bus.prompt_history import RECORD, PromptStats, decode_record
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

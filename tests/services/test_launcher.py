@@ -21,12 +21,12 @@ import pytest
 import yaml
 
 import services.data.prepare as prepare_step
-import services.launcher as launcher
+import services.run.launcher as launcher
 from contracts.bus import LedgerSnapshot
 from contracts.config import ConfigError
 from contracts.model_source import MODEL_FILES
 from services.data.prepare import prepare
-from services.launcher import Progress
+from services.run.launcher import Progress
 from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -239,7 +239,7 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \S+\[\d+\] [A-Z]+ [\w.]+: ")
 
 STOP_AFTER_PREPARE = """
 import sys
-import services.launcher as launcher
+import services.run.launcher as launcher
 from services.cli import main
 
 def stop(*args, **kwargs):

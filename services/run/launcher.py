@@ -55,7 +55,7 @@ from services.planning.capacity import ModelShape, budget
 from services.planning.placement import count_gpus, gpu_memory_of_this_machine, plan
 
 if TYPE_CHECKING:
-    from services.redis_server import RedisServer
+    from services.run.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ def run_local(
 ) -> int:
     """Run everything on this machine. `gpus` overrides the GPU count (plans for other machines);
     `dry_run` prints the placement and the per-GPU memory budget and starts nothing;
-    `allow_redis6` accepts an embedded Redis 6 (`services.redis_server` says what it risks)."""
+    `allow_redis6` accepts an embedded Redis 6 (`services.run.redis_server` says what it risks)."""
     placement = plan(cfg, count_gpus() if gpus is None else gpus)  # refuses what does not fit
     if dry_run:
         budget = _budget_text(cfg, model_config, gpu_memory_gib)
@@ -445,7 +445,7 @@ def _start_redis(cfg: DapoConfig, out: Path, allow_redis6: bool) -> tuple[RedisS
     role's URL (`_give_credentials`), and the supervisor connects as the operator."""
     if cfg.redis_url is not None:
         return None, cfg.redis_url
-    from services.redis_server import RedisServer
+    from services.run.redis_server import RedisServer
 
     server = RedisServer(
         out / "redis",
