@@ -50,7 +50,7 @@ from services.planning.simulation import (
 )
 
 WARMUP_STEPS = 5
-"""Left out of the measured steady state, as `services.run.launcher.step_timing` does."""
+"""Left out of the measured steady state, as `services.run.progress.step_timing` does."""
 HOP_SECONDS = 0.185e-3
 """One atomic Redis hop of a preset-sized group (bench/results/RESULTS.md, `stream_hops.py`)."""
 PUBLISHED = Path(__file__).with_name("published.toml")

@@ -26,7 +26,8 @@ from contracts.bus import LedgerSnapshot
 from contracts.config import ConfigError
 from contracts.model_source import MODEL_FILES
 from services.data.prepare import prepare
-from services.run.launcher import Progress
+from services.run.progress import Progress
+from services.run.supervisor import Service
 from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -217,11 +218,11 @@ def test_dapo_run_hands_the_services_the_snapshot_and_offline_mode(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
     started: list[tuple[str, dict[str, str]]] = []
 
-    def start(self: launcher.Service, env: dict[str, str]) -> None:
+    def start(self: Service, env: dict[str, str]) -> None:
         started.append((self.name, env))
         raise StartRefused  # stop here: no process is started
 
-    monkeypatch.setattr(launcher.Service, "start", start)
+    monkeypatch.setattr(Service, "start", start)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(StartRefused):
         launcher.run_local(

@@ -15,7 +15,7 @@ from contracts.config import build_config
 from contracts.keys import Keys, RunField
 from contracts.tasks import TaskStats
 from services.api.status import format_status, prometheus_text, run_status
-from services.run.launcher import summarize
+from services.run.progress import summarize
 
 
 @pytest.fixture()
