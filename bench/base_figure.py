@@ -54,7 +54,7 @@ def base_figure(
 ) -> dict[str, Any]:
     """{"acc", "acc_ci", "per_problem", "samples", "fingerprint"}: cached, else measured."""
     from contracts.config import load_config
-    from services.launcher import prepare
+    from services.data.prepare import prepare
 
     overrides = list(overrides or [])
     cfg = prepare(load_config(REPO / config, overrides)).cfg  # the data and model exist after

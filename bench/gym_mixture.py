@@ -42,7 +42,7 @@ from contracts.config import load_config  # noqa: E402
 from contracts.eval_stats import EVAL_ROUNDS_FILE, accuracy_interval, read_rounds  # noqa: E402
 from contracts.tasks import task_label  # noqa: E402
 from learner.evaluation import eval_problems  # noqa: E402
-from services.plots import write_series_svg  # noqa: E402
+from services.experiments.plots import write_series_svg  # noqa: E402
 
 CONFIG = "configs/smollm2-135m-gym.yaml"
 

@@ -1,5 +1,5 @@
 """The in-process floor: the tiny preset's DAPO in one process, synchronously, no Redis, no weight
-transfer (`services/inprocess.py`, the algorithm on one page). What the service system is
+transfer (`services/run/inprocess.py`, the algorithm on one page). What the service system is
 measured against (`bench/time_to_target.py`).
 
 Same model, data, prompt rendering, verifier, overlong shaping, dynamic sampling, batch assembly,
@@ -32,7 +32,7 @@ def run(steps: int, overrides: list[str]) -> dict[str, Any]:
     import torch
 
     from contracts.config import load_config
-    from services.inprocess import run_in_process
+    from services.run.inprocess import run_in_process
 
     cfg = load_config(REPO / "configs" / "tiny.yaml", [f"learner.total_steps={steps}", *overrides])
     torch.set_num_threads(2)  # one process: both cores for whichever phase runs

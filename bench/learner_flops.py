@@ -173,7 +173,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from learner.batch import build_batch
     from learner.service import init_distributed
     from learner.trainer import Trainer
-    from services.launcher import prepare
+    from services.data.prepare import prepare
 
     base = load_config(REPO / args.config, args.overrides)
     groups = args.groups or base.algorithm.train_batch_groups

@@ -79,7 +79,7 @@ def measure(steps: int, config: str, overrides: list[str]) -> dict[str, float]:
     from learner.batch import build_batch
     from learner.service import init_distributed
     from learner.trainer import Trainer
-    from services.launcher import prepare
+    from services.data.prepare import prepare
 
     cfg = load_config(REPO / config, overrides)
     prepare(cfg)  # the cached base model and data

@@ -55,7 +55,7 @@ from contracts.eval_stats import (  # noqa: E402
     seconds_to_gain,
 )
 from contracts.weight_sync import flat_broadcast_seconds  # noqa: E402
-from services.evaluation import OFFLINE_ROUNDS_FILE  # noqa: E402
+from services.experiments.evaluation import OFFLINE_ROUNDS_FILE  # noqa: E402
 
 CONFIG = "configs/smollm2-135m.yaml"
 

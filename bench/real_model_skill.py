@@ -103,7 +103,7 @@ def skill_report(model_dir: str | None, overrides: list[str], three_digit: int) 
     from contracts.config import load_config
     from learner.evaluation import eval_problems
     from rollout.engine import make_engine
-    from services.launcher import prepare
+    from services.data.prepare import prepare
 
     cfg = prepare(load_config(REPO / CONFIG, overrides)).cfg
     path = model_dir or cfg.model.path

@@ -11,7 +11,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))  # benches run as scripts from any directory
-from services.provenance import provenance  # noqa: E402  (re-exported for bench/results_table.py)
+# re-exported for bench/results_table.py
+from services.experiments.provenance import provenance  # noqa: E402
 
 __all__ = ["RESULTS", "provenance", "save_result"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from contracts.bus import StreamBus, connect
 from contracts.keys import Keys
 from contracts.schemas import PromptJob, Response, RolloutGroup, encode_group, encode_job
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

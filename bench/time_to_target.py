@@ -7,7 +7,8 @@ stops its clock while it evaluates. The service trains with no evaluation round 
 (`eval.every_steps=0`: its one replica would otherwise generate 800 x 4 evaluation samples beside
 the training samples, a cost the floor does not pay) and saves a checkpoint every
 `eval.every_steps` of the preset; after the run each checkpoint's export is evaluated here, at the
-RL seconds its trainer.json records, as `dapo eval` would (`services.evaluation.evaluate`).
+RL seconds its trainer.json records, as `dapo eval` would
+(`services.experiments.evaluation.evaluate`).
 Evaluation is paired: both sides draw each evaluation sample with the seed of its problem and
 index (`eval.seed`), so their rounds differ by their weights only, and both are measured from one
 base figure (`bench/base_figure.py`: the base model, many samples per problem), not each run's
@@ -115,12 +116,13 @@ def run_service(steps: int, overrides: list[str], out: Path, *, in_run_eval: boo
 def checkpoint_rounds(store: Path, overrides: list[str]) -> list[Round]:
     """A round for each checkpoint of the store but the last (the run's final round measured
     that one), evaluated in this process with the run's evaluation settings and seeds
-    (`services.evaluation.evaluate_checkpoints`, as `dapo eval --run` does)."""
+    (`services.experiments.evaluation.evaluate_checkpoints`, as `dapo eval --run`
+    does)."""
     import torch
     from transformers import AutoTokenizer
 
     from rollout.engine import make_engine
-    from services.evaluation import eval_prompts, evaluate_checkpoints
+    from services.experiments.evaluation import eval_prompts, evaluate_checkpoints
 
     torch.set_num_threads(2)
     cfg = load_config(REPO / CONFIG, overrides)

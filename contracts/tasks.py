@@ -8,7 +8,7 @@ Prometheus labels, Redis hash fields) by `task_label`.
 
 `data.gym` (`contracts.config.gym.GymDataSpec`) names one reasoning-gym task or a weighted
 mixture of several; the launcher generates the training and evaluation files from it
-(`services.gym_data`). Each row's `extra_info` carries a `GymEntry` under `GYM_ENTRY_KEY`: what
+(`services.data.gym`). Each row's `extra_info` carries a `GymEntry` under `GYM_ENTRY_KEY`: what
 the task's own scorer needs, which runs in the reward stage's sandbox (`reward.gym_checker`). A
 row that carries one is scored by its task's scorer unless `reward.function` or
 `reward.verifier_by_source` says otherwise.

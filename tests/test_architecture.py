@@ -63,9 +63,9 @@ def test_layer_contracts_hold_and_catch_a_wrong_import(tmp_path: Path) -> None:
     # A stage importing the application above it: the gatekeeper reaching into the launcher.
     keys.write_text(keys.read_text().replace("\nimport learner.batch  # noqa\n", ""))
     gate = tmp_path / "gatekeeper" / "service.py"
-    gate.write_text(gate.read_text() + "\nimport services.launcher  # noqa\n")
+    gate.write_text(gate.read_text() + "\nimport services.run.launcher  # noqa\n")
     bad = _lint(tmp_path)
-    assert bad.returncode != 0 and "gatekeeper.service -> services.launcher" in bad.stdout, (
+    assert bad.returncode != 0 and "gatekeeper.service -> services.run.launcher" in bad.stdout, (
         bad.stdout
     )
 

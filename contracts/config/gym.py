@@ -1,5 +1,5 @@
 """The `data.gym` section of the config (issue 42): one reasoning-gym task or a weighted
-mixture, generated offline into the run's training and evaluation files (`services.gym_data`).
+mixture, generated offline into the run's training and evaluation files (`services.data.gym`).
 Kept apart from `contracts.tasks`, which the sandbox workers import and which must not pull in
 pydantic."""
 

@@ -30,7 +30,7 @@ from statistics import fmean
 from typing import Any
 
 from contracts.config import DapoConfig, load_config
-from services.capacity import ModelShape
+from services.planning.capacity import ModelShape
 from services.planning.costs import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
@@ -50,7 +50,7 @@ from services.planning.simulation import (
 )
 
 WARMUP_STEPS = 5
-"""Left out of the measured steady state, as `services.launcher.step_timing` does."""
+"""Left out of the measured steady state, as `services.run.progress.step_timing` does."""
 HOP_SECONDS = 0.185e-3
 """One atomic Redis hop of a preset-sized group (bench/results/RESULTS.md, `stream_hops.py`)."""
 PUBLISHED = Path(__file__).with_name("published.toml")

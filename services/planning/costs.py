@@ -27,7 +27,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.capacity import ModelShape
+from services.planning.capacity import ModelShape
 from services.planning.hardware import GpuType
 
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contracts.config import DapoConfig
-from services.capacity import ModelShape, budget, sync_bytes
-from services.placement import PlacementError, plan
+from services.planning.capacity import ModelShape, budget, sync_bytes
 from services.planning.costs import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
@@ -26,6 +25,7 @@ from services.planning.costs import (
     train_seconds,
 )
 from services.planning.hardware import GpuType
+from services.planning.placement import PlacementError, plan
 from services.planning.simulation import PipelineSpec, Prediction, simulate
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -30,8 +30,8 @@ from contracts.bus.roles import (
 )
 from contracts.config import ConfigError, build_config
 from contracts.keys import Keys
-from services import redis_server
-from services.redis_server import RedisServer, server_major_version
+from services.run import redis_server
+from services.run.redis_server import RedisServer, server_major_version
 
 REPO = Path(__file__).resolve().parents[2]
 ACL_FILE = REPO / "deploy" / "k8s" / "base" / "redis-users.acl"

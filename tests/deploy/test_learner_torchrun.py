@@ -1,5 +1,5 @@
 """The learner container's exit code, for real: the command of the learner Job
-(deploy/k8s/base/learner.yaml: torchrun through services.learner_torchrun) with its
+(deploy/k8s/base/learner.yaml: torchrun through services.run.learner_torchrun) with its
 `-m services.cli learner` tail swapped for a fake learner whose ranks exit with chosen codes.
 
 The Job's podFailurePolicy (checked in test_manifests.py) fails the Job on 3 and 4 and retries
@@ -26,7 +26,7 @@ from contracts.runtime import (
     EXIT_NOT_THE_LEARNER,
     free_port,
 )
-from services.learner_torchrun import container_exit_code
+from services.run.learner_torchrun import container_exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 LEARNER_JOB = REPO / "deploy" / "k8s" / "base" / "learner.yaml"

@@ -129,13 +129,13 @@ def check_python_c(code: str, where: str) -> None:
                 importlib.import_module(alias.name)
 
 
-LEARNER_TORCHRUN = ["python", "-m", "services.learner_torchrun"]
+LEARNER_TORCHRUN = ["python", "-m", "services.run.learner_torchrun"]
 """torchrun that exits with the learner's own code: the Kubernetes learner's command."""
 
 
 def check_invocation(argv: list[str], where: str) -> str:
     """What a container runs: `dapo ...`, `torchrun ... -m services.cli ...` (or the same
-    through `python -m services.learner_torchrun`) or `python -c`.
+    through `python -m services.run.learner_torchrun`) or `python -c`.
     Returns a label of what it runs (the dapo subcommand, or `python -c`)."""
     assert argv, f"{where}: empty command"
     exe = Path(argv[0]).name

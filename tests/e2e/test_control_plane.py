@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from contracts.runtime import free_port
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import learner_step, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,8 +24,8 @@ from contracts.bus import StreamBus, connect
 from contracts.config import build_config
 from contracts.keys import Keys, RunField
 from contracts.runtime import free_port
-from services.api import create_app
-from services.redis_server import RedisServer
+from services.api.app import create_app
+from services.run.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

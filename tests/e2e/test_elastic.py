@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import learner_step, versions_by_pid, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

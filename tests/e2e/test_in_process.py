@@ -1,4 +1,4 @@
-"""`dapo run --in-process`: the algorithm on one page (services/inprocess.py) trains the tiny
+"""`dapo run --in-process`: the algorithm on one page (services/run/inprocess.py) trains the tiny
 preset in one process, evaluates, and writes its summary and the final weights."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from contracts.bus.roles import Role
 from contracts.config import REDIS_URL_ENV
 from contracts.eval_stats import read_rounds
-from services.evaluation import OFFLINE_ROUNDS_FILE
+from services.experiments.evaluation import OFFLINE_ROUNDS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -67,7 +67,7 @@ def test_tiny_run_learns_and_accounts_for_everything(tmp_path: Path) -> None:
         "checkpoint.every_steps=60",
         "rollout.replicas=2",  # the main job's one, and a second: both end on the final version
         # Role URLs left in the caller's shell lead nowhere: the run must give every service its
-        # own role's URL on the embedded Redis instead (`services.launcher.run_local`).
+        # own role's URL on the embedded Redis instead (`services.run.launcher.run_local`).
         env={f"{REDIS_URL_ENV}_{role.value.upper()}": "redis://127.0.0.1:1/0" for role in Role},
     )
     assert summary["steps"] == steps

@@ -28,7 +28,7 @@ from contracts.keys import (
     restarts_counter,
 )
 from contracts.runtime import Heartbeat
-from services.api import create_app
+from services.api.app import create_app
 from tests.contracts.test_streams import issue
 
 LOCAL = "http://127.0.0.1"  # the API answers loopback Host names only

@@ -19,8 +19,8 @@ from contracts.bus import OOM_PAUSE_COUNTER, StreamBus, connect
 from contracts.config import load_config
 from contracts.keys import Keys
 from learner.feeder import PromptFeeder
-from services.redis_server import RedisServer
-from services.status import run_status
+from services.api.status import run_status
+from services.run.redis_server import RedisServer
 from tests.helpers import REPO, finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import counter, finish, learner_step, start_run, versions_by_pid, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

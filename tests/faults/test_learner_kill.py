@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from contracts.checkpoint_store import latest_checkpoint
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import learner_step, pid_of, pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

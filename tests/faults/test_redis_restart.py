@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from contracts.bus.prompt_history import RECORD, PromptStats, decode_record
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import finish, learner_step, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]
@@ -70,7 +70,7 @@ def test_redis_restart_without_aof_is_detected_and_reported(tmp_path: Path) -> N
     reported in /status and the counters, and the run must carry on, not hang or crash."""
     from contracts.bus import StreamBus, connect
     from contracts.keys import Keys
-    from services.status import run_status
+    from services.api.status import run_status
 
     server = RedisServer(tmp_path / "redis", appendonly=False).start()
     proc = start_run(tmp_path, server.url, "learner.total_steps=20")

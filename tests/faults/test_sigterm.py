@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 from tests.helpers import finish, learner_step, pid_of, pids, process_gone, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_cache")]

@@ -122,7 +122,7 @@ def test_every_rank_of_a_learner_that_is_not_the_runs_learner_exits_3(
         [
             sys.executable,
             "-m",
-            "services.learner_torchrun",
+            "services.run.learner_torchrun",
             "--nnodes=1",
             "--nproc-per-node=2",
             "--master-addr=127.0.0.1",

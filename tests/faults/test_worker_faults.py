@@ -16,8 +16,8 @@ import redis
 from contracts.bus import StreamBus, connect
 from contracts.keys import Keys
 from contracts.schemas import RolloutGroup, encode_group, sign_job
-from services.redis_server import RedisServer
-from services.status import run_status
+from services.api.status import run_status
+from services.run.redis_server import RedisServer
 from tests.contracts.test_schemas import make_group
 from tests.helpers import (
     WEIGHTS_KEY,

@@ -10,7 +10,8 @@ import pytest
 
 from contracts.config import load_config
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round
-from services.ablation import (
+from services.cli import main
+from services.experiments.ablation import (
     LADDER,
     NAIVE_GRPO,
     Ladder,
@@ -23,7 +24,6 @@ from services.ablation import (
     table,
     write_report,
 )
-from services.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ablation.yaml"

@@ -19,7 +19,7 @@ from contracts.checkpoint_store import MARKER
 from contracts.config import build_config
 from contracts.keys import Counter, Keys, restarts_counter
 from contracts.runtime import Heartbeat
-from services.api import create_app
+from services.api.app import create_app
 from tests.contracts.test_streams import issue
 
 LOCAL = "http://127.0.0.1"  # the API answers loopback Host names only

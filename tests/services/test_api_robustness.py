@@ -20,8 +20,8 @@ from contracts.bus import StreamBus, connect
 from contracts.config import build_config
 from contracts.keys import Counter, Keys, RunField
 from contracts.runtime import Heartbeat
-from services.api import MAX_BODY_BYTES, create_app
-from services.status import format_status, run_status
+from services.api.app import MAX_BODY_BYTES, create_app
+from services.api.status import format_status, run_status
 from tests.contracts.test_streams import issue
 
 LOCAL = "http://127.0.0.1"  # the API answers loopback Host names only

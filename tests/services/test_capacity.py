@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from contracts.config import load_config
-from services.capacity import ModelShape, budget
 from services.cli import main
+from services.planning.capacity import ModelShape, budget
 
 REPO = Path(__file__).resolve().parents[2]
 

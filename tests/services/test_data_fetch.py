@@ -1,4 +1,4 @@
-"""`dapo data fetch` (services/data_fetch.py): conversion of published files, duplicates
+"""`dapo data fetch` (services/data/fetch.py): conversion of published files, duplicates
 merged, the presets' file names, and the error when the Hub cannot be reached.
 
 No test downloads: the download step is injected and returns a local fixture written in the
@@ -16,7 +16,7 @@ import pytest
 
 from contracts.config import load_config
 from contracts.data import DAPO_PROMPT_TEMPLATE, DataError, load_prompts, write_rows
-from services.data_fetch import KNOWN_DATASETS, fetch
+from services.data.fetch import KNOWN_DATASETS, fetch
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTRUCTION = DAPO_PROMPT_TEMPLATE.replace("{problem}", "{}")

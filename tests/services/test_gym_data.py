@@ -22,7 +22,7 @@ from contracts.schemas import decode_job
 from contracts.tasks import GymEntry
 from learner.evaluation import eval_problems
 from learner.feeder import PromptFeeder
-from services.gym_data import gym_sets, mixture, prepare_gym, question_of, spec_path
+from services.data.gym import gym_sets, mixture, prepare_gym, question_of, spec_path
 
 pytest.importorskip("reasoning_gym")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import services.data.prepare as prepare_step
 from contracts.config import load_config
 from contracts.data import write_rows
 from contracts.heldout import held_out_problems
 from learner.evaluation import eval_problems
-from services import launcher
 from services.demo.synthetic import DIFFICULTY_LEVELS, fact_key, fact_split, synth_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,12 +58,12 @@ def test_every_presets_files_are_disjoint(
             )
         }
     )
-    launcher.prepare_data(cfg)
+    prepare_step.prepare_data(cfg)
     read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
     eval_facts = _facts(read(eval_path))
     assert len(eval_facts) >= min(d.synth.num_eval, 9)  # level 0 has only 9 held-out facts
     assert not _facts(read(train_path)) & eval_facts
-    base_rows = launcher._base_train_rows(cfg) + launcher._base_selection_rows(cfg)
+    base_rows = prepare_step._base_train_rows(cfg) + prepare_step._base_selection_rows(cfg)
     base_facts = {fact_key(r["extra_info"]["numbers"]) for r in base_rows}
     assert not base_facts & eval_facts
     _, overlap = eval_problems(cfg)

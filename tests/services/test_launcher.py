@@ -20,11 +20,14 @@ from typing import Any
 import pytest
 import yaml
 
-import services.launcher as launcher
+import services.data.prepare as prepare_step
+import services.run.launcher as launcher
 from contracts.bus import LedgerSnapshot
 from contracts.config import ConfigError
 from contracts.model_source import MODEL_FILES
-from services.launcher import Progress, prepare
+from services.data.prepare import prepare
+from services.run.progress import Progress
+from services.run.supervisor import Service
 from tests.helpers import model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -215,11 +218,11 @@ def test_dapo_run_hands_the_services_the_snapshot_and_offline_mode(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
     started: list[tuple[str, dict[str, str]]] = []
 
-    def start(self: launcher.Service, env: dict[str, str]) -> None:
+    def start(self: Service, env: dict[str, str]) -> None:
         started.append((self.name, env))
         raise StartRefused  # stop here: no process is started
 
-    monkeypatch.setattr(launcher.Service, "start", start)
+    monkeypatch.setattr(Service, "start", start)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(StartRefused):
         launcher.run_local(
@@ -237,7 +240,7 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \S+\[\d+\] [A-Z]+ [\w.]+: ")
 
 STOP_AFTER_PREPARE = """
 import sys
-import services.launcher as launcher
+import services.run.launcher as launcher
 from services.cli import main
 
 def stop(*args, **kwargs):
@@ -323,12 +326,12 @@ def test_the_tiny_base_learns_from_the_same_rows_whatever_the_run_trains_on(
     build it from the same rows, or whichever ran first decides every later run's model."""
     small = _synth_config(tmp_path, 1000, tmp_path / "base")
     large = _synth_config(tmp_path, 20000, tmp_path / "base")
-    rows = launcher._base_train_rows(small)
-    assert len(rows) == launcher.BASE_TRAIN_ROWS
-    assert rows == launcher._base_train_rows(large)
+    rows = prepare_step._base_train_rows(small)
+    assert len(rows) == prepare_step.BASE_TRAIN_ROWS
+    assert rows == prepare_step._base_train_rows(large)
     # Nor does the data seed: `dapo ablate --seeds 3` runs seeds 1 and 2 on seed 0's cached base.
     reseeded = small.model_copy(update={"data": small.data.model_copy(update={"seed": 2})})
-    assert launcher._base_train_rows(reseeded) == rows
+    assert prepare_step._base_train_rows(reseeded) == rows
 
 
 def test_a_cached_tiny_base_built_from_other_rows_is_refused(tmp_path: Path) -> None:
@@ -339,4 +342,4 @@ def test_a_cached_tiny_base_built_from_other_rows_is_refused(tmp_path: Path) -> 
     (tmp_path / "base" / "config.json").write_text("{}")
     (tmp_path / "base" / BUILD_INFO).write_text(json.dumps({"train_sha256": "0" * 64}))
     with pytest.raises(ConfigError, match="built from other training rows"):
-        launcher._local_model(cfg)
+        prepare_step._local_model(cfg)

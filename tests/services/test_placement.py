@@ -9,7 +9,7 @@ import pytest
 
 from contracts.config import load_config
 from services.cli import main
-from services.placement import PlacementError, plan
+from services.planning.placement import PlacementError, plan
 
 REPO = Path(__file__).resolve().parents[2]
 SEVEN_B = REPO / "configs" / "dapo-qwen2.5-7b-1node.yaml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.capacity import ModelShape
+from services.planning.capacity import ModelShape
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {
@@ -126,7 +126,7 @@ def test_lora_budget_counts_the_adapters_peft_injects() -> None:
 
     from contracts.config import build_config
     from contracts.lora import inject_adapters, is_adapter_param
-    from services.capacity import budget, sync_bytes
+    from services.planning.capacity import budget, sync_bytes
 
     overrides = ["learner.lora.enabled=true", "learner.lora.rank=8", "learner.nproc=2"]
     overrides.append("learner.mixed_precision=none")  # the frozen base in fp32, as on CPU

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from contracts.config import load_config, redact_url
-from services.redis_server import RedisServer
+from services.run.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 

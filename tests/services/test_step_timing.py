@@ -1,10 +1,10 @@
-"""The run summary's steady-state pace (`services.launcher.step_timing`)."""
+"""The run summary's steady-state pace (`services.run.progress.step_timing`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.launcher import step_timing
+from services.run.progress import step_timing
 
 
 def test_steps_per_hour_leave_the_warm_up_out() -> None:

@@ -14,8 +14,8 @@ from contracts.bus import StreamBus, connect
 from contracts.config import build_config
 from contracts.keys import Keys, RunField
 from contracts.tasks import TaskStats
-from services.launcher import summarize
-from services.status import format_status, prometheus_text, run_status
+from services.api.status import format_status, prometheus_text, run_status
+from services.run.progress import summarize
 
 
 @pytest.fixture()

@@ -6,7 +6,7 @@ A training run does not use this: its evaluations travel the prompt stream to th
 replicas (`learner/evaluation.py`). Both evaluate the distinct problems of the eval file with the
 eval sampling settings and draw sample j of problem i with the seed of (`eval.seed`, i, j)
 (`rollout.engine.eval_seeds`), so the same weights give the same number here and in the run's
-round (tests/services/test_eval_cli.py). `--samples` overrides k (a base figure measured once
+round (tests/e2e/test_tiny_run.py). `--samples` overrides k (a base figure measured once
 with many samples, `bench/base_figure.py`). `--run DIR` evaluates a finished run's checkpoints
 instead, each credited to the RL seconds at which its weights were published: the run's curve
 when it had no rounds of its own (`eval.in_run: false`).
@@ -173,7 +173,7 @@ def main(
     from transformers import AutoTokenizer
 
     from rollout.engine import make_engine
-    from services.launcher import prepare_data
+    from services.data.prepare import prepare_data
 
     cfg = with_local_model(cfg)  # also the base a LoRA adapter folder is served on
     prepare_data(cfg)  # a synthetic evaluation set is written on first use, as `dapo run` does

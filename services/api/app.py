@@ -53,7 +53,7 @@ from contracts.checkpoint_store import get_checkpoint, list_checkpoints
 from contracts.config import ConfigError, DapoConfig
 from contracts.schemas import CheckpointRequest as CheckpointControl
 from contracts.schemas import PauseRequest, RestoreRequest
-from services.status import prometheus_text, run_status
+from services.api.status import prometheus_text, run_status
 
 MAX_BODY_BYTES = 64 * 1024
 """Largest request body accepted (413 above it). The API's bodies are a few JSON fields; the
@@ -299,7 +299,7 @@ class SecurityHeaders:
 
 
 def _asset(name: str) -> str:
-    return resources.files("services").joinpath(name).read_text()
+    return resources.files("services.api").joinpath(name).read_text()
 
 
 def create_app(cfg: DapoConfig) -> FastAPI:

@@ -1,6 +1,7 @@
 """torchrun for the learner's container, exiting with the learner's own reason.
 
-    python -m services.learner_torchrun <torchrun arguments> -m services.cli learner --config FILE
+    python -m services.run.learner_torchrun <torchrun arguments> \
+        -m services.cli learner --config FILE
 
 torchrun exits 1 whatever code its ranks exited with (torch 2.13: a rank that exits 4 makes
 torchrun exit 1), and 1 again when it is stopped by SIGTERM. A Kubernetes Job reading that code
@@ -94,7 +95,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    from services.cli import setup_logging
+    from services.logs import setup_logging
 
     setup_logging("learner-torchrun")
     sys.exit(main(sys.argv[1:]))

@@ -15,7 +15,7 @@ from typing import Any
 from contracts.tasks import TaskStats
 
 Add = Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float | None]]], None]
-"""`_Page.add` of services.status: (kind, name, help, samples)."""
+"""`_Page.add` of services.api.status: (kind, name, help, samples)."""
 
 _COUNTS = (
     ("kept", "task_groups_kept", "Training groups of the task the gatekeeper kept."),

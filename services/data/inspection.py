@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg is None:
             sys.stderr.write("dapo data inspect: give a FILE, or --config to read its train_path\n")
             return 2
-        from services.launcher import prepare_data
+        from services.data.prepare import prepare_data
 
         prepare_data(cfg)  # generated sets (data.synth, data.gym) are written first
         path = cfg.data.train_path

@@ -44,7 +44,7 @@ import numpy as np
 from contracts.config import DapoConfig, load_config
 from contracts.eval_stats import EVAL_ROUNDS_FILE, read_rounds
 from contracts.keys import Counter
-from services.provenance import provenance
+from services.experiments.provenance import provenance
 
 log = logging.getLogger(__name__)
 
@@ -730,7 +730,7 @@ def ablate(
         load_config(config, [f"{k}={v}" for k, v in overrides_of_rung.items()])
     out = out or Path(cfg.output_dir) / ("ablation-quick" if quick else "ablation")
     t0 = time.monotonic()
-    from services.launcher import prepare
+    from services.data.prepare import prepare
 
     prepare(cfg)  # the shared base model and data, built once before the first run's clock starts
     run_ladder(config, out, seeds=seeds, extra=extra, rungs=chosen)

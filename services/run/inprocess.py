@@ -19,8 +19,8 @@ them; `dapo run` runs the same calls in separate processes joined by Redis strea
                                             (learner/algos/), FSDP2, AdamW
     engine.update_weights                   learner/weight_publisher.py -> rollout/
                                             weight_receiver.py: a broadcast to the replicas
-    services.evaluation.evaluate            learner/evaluation.py issues eval jobs; replicas,
-                                            reward workers and the gatekeeper answer them
+    services.experiments.evaluation         learner/evaluation.py issues eval jobs; replicas,
+      .evaluate                             reward workers and the gatekeeper answer them
 
 What the service system adds, and this loop does not have: asynchrony (replicas generate while
 the learner trains, bounded by `algorithm.max_staleness`; here every row is on-policy), several
@@ -56,8 +56,8 @@ from reward.service import open_scorer, score_group
 from rollout.hf_engine import HFEngine
 from rollout.sample import Sample
 from rollout.tool_use import ToolBox, generate_with_tools
-from services.evaluation import eval_prompts, evaluate
-from services.launcher import prepare
+from services.data.prepare import prepare
+from services.experiments.evaluation import eval_prompts, evaluate
 
 log = logging.getLogger(__name__)
 

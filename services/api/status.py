@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from contracts.bus import LedgerSnapshot, StreamBus, open_bus
 from contracts.bus.roles import Role
 from contracts.keys import LEDGER_FIELDS, Counter, RunField, restarts_counter
-from services.task_status import task_families, task_lines, task_section
+from services.api.task_status import task_families, task_lines, task_section
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
