@@ -44,7 +44,7 @@ JOB_META_BYTES = 400
 """A prompt job's fields besides its token ids (JSON metadata, ids, schema version)."""
 GROUP_META_BYTES_PER_RESPONSE = 120
 """A rollout group's per-response metadata (length, finish reason, versions) beside its packed
-int32 token ids and float32 log-probs (`contracts/schemas.py`)."""
+int32 token ids and float32 log-probs (`contracts/schemas/wire.py`)."""
 METRICS_RECORD_BYTES = 2500
 """One per-step record in the metrics stream (about 50 named floats as JSON)."""
 
