@@ -254,30 +254,30 @@ class Keys:
         the end-of-run summary."""
         return self._k("run")
 
-    def heartbeat(self, kind: str, instance_id: str) -> str:
+    def heartbeat(self, role: str, instance_id: str) -> str:
         """TTL key per live service instance (one process of a service);
         value is its JSON status."""
-        return self._k("hb", kind, instance_id)
+        return self._k("hb", role, instance_id)
 
-    def heartbeat_pattern(self, kind: str = "*") -> str:
-        return self._k("hb", kind, "*")
+    def heartbeat_pattern(self, role: str = "*") -> str:
+        return self._k("hb", role, "*")
 
     def consumer_heartbeat(self, consumer: str) -> str:
         """The heartbeat key of the instance reading a stream under the consumer name `consumer`.
 
-        A service reads under its instance id, `<kind>-<host>-<pid>` (`runtime.instance_id`, which
-        refuses a kind with a `-`), and beats under `heartbeat(kind, instance id)`, so the kind
+        A service reads under its instance id, `<role>-<host>-<pid>` (`runtime.instance_id`, which
+        refuses a role with a `-`), and beats under `heartbeat(role, instance id)`, so the role
         is the name up to its first `-`. A consumer name of any other shape (the learner's drain
         reader, a test's) maps to a key nobody writes: to the bus it is a consumer that is gone.
         """
         return self.heartbeat(consumer.split("-", 1)[0], consumer)
 
-    def final_stats(self, kind: str, instance_id: str) -> str:
+    def final_stats(self, role: str, instance_id: str) -> str:
         """Hash a service writes as it exits (idle fraction, counts) for the run summary."""
-        return self._k("final", kind, instance_id)
+        return self._k("final", role, instance_id)
 
-    def final_stats_pattern(self, kind: str = "*") -> str:
-        return self._k("final", kind, "*")
+    def final_stats_pattern(self, role: str = "*") -> str:
+        return self._k("final", role, "*")
 
     def weight_join(self, group_key: str) -> str:
         """Set of replica ids ready to join the broadcast group `group_key`."""

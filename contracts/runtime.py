@@ -115,17 +115,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def instance_id(kind: str, pid: int | None = None) -> str:
-    """`<kind>-<host>-<pid>`: unique per process, and derivable by a supervisor on the same host.
+def instance_id(role: str, pid: int | None = None) -> str:
+    """`<role>-<host>-<pid>`: unique per process, and derivable by a supervisor on the same host.
 
     It is also the instance's consumer name in every stream, from which `Keys.consumer_heartbeat`
-    finds its heartbeat again, taking the kind to end at the first `-`."""
-    if "-" in kind:
+    finds its heartbeat again, taking the role to end at the first `-`."""
+    if "-" in role:
         raise ValueError(
-            f"a service kind cannot contain '-' (got {kind!r}): its consumer name "
+            f"a service role cannot contain '-' (got {role!r}): its consumer name "
             "would not lead back to its heartbeat"
         )
-    return f"{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
+    return f"{role}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
 class Heartbeat:
@@ -139,7 +139,7 @@ class Heartbeat:
     def __init__(
         self,
         telemetry: Telemetry,
-        kind: str,
+        role: str,
         inst: str,
         ttl_s: float,
         status: Callable[[], dict[str, Any]] | None = None,
@@ -148,9 +148,9 @@ class Heartbeat:
         # after ttl_s): this client fails instead, and a refused SET falls back to PEXPIRE, which
         # Redis still accepts, so the last status stays visible.
         self.client = redis.Redis(connection_pool=telemetry.redis.connection_pool)
-        self.key, self.ttl_s = telemetry.keys.heartbeat(kind, inst), ttl_s
+        self.key, self.ttl_s = telemetry.keys.heartbeat(role, inst), ttl_s
         self.base = {
-            "kind": kind,
+            "role": role,
             "id": inst,
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -158,7 +158,7 @@ class Heartbeat:
         }
         self.status = status or (lambda: {})
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{kind}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{role}", daemon=True)
 
     def beat(self) -> None:
         value = {**self.base, **self.status(), "at": time.time()}
@@ -310,7 +310,7 @@ def serve_stage(ctx: ServiceContext, worker: StageHandler, queue: QueueConfig) -
 class ServiceContext:
     """What every service process starts with: its identity, its streams and its stop flag."""
 
-    kind: str
+    role: str
     inst: str
     bus: StreamBus
     """The whole bus: the stage's factory hands the stage only the parts it uses."""
@@ -318,7 +318,7 @@ class ServiceContext:
     beating: Heartbeat | None = None
 
     def heartbeat(self, ttl_s: float, status: Callable[[], dict[str, Any]]) -> Heartbeat:
-        self.beating = Heartbeat(self.bus, self.kind, self.inst, ttl_s, status).start()
+        self.beating = Heartbeat(self.bus, self.role, self.inst, ttl_s, status).start()
         return self.beating
 
     def beat_now(self) -> None:
@@ -333,25 +333,25 @@ class ServiceContext:
     def write_final_stats(self, stats: dict[str, Any]) -> None:
         """What the run summary reports about this instance after it is gone."""
         try:
-            self.bus.write_final_stats(self.kind, self.inst, stats)
+            self.bus.write_final_stats(self.role, self.inst, stats)
         except redis.RedisError as exc:
-            log.warning("%s %s: final stats not written: %s", self.kind, self.inst, exc)
+            log.warning("%s %s: final stats not written: %s", self.role, self.inst, exc)
 
 
-def service_context(cfg: DapoConfig, kind: str, *, install_signals: bool = True) -> ServiceContext:
+def service_context(cfg: DapoConfig, role: str, *, install_signals: bool = True) -> ServiceContext:
     """Connect to the run's Redis (config or DAPO_REDIS_URL) and create the consumer groups.
 
     `install_signals=False` where the process's main thread belongs to a host (Ray Serve).
     """
-    url = cfg.redis_url_for(kind)
+    url = cfg.redis_url_for(role)
     if not url:
-        raise ConfigError(f"{kind}: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
+        raise ConfigError(f"{role}: no Redis URL (set queue.redis_url or DAPO_REDIS_URL)")
     stop = StopFlag()
     if install_signals:
         stop.install()
-    inst = instance_id(kind)
+    inst = instance_id(role)
     bus = open_bus(url, cfg.queue.namespace, inst, stop=stop.event)
     bus.job_key = held_key()  # a dead letter counts in the ledger only if the learner signed it
     bus.check_memory_policy()
-    bus.ensure_groups(consumed_stages(kind, bus.keys))
-    return ServiceContext(kind, inst, bus, stop)
+    bus.ensure_groups(consumed_stages(role, bus.keys))
+    return ServiceContext(role, inst, bus, stop)

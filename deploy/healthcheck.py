@@ -21,13 +21,13 @@ import socket
 import sys
 from collections.abc import Sequence
 
-KINDS = ("rollout", "reward", "gatekeeper", "learner")
+ROLES = ("rollout", "reward", "gatekeeper", "learner")
 DEFAULT_CONFIG = "/etc/dapo/config.yaml"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dapo-healthcheck", description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("role", choices=ROLES)
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})"
     )
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"dapo-healthcheck: {exc}\n")
         return 1
-    url = cfg.redis_url_for(args.kind)
+    url = cfg.redis_url_for(args.role)
     if not url:
         sys.stderr.write("dapo-healthcheck: no Redis URL (queue.redis_url or DAPO_REDIS_URL)\n")
         return 1
@@ -60,14 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         socket_timeout=args.timeout,
     )
     try:
-        mine = [i for i in bus.live_instances(args.kind) if i.get("host") == host]
+        mine = [i for i in bus.live_instances(args.role) if i.get("host") == host]
     except redis.RedisError as exc:
         sys.stderr.write(f"dapo-healthcheck: redis unreachable: {exc}\n")
         return 1
     finally:
         bus.close()
     if not mine:
-        sys.stderr.write(f"dapo-healthcheck: no live {args.kind} heartbeat from host {host}\n")
+        sys.stderr.write(f"dapo-healthcheck: no live {args.role} heartbeat from host {host}\n")
         return 1
     return 0
 

@@ -71,18 +71,18 @@ class _StageHost:
     Subclasses build the worker (a `StageHandler`) in `setup`.
     """
 
-    kind = ""
-    """Heartbeat kind (`rollout`, `reward`): the same as the CLI service's, so the learner, the
+    role = ""
+    """Heartbeat role (`rollout`, `reward`): the same as the CLI service's, so the learner, the
     API and `dapo status` see a Serve replica exactly like a `dapo rollout` process."""
 
     def __init__(self, config: str, overrides: list[str] | None = None) -> None:
         from services.logs import setup_logging
 
-        setup_logging(self.kind)
+        setup_logging(self.role)
         # An hf:// model: its snapshot in the Hugging Face cache, as `dapo rollout` resolves it.
         self.cfg = with_local_model(load_config(config, list(overrides or [])))
         # Signal handlers need the main thread, which Serve owns: the StopFlag is not installed.
-        self.ctx = service_context(self.cfg, self.kind, install_signals=False)
+        self.ctx = service_context(self.cfg, self.role, install_signals=False)
         self.id, self.stop, self.bus = self.ctx.inst, self.ctx.stop, self.ctx.bus
         self.error: BaseException | None = None
         self._stopped = False
@@ -90,9 +90,9 @@ class _StageHost:
         # Beating before __init__ returns: Serve calls the replica ready then, and the learner
         # and `dapo status` count replicas by their heartbeats. `serve_stage` stops it.
         self.ctx.heartbeat(self.cfg.queue.heartbeat_ttl_s, self.worker.status)
-        self.thread = threading.Thread(target=self._run, name=f"{self.kind}-worker", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"{self.role}-worker", daemon=True)
         self.thread.start()
-        log.info("%s replica %s ready", self.kind, self.id)
+        log.info("%s replica %s ready", self.role, self.id)
 
     def setup(self) -> StageHandler:
         raise NotImplementedError
@@ -101,15 +101,15 @@ class _StageHost:
         try:
             serve_stage(self.ctx, self.worker, self.cfg.queue)
         except BaseException as exc:  # the thread's boundary: kept for check_health to surface
-            log.exception("%s worker %s died", self.kind, self.id)
+            log.exception("%s worker %s died", self.role, self.id)
             self.error = exc
-        log.info("%s replica %s stopped: %s", self.kind, self.id, self.worker.status())
+        log.info("%s replica %s stopped: %s", self.role, self.id, self.worker.status())
 
     # --- what Serve calls ----------------------------------------------------------------------
     def __call__(self, request: object = None) -> dict[str, Any]:
         """This replica's status (HTTP answers it as JSON)."""
         return {
-            "kind": self.kind,
+            "role": self.role,
             "id": self.id,
             "alive": self.thread.is_alive(),
             **self.worker.status(),
@@ -117,7 +117,7 @@ class _StageHost:
 
     def check_health(self) -> None:
         if not self.thread.is_alive() and not self.stop.stopping:
-            raise WorkerDied(f"{self.kind} worker {self.id} exited: {self.error!r}")
+            raise WorkerDied(f"{self.role} worker {self.id} exited: {self.error!r}")
 
     def __del__(self) -> None:
         # Serve calls this on replica shutdown, and the garbage collector may call it again; a
@@ -130,13 +130,13 @@ class _StageHost:
         while thread.is_alive():
             thread.join(5.0)
             if thread.is_alive():
-                log.info("%s %s: finishing the current batch before exiting", self.kind, self.id)
+                log.info("%s %s: finishing the current batch before exiting", self.role, self.id)
 
 
 class RolloutHost(_StageHost):
     """`dapo rollout` as a Serve replica: prompt jobs -> G responses with behaviour log-probs."""
 
-    kind = "rollout"
+    role = "rollout"
 
     def setup(self) -> StageHandler:
         from rollout.service import build_replica
@@ -153,7 +153,7 @@ class RolloutHost(_StageHost):
 class RewardHost(_StageHost):
     """`dapo reward` as a Serve replica: verifier score + overlong shaping per response."""
 
-    kind = "reward"
+    role = "reward"
 
     def setup(self) -> StageHandler:
         from reward.service import build_stage

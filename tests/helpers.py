@@ -63,22 +63,22 @@ def start_run(
     )
 
 
-def versions_by_pid(r: redis.Redis, kind: str = "rollout") -> dict[int, int]:
-    """pid -> policy version of every live instance of `kind` (from the heartbeats)."""
+def versions_by_pid(r: redis.Redis, role: str = "rollout") -> dict[int, int]:
+    """pid -> policy version of every live instance of `role` (from the heartbeats)."""
     return {
         int(i["pid"]): int(i.get("policy_version", -1))
-        for i in StreamBus(r, Keys("dapo"), "test").live_instances(kind)
+        for i in StreamBus(r, Keys("dapo"), "test").live_instances(role)
     }
 
 
-def pids(r: redis.Redis, kind: str) -> set[int]:
-    """Process ids of the live instances of `kind`."""
-    return set(versions_by_pid(r, kind))
+def pids(r: redis.Redis, role: str) -> set[int]:
+    """Process ids of the live instances of `role`."""
+    return set(versions_by_pid(r, role))
 
 
-def pid_of(r: redis.Redis, kind: str) -> int:
-    """The process id of one live instance of `kind` (the lowest, so repeated calls agree)."""
-    return min(pids(r, kind))
+def pid_of(r: redis.Redis, role: str) -> int:
+    """The process id of one live instance of `role` (the lowest, so repeated calls agree)."""
+    return min(pids(r, role))
 
 
 def counter(r: redis.Redis, name: str) -> int:

@@ -159,9 +159,9 @@ def grants(keys: Keys) -> dict[Role, Grant]:
     everything = f"{ns}:*"
     worker = (*CONNECTION, *SCRIPTS, *READS, *WRITES)
 
-    def own(kind: str) -> tuple[str, ...]:
-        """A service's heartbeats and final stats (one key per instance of the kind)."""
-        return (keys.heartbeat_pattern(kind), keys.final_stats_pattern(kind))
+    def own(role: str) -> tuple[str, ...]:
+        """A service's heartbeats and final stats (one key per instance of the role)."""
+        return (keys.heartbeat_pattern(role), keys.final_stats_pattern(role))
 
     hop = (keys.dead, keys.ledger, keys.counters)  # every hop may dead-letter and count
     return {

@@ -88,7 +88,7 @@ class Telemetry(RedisHygiene):
         recent = self.recent_metrics(1)
         return recent[-1] if recent else {}
 
-    def live_instances(self, kind: str = "*") -> list[dict[str, Any]]:
+    def live_instances(self, role: str = "*") -> list[dict[str, Any]]:
         """Status of every instance whose heartbeat has not expired, with `age_s` added.
 
         A heartbeat that is not a JSON object with a string `id`, a numeric `at` and (when
@@ -96,7 +96,7 @@ class Telemetry(RedisHygiene):
         garbage value must not take down the readers (the API, the learner's weight sync)."""
         now = time.time()
         out = []
-        for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(kind), count=200):
+        for key in self.redis.scan_iter(match=self.keys.heartbeat_pattern(role), count=200):
             raw = self._read(None, self.redis.get, key)
             if raw is None:  # expired between the scan and the read (or not a string)
                 continue
@@ -111,23 +111,23 @@ class Telemetry(RedisHygiene):
                 self.skip_bad_value(key, exc, raw)
                 continue
             out.append(info)
-        return sorted(out, key=lambda i: (str(i.get("kind", "")), str(i.get("id", ""))))
+        return sorted(out, key=lambda i: (str(i.get("role", "")), str(i.get("id", ""))))
 
-    def drop_heartbeat(self, kind: str, instance_id: str) -> None:
+    def drop_heartbeat(self, role: str, instance_id: str) -> None:
         """Declare an instance gone before its heartbeat expires (the supervisor saw it die)."""
-        self.redis.delete(self.keys.heartbeat(kind, instance_id))
+        self.redis.delete(self.keys.heartbeat(role, instance_id))
 
-    def write_final_stats(self, kind: str, instance_id: str, stats: Mapping[str, Any]) -> None:
+    def write_final_stats(self, role: str, instance_id: str, stats: Mapping[str, Any]) -> None:
         """What the run summary reports about an instance after it is gone."""
         self.redis.hset(
-            self.keys.final_stats(kind, instance_id),
+            self.keys.final_stats(role, instance_id),
             mapping={k: json.dumps(v) for k, v in stats.items()},
         )
 
-    def final_stats(self, kind: str) -> dict[str, dict[str, Any]]:
-        """Final stats of every instance of `kind` that wrote them, by instance id."""
+    def final_stats(self, role: str) -> dict[str, dict[str, Any]]:
+        """Final stats of every instance of `role` that wrote them, by instance id."""
         out = {}
-        for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(kind)):
+        for key in self.redis.scan_iter(match=self.keys.final_stats_pattern(role)):
             stats: Any = self._read(None, self.redis.hgetall, key)
             if not stats:  # expired since the scan, or not a hash
                 continue

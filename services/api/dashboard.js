@@ -30,7 +30,7 @@ const TASK_COLUMNS = [
   ["groups", ([, t]) => t.kept + t.filtered],
 ];
 const INSTANCE_COLUMNS = [
-  ["kind", i => i.kind], ["id", i => i.id], ["host", i => i.host], ["pid", i => i.pid],
+  ["role", i => i.role], ["id", i => i.id], ["host", i => i.host], ["pid", i => i.pid],
   ["policy version", i => i.policy_version], ["heartbeat age (s)", i => i.heartbeat_age_s],
 ];
 

@@ -91,7 +91,7 @@ def run_status(bus: StreamBus, *, heartbeat_ttl_s: float) -> dict[str, Any]:
     metrics = [m for m in records if isinstance(m, dict)]
     instances = _instances(skipped.read("heartbeats", bus.live_instances, []), skipped)
     learner_fresh = any(
-        i["kind"] == "learner" and i["heartbeat_age_s"] < heartbeat_ttl_s for i in instances
+        i["role"] == "learner" and i["heartbeat_age_s"] < heartbeat_ttl_s for i in instances
     )
     learner_state = state.get("state", "unknown")
     status: dict[str, Any] = {
@@ -142,16 +142,16 @@ def _generation(ledger: dict[str, Any] | None, counters: dict[str, int]) -> dict
 
 
 def _instances(raw: Iterable[Any], skipped: _Skipped) -> list[dict[str, Any]]:
-    """Heartbeats as instance rows; one without a string kind and id and a finite age, or a
-    second one claiming the same (kind, id), is skipped. A malformed optional field reads as
+    """Heartbeats as instance rows; one without a string role and id and a finite age, or a
+    second one claiming the same (role, id), is skipped. A malformed optional field reads as
     None (or is left out) and is counted under `heartbeat_fields`."""
     out, seen = [], set()
     for hb in raw:
         row = _instance(hb) if isinstance(hb, dict) else None
-        if row is None or (row["kind"], row["id"]) in seen:
+        if row is None or (row["role"], row["id"]) in seen:
             skipped.add("heartbeats")
             continue
-        seen.add((row["kind"], row["id"]))
+        seen.add((row["role"], row["id"]))
         bad = sum(
             1 for k in ("host", "pid", "policy_version") if hb.get(k) is not None and row[k] is None
         )
@@ -168,11 +168,11 @@ def _instances(raw: Iterable[Any], skipped: _Skipped) -> list[dict[str, Any]]:
 
 
 def _instance(hb: dict[str, Any]) -> dict[str, Any] | None:
-    kind, inst_id, age = hb.get("kind"), hb.get("id"), _finite(hb.get("age_s"))
-    if not isinstance(kind, str) or not isinstance(inst_id, str) or age is None:
+    role, inst_id, age = hb.get("role"), hb.get("id"), _finite(hb.get("age_s"))
+    if not isinstance(role, str) or not isinstance(inst_id, str) or age is None:
         return None
     return {
-        "kind": kind,
+        "role": role,
         "id": inst_id,
         "host": _text(hb.get("host")),
         "pid": _count(hb.get("pid")),
@@ -403,7 +403,7 @@ def _run_families(page: _Page, status: dict[str, Any]) -> None:
 
 
 def _instance_families(page: _Page, status: dict[str, Any]) -> None:
-    ids = [({"kind": i["kind"], "id": i["id"]}, i) for i in status["instances"]]
+    ids = [({"role": i["role"], "id": i["id"]}, i) for i in status["instances"]]
     page.add(
         "gauge",
         "instance_heartbeat_age_seconds",
@@ -477,10 +477,10 @@ def format_status(status: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines.append("")
-    lines.append(f"{'kind':<11}{'id':<34}{'pid':>8}{'version':>9}{'heartbeat age':>15}")
+    lines.append(f"{'role':<11}{'id':<34}{'pid':>8}{'version':>9}{'heartbeat age':>15}")
     for i in status["instances"]:
         lines.append(
-            f"{_safe(i['kind']):<11}{_safe(i['id']):<34}{_dash(i['pid']):>8}{_dash(i['policy_version']):>9}"
+            f"{_safe(i['role']):<11}{_safe(i['id']):<34}{_dash(i['pid']):>8}{_dash(i['policy_version']):>9}"
             f"{i['heartbeat_age_s']:>14.1f}s"
         )
     return "\n".join(lines)

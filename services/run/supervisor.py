@@ -176,8 +176,8 @@ def _restart(svc: Service, env: dict[str, str], bus: StreamBus) -> None:
             # A killed process leaves its heartbeat until the TTL runs out, and until then the
             # learner would still count it as a replica (and wait for it to join a weight sync).
             # The supervisor knows it is gone, so it says so at once.
-            kind = svc.name.split("-")[0]
-            bus.drop_heartbeat(kind, instance_id(kind, pid=svc.proc.pid))
+            role = svc.name.split("-")[0]
+            bus.drop_heartbeat(role, instance_id(role, pid=svc.proc.pid))
     if svc.log_file:
         svc.log_file.close()
     delay = min(2.0**svc.restarts, 30.0)

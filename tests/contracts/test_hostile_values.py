@@ -34,7 +34,7 @@ GARBAGE_HEARTBEATS = [
     b"not json",
     b"[1, 2]",
     b'"a string"',
-    b'{"kind": "rollout"}',
+    b'{"role": "rollout"}',
     b'{"id": 7, "at": 1}',
     b'{"id": "r9", "at": "yesterday"}',
     b'{"id": "r9", "at": 1, "policy_version": "new"}',
@@ -43,7 +43,7 @@ GARBAGE_HEARTBEATS = [
 
 
 def test_malformed_heartbeats_are_skipped_and_counted(bus: StreamBus) -> None:
-    good = {"id": "r0", "kind": "rollout", "at": time.time(), "policy_version": 4}
+    good = {"id": "r0", "role": "rollout", "at": time.time(), "policy_version": 4}
     bus.redis.set(bus.keys.heartbeat("rollout", "r0"), json.dumps(good))
     for i, raw in enumerate(GARBAGE_HEARTBEATS):
         bus.redis.set(bus.keys.heartbeat("rollout", f"bad{i}"), raw)
@@ -197,7 +197,7 @@ NESTED = b"[" * 2000 + b"]" * 2000  # 4 KB; json.loads raised RecursionError, wh
 def test_json_nested_2000_deep_is_skipped_by_every_bus_reader(bus: StreamBus) -> None:
     """One SET or XADD of nested brackets crashed the learner (heartbeats, evaluation history),
     the API and the replicas; each reader now skips it, and a heartbeat is counted as well."""
-    good = {"id": "r0", "kind": "rollout", "at": time.time(), "policy_version": 4}
+    good = {"id": "r0", "role": "rollout", "at": time.time(), "policy_version": 4}
     bus.redis.set(bus.keys.heartbeat("rollout", "r0"), json.dumps(good))
     bus.redis.set(bus.keys.heartbeat("rollout", "deep"), NESTED)
     assert [i["id"] for i in bus.live_instances("rollout")] == ["r0"]

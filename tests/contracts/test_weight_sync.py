@@ -83,7 +83,7 @@ def stop_replicas() -> None:
 
 
 def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
-    info = {"id": rid, "kind": "rollout", "at": time.time(), "policy_version": version}
+    info = {"id": rid, "role": "rollout", "at": time.time(), "policy_version": version}
     bus.redis.set(bus.keys.heartbeat("rollout", rid), json.dumps(info), ex=60)
 
 

@@ -240,7 +240,7 @@ class Deployment:
 
 def replicas(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Live rollout instances by host (a container's host name is its id's first 12 characters)."""
-    return {i["host"]: i for i in status.get("instances", []) if i["kind"] == "rollout"}
+    return {i["host"]: i for i in status.get("instances", []) if i["role"] == "rollout"}
 
 
 def figures(status: dict[str, Any]) -> dict[str, Any]:

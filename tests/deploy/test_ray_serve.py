@@ -280,7 +280,7 @@ def test_host_starts_reports_and_stops_like_the_cli_worker(
     host = RewardHost(str(TINY), _overrides(redis_url, tiny_model_dir, tmp_path))
     try:
         status = host()
-        assert (status["kind"], status["alive"], status["groups"]) == ("reward", True, 0)
+        assert (status["role"], status["alive"], status["groups"]) == ("reward", True, 0)
         host.check_health()
         assert _keys(redis_url, keys.heartbeat_pattern()) == {keys.heartbeat("reward", host.id)}
     finally:
@@ -372,7 +372,7 @@ def test_serve_replicas_score_prompt_jobs(
             "reward_replicas": 1,
         }
         serve.run(app(args), name="dapo", route_prefix="/dapo")
-        assert {i["kind"] for i in bus.live_instances()} == {"rollout", "reward"}
+        assert {i["role"] for i in bus.live_instances()} == {"rollout", "reward"}
 
         # Issue jobs exactly as the learner does: the feeder, with admission control.
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -409,7 +409,7 @@ def test_serve_replicas_score_prompt_jobs(
 
         rollout = serve.get_deployment_handle("RolloutReplica", app_name="dapo")
         status = rollout.remote().result(timeout_s=30)
-        assert status["kind"] == "rollout" and status["alive"] and status["groups"] == 4
+        assert status["role"] == "rollout" and status["alive"] and status["groups"] == 4
         assert status["policy_version"] == 0 and 0.0 <= status["idle_fraction"] <= 1.0
         assert rollout.record_autoscaling_stats.remote().result(timeout_s=30) == {
             "prompt_backlog": 0.0

@@ -178,17 +178,17 @@ def test_dashboard_shows_hostile_strings_as_text(
 ) -> None:
     bus = StreamBus(connect(redis_url), Keys("t"), "test")
     bus.ensure_groups()
-    for kind in ("rollout", "learner"):
+    for role in ("rollout", "learner"):
         beat = {
-            "kind": kind,
-            "id": f"{HOSTILE}-{kind}",
+            "role": role,
+            "id": f"{HOSTILE}-{role}",
             "host": HOSTILE,
             "pid": 1,
             "policy_version": 2,
             "state": HOSTILE,
             "at": time.time(),
         }
-        bus.redis.set(bus.keys.heartbeat(kind, "x"), json.dumps(beat), ex=600)
+        bus.redis.set(bus.keys.heartbeat(role, "x"), json.dumps(beat), ex=600)
     bus.redis.hset(bus.keys.learner_state, mapping={"state": HOSTILE, "step": 2})
     bus.update_run_info({RunField.RUN_NAME: HOSTILE})
     bus.append_metrics({"step": 1, "time": time.time(), "critic/rewards/mean": 0.5})

@@ -126,7 +126,7 @@ JSON = st.recursive(
     max_leaves=8,
 )
 HEARTBEAT_FIELDS = (
-    "kind",
+    "role",
     "id",
     "at",
     "host",
@@ -139,7 +139,7 @@ HEARTBEAT_FIELDS = (
 )
 ALMOST_A_HEARTBEAT = st.fixed_dictionaries(
     {
-        "kind": st.sampled_from(["learner", "rollout"]),
+        "role": st.sampled_from(["learner", "rollout"]),
         "id": st.text(max_size=8),
         "at": st.floats() | st.just(1e10),
     },

@@ -123,7 +123,7 @@ def test_status_and_metrics_report_real_figures(setup: tuple[TestClient, StreamB
     assert status["last_metrics"]["critic/rewards/mean"] == 0.25
     assert status["throughput"]["tokens_per_s"] == pytest.approx(150, rel=0.05)
     [inst] = status["instances"]
-    assert (inst["kind"], inst["policy_version"]) == ("rollout", 7) and inst["heartbeat_age_s"] < 5
+    assert (inst["role"], inst["policy_version"]) == ("rollout", 7) and inst["heartbeat_age_s"] < 5
     text = client.get("/metrics").text
     assert "dapo_ledger_issued_total 3.0" in text
     assert 'dapo_stream_depth{stage="rollout"} 3.0' in text
@@ -291,8 +291,8 @@ def test_metrics_page_parses_with_restarts_and_hostile_ids(
     }
     assert values[("dapo_restarts_total", (("service", "rollout-0"),))] == 2
     assert values[("dapo_restarts_total", (("service", hostile),))] == 1
-    assert values[("dapo_instance_policy_version", (("id", hostile), ("kind", "rollout")))] == 4
-    assert values[("dapo_instance_policy_version", (("id", "rollout-1"), ("kind", "rollout")))] == 5
+    assert values[("dapo_instance_policy_version", (("id", hostile), ("role", "rollout")))] == 4
+    assert values[("dapo_instance_policy_version", (("id", "rollout-1"), ("role", "rollout")))] == 5
     assert (
         values[("dapo_ledger_in_flight", ())] == 2
     )  # the live ledger, not the learner's last record

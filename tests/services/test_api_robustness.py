@@ -57,12 +57,12 @@ def api(
     return create_app(cfg), bus
 
 
-def heartbeat(bus: StreamBus, inst: str, raw: str | bytes, kind: str = "rollout") -> None:
-    bus.redis.set(bus.keys.heartbeat(kind, inst), raw, ex=60)
+def heartbeat(bus: StreamBus, inst: str, raw: str | bytes, role: str = "rollout") -> None:
+    bus.redis.set(bus.keys.heartbeat(role, inst), raw, ex=60)
 
 
-def hb_json(kind: str, inst: str, **fields: object) -> str:
-    return json.dumps({"kind": kind, "id": inst, "host": "h", "pid": 1, "at": 2e9, **fields})
+def hb_json(role: str, inst: str, **fields: object) -> str:
+    return json.dumps({"role": role, "id": inst, "host": "h", "pid": 1, "at": 2e9, **fields})
 
 
 # name -> (write the garbage, the `skipped_values` source the API counts it under when it reaches
@@ -76,15 +76,15 @@ GARBAGE: dict[str, tuple[Callable[[StreamBus], object], str | None]] = {
         None,
     ),
     "heartbeat at NaN": (
-        lambda b: heartbeat(b, "x", '{"kind": "rollout", "id": "x", "at": NaN}'),
+        lambda b: heartbeat(b, "x", '{"role": "rollout", "id": "x", "at": NaN}'),
         "heartbeats",
     ),
     "heartbeat at infinite": (
-        lambda b: heartbeat(b, "x", '{"kind": "rollout", "id": "x", "at": 1e999}'),
+        lambda b: heartbeat(b, "x", '{"role": "rollout", "id": "x", "at": 1e999}'),
         "heartbeats",
     ),
     "heartbeat id not a string": (
-        lambda b: heartbeat(b, "x", json.dumps({"kind": "rollout", "id": {"a": [1]}, "at": 2e9})),
+        lambda b: heartbeat(b, "x", json.dumps({"role": "rollout", "id": {"a": [1]}, "at": 2e9})),
         "heartbeats",
     ),
     "heartbeat policy_version not an integer": (
@@ -162,10 +162,10 @@ def test_garbage_in_redis_is_skipped_not_a_500(api: tuple[FastAPI, StreamBus], c
     assert status.status_code == 200, status.text
     body = status.json()
     assert body["learner_state"] != "down"  # the good learner heartbeat still counts
-    assert ("rollout", "rollout-0") in {(i["kind"], i["id"]) for i in body["instances"]}
+    assert ("rollout", "rollout-0") in {(i["role"], i["id"]) for i in body["instances"]}
     for row in body["instances"]:  # what does reach the status is well-formed
         assert (
-            isinstance(row["kind"], str)
+            isinstance(row["role"], str)
             and isinstance(row["id"], str)
             and math.isfinite(row["heartbeat_age_s"])
         )
@@ -210,7 +210,7 @@ def test_garbage_values_read_as_none_not_as_made_up_figures(api: tuple[FastAPI, 
 
 def test_a_malformed_learner_heartbeat_means_not_ready(api: tuple[FastAPI, StreamBus]) -> None:
     app, bus = api
-    heartbeat(bus, "learner-0", hb_json("learner", "learner-0", at="soon"), kind="learner")
+    heartbeat(bus, "learner-0", hb_json("learner", "learner-0", at="soon"), role="learner")
     client = TestClient(app, base_url=LOCAL)
     ready = client.get("/readyz")
     assert ready.status_code == 503 and "learner heartbeat" in ready.json()["detail"]
