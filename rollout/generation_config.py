@@ -4,7 +4,7 @@ A checkpoint's `generation_config.json` may carry sampling settings (Qwen2.5-Ins
 temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05). transformers' `generate` and
 vLLM (with its default `generation_config="auto"`) would sample with them, while the behaviour
 log-prob an engine records, and the log-prob the learner recomputes, are those of
-log_softmax(logits / temperature) alone (`learner/trainer.py`): the rollouts would be silently
+log_softmax(logits / temperature) alone (`learner/response_head.py`): the rollouts would be silently
 off-policy. So only the configured `temperature` and `top_p` apply, in both engines; of the
 model's generation config only its end tokens are kept (`rollout.end_tokens`: a stop condition,
 not a change of distribution). `ignored_settings` names what is left out, for the start-up log.

@@ -20,7 +20,8 @@ def _rank_main(model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from learner.trainer import build_sharded_model, mixed_precision
+    from learner.precision import mixed_precision
+    from learner.sharded_model import build_sharded_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -17,7 +17,8 @@ from contracts.config import load_config
 from learner.batch import build_batch
 from learner.checkpoint import Checkpoints
 from learner.export import HFExporter
-from learner.trainer import ResponseHead, Trainer
+from learner.response_head import ResponseHead
+from learner.trainer import Trainer
 from services.demo.synthetic import synth_rows
 from services.demo.tiny_base import train_tokenizer
 from tests.learner.test_trainer import make_groups
