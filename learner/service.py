@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +40,7 @@ from contracts.runtime import (
     free_port,
     instance_id,
 )
-from contracts.signing import weights_key
+from contracts.signing import SigningKey, weights_key
 from contracts.weight_sync import weights_port
 from learner.checkpoint import Checkpoints
 from learner.collect import StreamSource
@@ -127,16 +128,48 @@ def claim_the_run(cfg: DapoConfig, stop: StopFlag) -> RunClaim:
 def rank0_collaborators(
     cfg: DapoConfig, backend: str, stop: StopFlag, claim: RunClaim
 ) -> Collaborators:
-    """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Rank 0's side: Redis, feeding and collecting, publishing, evaluation, reporting. Each
+    collaborator is handed the parts of the bus it uses (docs/architecture.md)."""
+    from transformers import AutoTokenizer
 
-    bus, lease, inst = claim.bus, claim.lease, claim.instance
+    bus = claim.bus
     bus.check_memory_policy()
     bus.ensure_groups(consumed_stages(Role.LEARNER, bus.keys))
-    alg, le = cfg.algorithm, cfg.learner
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     key = weights_key()  # the learner's own: it signs jobs and weight announcements
-    feeder = PromptFeeder(
+    feeder = _feeder(cfg, bus, tokenizer, key)
+    publisher = _publisher(cfg, bus, backend, key)
+    sampler = CompletionSampler.from_config(cfg.tracking, cast(Any, tokenizer).decode)
+    return Collaborators(
+        source=_source(cfg, bus, feeder, stop, catch_up=publisher.catch_up, key=key),
+        publisher=publisher,
+        evaluations=eval_lane(
+            cfg,
+            tokenizer,
+            catch_up=publisher.catch_up,
+            transport=bus,
+            run_state=bus,
+            job_key=key,
+        ),
+        exporter=HFExporter(
+            cfg.model.path, lora=cfg.learner.lora if cfg.learner.lora.enabled else None
+        ),
+        reporter=RunReporter(Trackers(cfg), sampler, transport=bus, run_state=bus, telemetry=bus),
+        control=RunControl(
+            run_state=bus,
+            telemetry=bus,
+            run_name=cfg.run_name,
+            instance=claim.instance,
+            heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s,
+            lease=claim.lease,
+        ),
+    )
+
+
+def _feeder(cfg: DapoConfig, bus: StreamBus, tokenizer: Any, key: SigningKey) -> PromptFeeder:
+    """Prompt jobs out, each signed, at most what admission control allows in flight."""
+    alg = cfg.algorithm
+    return PromptFeeder(
         load_prompts(cfg.data.train_path, columns=cfg.data.columns),
         tokenizer,
         transport=bus,
@@ -152,12 +185,17 @@ def rank0_collaborators(
         chat=cfg.data.chat,
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,
-        max_jobs=budget_jobs(le.sample_budget, cfg.rollout.group_size),
+        max_jobs=budget_jobs(cfg.learner.sample_budget, cfg.rollout.group_size),
         skip=alg.prompt_skip,
         pass_rate_window=alg.pass_rate_window,
         job_key=key,  # every job signed: reward and the learner take no job it did not issue
     )
-    publisher = WeightPublisher(
+
+
+def _publisher(cfg: DapoConfig, bus: StreamBus, backend: str, key: SigningKey) -> WeightPublisher:
+    """Weights out to the replicas: broadcast bucket by bucket, every announcement signed."""
+    le = cfg.learner
+    return WeightPublisher(
         run_state=bus,
         telemetry=bus,
         host=os.environ.get("DAPO_WEIGHTS_HOST", "127.0.0.1"),
@@ -168,18 +206,31 @@ def rank0_collaborators(
         dtype=cfg.model.dtype,
         key=key,
     )
-    source = StreamSource(
+
+
+def _source(
+    cfg: DapoConfig,
+    bus: StreamBus,
+    feeder: PromptFeeder,
+    stop: StopFlag,
+    *,
+    catch_up: Callable[[], None],
+    key: SigningKey,
+) -> StreamSource:
+    """Kept groups in from the train stream, refused unless signed, no larger than the run can
+    generate, within the model's vocabulary."""
+    from transformers import AutoConfig
+
+    return StreamSource(
         feeder,
         transport=bus,
         run_state=bus,
-        batch_groups=alg.train_batch_groups,
-        max_staleness=alg.max_staleness,
+        batch_groups=cfg.algorithm.train_batch_groups,
+        max_staleness=cfg.algorithm.max_staleness,
         max_deliveries=cfg.queue.max_deliveries,
         stop=stop,
-        catch_up=publisher.catch_up,
-        vocab_size=AutoConfig.from_pretrained(
-            cfg.model.path
-        ).vocab_size,  # the model's embedding rows
+        catch_up=catch_up,
+        vocab_size=AutoConfig.from_pretrained(cfg.model.path).vocab_size,  # embedding rows
         sizes={
             "max_prompt_tokens": cfg.data.max_prompt_len,
             "max_response_tokens": cfg.rollout.max_response_len
@@ -187,36 +238,6 @@ def rank0_collaborators(
             "max_responses": max(cfg.rollout.group_size, cfg.eval.samples_per_problem),
         },
         job_key=key,
-    )
-    reporter = RunReporter(
-        Trackers(cfg),
-        CompletionSampler.from_config(cfg.tracking, cast(Any, tokenizer).decode),
-        transport=bus,
-        run_state=bus,
-        telemetry=bus,
-    )
-    evaluations = eval_lane(
-        cfg,
-        tokenizer,
-        catch_up=publisher.catch_up,
-        transport=bus,
-        run_state=bus,
-        job_key=key,
-    )
-    return Collaborators(
-        source=source,
-        publisher=publisher,
-        evaluations=evaluations,
-        exporter=HFExporter(cfg.model.path, lora=le.lora if le.lora.enabled else None),
-        reporter=reporter,
-        control=RunControl(
-            run_state=bus,
-            telemetry=bus,
-            run_name=cfg.run_name,
-            instance=inst,
-            heartbeat_ttl_s=cfg.queue.heartbeat_ttl_s,
-            lease=lease,
-        ),
     )
 
 
