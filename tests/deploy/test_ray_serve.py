@@ -133,6 +133,9 @@ KUBERAY_OPERATOR = {
 }
 
 
+SANDBOX_CONTAINER = "sandbox"
+
+
 def _cluster() -> dict[str, Any]:
     spec: dict[str, Any] = yaml.safe_load(RAYSERVICE_YAML.read_text())["spec"]["rayClusterConfig"]
     return spec
@@ -187,6 +190,8 @@ def test_rayservice_pods_reach_redis_with_the_secret_password() -> None:
 
     for group, template in _groups().items():
         for c in template["spec"]["containers"]:
+            if c["name"] == SANDBOX_CONTAINER:
+                continue  # holds no secret (test_untrusted_code_runs_beside_the_ray_worker)
             check_redis_client_env(
                 c["env"],
                 f"rayservice {group}",
@@ -433,6 +438,38 @@ def test_serve_replicas_score_prompt_jobs(
     }
     assert finals == {"rollout", "reward"}
     assert bus.ledger().balanced
+
+
+def test_untrusted_code_runs_beside_the_ray_worker_in_a_sandbox_container() -> None:
+    """The worker nodes, where the stages' replicas run, start their tools and reward code in a
+    sandbox host beside the Ray worker, as the rollout and reward pods do: the same image under
+    another uid, serving the worker's uid only, no secret, sharing only the socket's volume,
+    which the worker names. The head runs no replica (num-cpus 0), so no sandbox."""
+    from tests.deploy.test_manifests import SANDBOX_SOCKET, check_invocation
+
+    cluster = _cluster()
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for group in cluster["workerGroupSpecs"]:
+        pod, where = group["template"]["spec"], f"worker group {group['groupName']}"
+        ray_worker, host = (
+            next(c for c in pod["containers"] if c["name"] == name)
+            for name in ("ray-worker", SANDBOX_CONTAINER)
+        )
+        check_invocation(host["command"], where)
+        worker_uid = pod["securityContext"]["runAsUser"]
+        serves = ["--allow-uid", str(worker_uid)]
+        assert host["command"][1:] == ["sandbox-host", "--socket", SANDBOX_SOCKET, *serves]
+        assert host["image"] == ray_worker["image"], f"{where}: the worker's image, its paths"
+        assert host["securityContext"]["runAsUser"] not in (0, worker_uid), where
+        assert all("valueFrom" not in e for e in host["env"]), f"{where}: a secret in the sandbox"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in host["volumeMounts"]}
+        assert all("emptyDir" in volumes[v] for v in mounts), f"{where}: {mounts}"
+        socket_volume = next(v for v, path in mounts.items() if path == "/run/dapo-sandbox")
+        worker_mounts = {m["name"]: m["mountPath"] for m in ray_worker["volumeMounts"]}
+        assert worker_mounts[socket_volume] == "/run/dapo-sandbox", where
+        env = {e["name"]: e.get("value") for e in ray_worker["env"]}
+        assert env["DAPO_SANDBOX_SOCKET"] == SANDBOX_SOCKET, where
 
 
 def test_ray_pods_run_locked_down_with_a_writable_tmp() -> None:
