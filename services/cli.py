@@ -8,6 +8,8 @@
   dapo eval       --config FILE [--model-dir DIR | --run DIR] [k=v ...] avg@k on the eval set
   dapo api        --config FILE [--host H] [--port P]                REST control plane + dashboard
   dapo status     --config FILE [--json]                             the run's status as a table
+  dapo plan       --config FILE --gpus N --gpu TYPE [key=value ...]  predict a config on a cluster
+  dapo plan --calibrate RUN_DIR                                      check it against a finished run
   dapo ablate     --config FILE [--seeds N] [--budget-samples S] [--quick]  the DAPO ablation ladder
   dapo data synth --out DIR [--num-train N] [--num-eval N] [--difficulty D]
   dapo data fetch NAME [NAME ...] [--out DIR]                        download dapo-math-17k,
@@ -22,308 +24,43 @@
   dapo secrets [--k8s]                                               fresh secrets for a deployment
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
-config or `DAPO_REDIS_URL`. Heavy imports (torch, vLLM) happen inside the command that needs them.
+config or `DAPO_REDIS_URL`. This module holds the parser and `main`; each command's handler is in
+`commands.py`, where heavy imports (torch, vLLM) happen inside the handler that needs them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import shlex
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contracts.config import ConfigError, DapoConfig, load_config
+from contracts.config import ConfigError
 from contracts.runtime import EXIT_BAD_CONFIG
 from sandbox.confine import make_undumpable
+from services.commands import (
+    cmd_ablate,
+    cmd_api,
+    cmd_data_fetch,
+    cmd_data_synth,
+    cmd_eval,
+    cmd_gatekeeper,
+    cmd_learner,
+    cmd_lora_merge,
+    cmd_model_fetch,
+    cmd_model_list,
+    cmd_plan,
+    cmd_redis_functions,
+    cmd_redis_users,
+    cmd_reward,
+    cmd_rollout,
+    cmd_run,
+    cmd_sandbox_host,
+    cmd_secrets,
+    cmd_status,
+)
 from services.demo.synthetic import DIFFICULTY_LEVELS, TEMPLATES
 from services.logs import setup_logging
-
-log = logging.getLogger("dapo")
-
-
-def _config(args: argparse.Namespace) -> DapoConfig:
-    overrides = list(args.overrides)
-    if getattr(args, "output_dir", None):
-        overrides.append(f"output_dir={args.output_dir}")
-    return load_config(args.config, overrides)
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    if args.in_process:
-        from services.run.inprocess import main as run_in_process
-
-        return run_in_process(_config(args))
-    from services.run.launcher import run_local
-
-    return run_local(
-        _config(args),
-        resume=args.resume,
-        quiet=args.quiet,
-        gpus=args.gpus,
-        dry_run=args.dry_run,
-        model_config=args.model_config,
-        gpu_memory_gib=args.gpu_memory_gib,
-        allow_redis6=args.allow_redis6,
-    )
-
-
-def _cmd_rollout(args: argparse.Namespace) -> int:
-    from rollout.service import main
-
-    return main(_config(args))
-
-
-def _cmd_reward(args: argparse.Namespace) -> int:
-    from reward.service import main
-
-    return main(_config(args))
-
-
-def _cmd_gatekeeper(args: argparse.Namespace) -> int:
-    from gatekeeper.service import main
-
-    return main(_config(args))
-
-
-def _cmd_learner(args: argparse.Namespace) -> int:
-    from learner.service import main
-
-    return main(_config(args))
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from services.experiments.evaluation import main
-
-    return main(
-        _config(args),
-        model_dir=args.model_dir,
-        samples=args.samples,
-        per_problem_to=args.per_problem,
-        run_dir=args.run,
-    )
-
-
-def _cmd_api(args: argparse.Namespace) -> int:
-    from services.api.app import main
-
-    return main(_config(args), host=args.host, port=args.port)
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    from services.api.status import print_status
-
-    return print_status(_config(args), as_json=args.json)
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from services.planning.calibration import calibrate_run
-    from services.planning.hardware import gpu_type
-    from services.planning.plan import model_shape, plan_text
-
-    if args.calibrate:
-        result = calibrate_run(args.calibrate)
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "measured": result.measured.__dict__,
-                    "predicted": result.predicted.as_dict(),
-                    "errors": result.errors(),
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-        return 0
-    if args.config is None or args.gpus is None or args.gpu is None:
-        sys.stderr.write(
-            "dapo plan: --config, --gpus and --gpu are required (or --calibrate RUN_DIR)\n"
-        )
-        return 2
-    cfg = _config(args)
-    sys.stdout.write(
-        plan_text(
-            cfg,
-            model_shape(cfg, args.model_config),
-            gpu_type(args.gpu),
-            args.gpus,
-            pass_rate=args.pass_rate,
-        )
-        + "\n"
-    )
-    return 0
-
-
-def _cmd_data_synth(args: argparse.Namespace) -> int:
-    from contracts.data import write_rows
-    from services.demo.synthetic import synth_rows
-
-    out = Path(args.out)
-    write_rows(
-        out / f"train.{args.format}",
-        synth_rows(
-            args.num_train,
-            difficulty=args.difficulty,
-            seed=args.seed,
-            template=args.template,
-            tool_traces=args.tool_traces,
-            split="train",
-        ),
-    )
-    write_rows(
-        out / f"eval.{args.format}",
-        synth_rows(
-            args.num_eval,
-            difficulty=args.difficulty,
-            seed=args.seed + 1_000_003,
-            template=args.template,
-            split="eval",  # no fact of the training file: held out by construction
-        ),
-    )
-    log.info("wrote %d train and %d eval problems to %s", args.num_train, args.num_eval, out)
-    return 0
-
-
-def _cmd_data_fetch(args: argparse.Namespace) -> int:
-    from contracts.data import DataError
-    from services.data.fetch import fetch
-
-    try:
-        for name in args.names:
-            for path in fetch(name, args.out):
-                log.info("wrote %s", path)
-    except DataError as exc:
-        sys.stderr.write(f"dapo data fetch: {exc}\n")
-        return 1
-    return 0
-
-
-def _cmd_ablate(args: argparse.Namespace) -> int:
-    from services.experiments.ablation import ablate
-
-    command = (
-        "dapo ablate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if len(sys.argv) > 1
-        else "dapo ablate"
-    )
-    try:
-        report = ablate(
-            Path(args.config),
-            seeds=args.seeds,
-            budget=args.budget_samples,
-            out=Path(args.out) if args.out else None,
-            quick=args.quick,
-            gain=args.gain,
-            overrides=args.overrides,
-            command=command,
-            rungs=args.rungs,
-        )
-    except ValueError as exc:
-        sys.stderr.write(f"dapo ablate: {exc}\n")
-        return 2
-    sys.stdout.write(
-        report.markdown.read_text()
-        + f"\ntable: {report.markdown}\ndata: {report.data}\nplot: {report.figure}\n"
-    )
-    return 0
-
-
-def _cmd_model_fetch(args: argparse.Namespace) -> int:
-    from contracts.model_catalog import CATALOG, CatalogError, fetch_catalog_model
-
-    if args.name not in CATALOG:
-        known = ", ".join(sorted(CATALOG))
-        sys.stderr.write(f"dapo model fetch: no catalogue model {args.name!r} (known: {known})\n")
-        return 2
-    try:
-        out = fetch_catalog_model(args.name, Path(args.cache) if args.cache else None)
-    except CatalogError as exc:
-        sys.stderr.write(f"dapo model fetch: {exc}\n")
-        return 1
-    sys.stdout.write(f"{out}\n")
-    return 0
-
-
-def _cmd_model_list(args: argparse.Namespace) -> int:
-    from contracts.model_catalog import CATALOG
-
-    for name, entry in sorted(CATALOG.items()):
-        sys.stdout.write(
-            f"{name}: {entry.package}=={entry.version} ({entry.member}; "
-            f"{entry.quantisation}; {entry.license}; original hf://{entry.hub_id})\n"
-        )
-    return 0
-
-
-def _cmd_lora_merge(args: argparse.Namespace) -> int:
-    from contracts.lora import is_adapter_dir
-    from learner.export import merge_adapter
-
-    if not is_adapter_dir(args.adapter):
-        sys.stderr.write(f"dapo lora merge: {args.adapter} has no adapter_config.json\n")
-        return 2
-    out = merge_adapter(Path(args.adapter), Path(args.out), base_model=args.base)
-    sys.stdout.write(f"{out}\n")
-    return 0
-
-
-def _cmd_redis_users(args: argparse.Namespace) -> int:
-    from contracts.bus.roles import acl_file_text
-
-    sys.stdout.write(acl_file_text(args.namespace))
-    return 0
-
-
-def _cmd_redis_functions(args: argparse.Namespace) -> int:
-    from contracts.bus.library import library_code
-
-    sys.stdout.write(library_code())
-    return 0
-
-
-def _cmd_sandbox_host(args: argparse.Namespace) -> int:
-    from sandbox.host import serve
-
-    allowed = frozenset(args.allow_uid) if args.allow_uid else None
-    return serve(args.socket, max_workers=args.max_workers, allowed_uids=allowed)
-
-
-def _cmd_secrets(args: argparse.Namespace) -> int:
-    """Fresh secrets for docker-compose's .env, or the kubectl commands that create them."""
-    import secrets
-
-    from contracts.bus.roles import PASSWORD_ENV_PREFIX, Role
-    from contracts.signing import new_weights_key
-
-    private, public = new_weights_key()
-
-    def fresh() -> str:
-        return secrets.token_hex(32)  # letters and digits: safe unescaped in URLs and configs
-
-    redis_passwords = {"password": fresh(), **{role.value: fresh() for role in Role}}
-    if args.k8s:
-        literals = " ".join(f"--from-literal={k}={v}" for k, v in redis_passwords.items())
-        sys.stdout.write(
-            f"kubectl create secret generic dapo-redis --namespace dapo {literals}\n"
-            f"kubectl create secret generic dapo-weights --namespace dapo "
-            f"--from-literal=key={private} --from-literal=public={public}\n"
-            f"(umask 077; printf %s {fresh()} > api-token.txt)  # the API token, for your "
-            "overlay's dapo-api-token secretGenerator (deploy/README.md)\n"
-        )
-        return 0
-    lines = [
-        f"DAPO_API_TOKEN={fresh()}",
-        f"DAPO_WEIGHTS_KEY={private}",
-        f"DAPO_WEIGHTS_PUBLIC_KEY={public}",
-        f"DAPO_REDIS_PASSWORD={redis_passwords['password']}",
-        *(f"{PASSWORD_ENV_PREFIX}{role.name}={redis_passwords[role.value]}" for role in Role),
-    ]
-    sys.stdout.write("\n".join(lines) + "\n")
-    return 0
-
 
 if TYPE_CHECKING:  # subscriptable for the type checker only
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -366,7 +103,7 @@ def _add_run(sub: Subcommands) -> None:
         sub,
         "run",
         "run the whole system on this machine (embedded Redis, every service a process)",
-        _cmd_run,
+        cmd_run,
     )
     run.add_argument(
         "--output-dir", help="where checkpoints, logs and summary.json go (overrides output_dir)"
@@ -412,18 +149,18 @@ def _add_services(sub: Subcommands) -> None:
         sub,
         "rollout",
         "one rollout replica: prompt jobs -> G responses with behaviour log-probs",
-        _cmd_rollout,
+        cmd_rollout,
     )
     _service_parser(
-        sub, "reward", "one reward worker: score groups (verifier + overlong shaping)", _cmd_reward
+        sub, "reward", "one reward worker: score groups (verifier + overlong shaping)", cmd_reward
     )
     _service_parser(
-        sub, "gatekeeper", "dynamic sampling: forward groups with reward variance", _cmd_gatekeeper
+        sub, "gatekeeper", "dynamic sampling: forward groups with reward variance", cmd_gatekeeper
     )
     _service_parser(
-        sub, "learner", "the FSDP2 learner (launch with torchrun for several ranks)", _cmd_learner
+        sub, "learner", "the FSDP2 learner (launch with torchrun for several ranks)", cmd_learner
     )
-    ev = _service_parser(sub, "eval", "avg@k accuracy on the eval set", _cmd_eval)
+    ev = _service_parser(sub, "eval", "avg@k accuracy on the eval set", cmd_eval)
     ev.add_argument(
         "--model-dir",
         help="Hugging Face model directory, or a LoRA adapter folder (default: model.path)",
@@ -443,10 +180,10 @@ def _add_services(sub: Subcommands) -> None:
         "RL seconds of its weights; rounds go to DIR/eval_rounds_offline.jsonl",
     )
 
-    api = _service_parser(sub, "api", "the REST control plane and dashboard", _cmd_api)
+    api = _service_parser(sub, "api", "the REST control plane and dashboard", cmd_api)
     api.add_argument("--host", help="bind address (default api.host, 127.0.0.1)")
     api.add_argument("--port", type=int, help="port (default api.port)")
-    st = _service_parser(sub, "status", "print the run's status as a table", _cmd_status)
+    st = _service_parser(sub, "status", "print the run's status as a table", cmd_status)
     st.add_argument("--json", action="store_true", help="the raw status JSON instead of a table")
 
 
@@ -483,13 +220,13 @@ def _add_planning(sub: Subcommands) -> None:
     pl.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. learner.nproc=8"
     )
-    pl.set_defaults(fn=_cmd_plan)
+    pl.set_defaults(fn=cmd_plan)
 
     abl = _service_parser(
         sub,
         "ablate",
         "the DAPO ablation ladder: naive GRPO plus one technique per rung, N seeds each",
-        _cmd_ablate,
+        cmd_ablate,
     )
     abl.add_argument("--seeds", type=int, default=3, help="runs per rung (default 3)")
     abl.add_argument(
@@ -540,7 +277,7 @@ def _add_assets(sub: Subcommands) -> None:
     )
     synth.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     synth.add_argument("--seed", type=int, default=0)
-    synth.set_defaults(fn=_cmd_data_synth)
+    synth.set_defaults(fn=cmd_data_synth)
     from services.data.fetch import describe
 
     fetch = dsub.add_parser(
@@ -554,7 +291,7 @@ def _add_assets(sub: Subcommands) -> None:
     fetch.add_argument(
         "--out", default="data", help="output directory (default: data, as in configs/)"
     )
-    fetch.set_defaults(fn=_cmd_data_fetch)
+    fetch.set_defaults(fn=cmd_data_fetch)
     from services.data.inspection import add_parser as add_inspect_parser
 
     add_inspect_parser(dsub)
@@ -575,9 +312,9 @@ def _add_assets(sub: Subcommands) -> None:
     mfetch.add_argument(
         "--cache", help="model cache (default: DAPO_MODEL_CACHE, else ~/.cache/dapo/models)"
     )
-    mfetch.set_defaults(fn=_cmd_model_fetch)
+    mfetch.set_defaults(fn=cmd_model_fetch)
     listing = msub.add_parser("list", help="the catalogue: name, package, origin")
-    listing.set_defaults(fn=_cmd_model_list)
+    listing.set_defaults(fn=cmd_model_list)
 
     lora = sub.add_parser("lora", help="LoRA adapters a learner.lora run exported")
     lsub = lora.add_subparsers(dest="lora_command", metavar="ACTION", required=True)
@@ -591,7 +328,7 @@ def _add_assets(sub: Subcommands) -> None:
     merge.add_argument("adapter", help="a peft adapter folder (final_model/ or a checkpoint's hf/)")
     merge.add_argument("--out", required=True, help="where to write the merged model")
     merge.add_argument("--base", help="the base model folder (default: the adapter's own)")
-    merge.set_defaults(fn=_cmd_lora_merge)
+    merge.set_defaults(fn=cmd_lora_merge)
 
 
 def _add_deployment(sub: Subcommands) -> None:
@@ -604,7 +341,7 @@ def _add_deployment(sub: Subcommands) -> None:
         "script of docker-compose.yml and Kubernetes adds each role's password.",
     )
     users.add_argument("--namespace", default="dapo", help="queue.namespace of the run")
-    users.set_defaults(fn=_cmd_redis_users)
+    users.set_defaults(fn=cmd_redis_users)
     functions = sub.add_parser(
         "redis-functions",
         help="the bus's Redis function library, as the deployments' Redis loads it at start",
@@ -612,7 +349,7 @@ def _add_deployment(sub: Subcommands) -> None:
         "may load: deploy/k8s/base/redis-functions.lua is this output. Load it as the "
         "administrator: dapo redis-functions | redis-cli -x FUNCTION LOAD REPLACE",
     )
-    functions.set_defaults(fn=_cmd_redis_functions)
+    functions.set_defaults(fn=cmd_redis_functions)
     host = sub.add_parser(
         "sandbox-host",
         help="start sandbox workers for a stage in another container, over a Unix socket",
@@ -631,7 +368,7 @@ def _add_deployment(sub: Subcommands) -> None:
         help="a uid whose processes may connect (repeat for several; the kernel names the "
         "caller's uid); default: this host's own uid only",
     )
-    host.set_defaults(fn=_cmd_sandbox_host)
+    host.set_defaults(fn=cmd_sandbox_host)
     secrets_ = sub.add_parser(
         "secrets",
         help="fresh secrets for a deployment: .env lines, or kubectl commands with --k8s",
@@ -641,7 +378,7 @@ def _add_deployment(sub: Subcommands) -> None:
         "create the Secrets deploy/k8s reads. Nothing is written anywhere else.",
     )
     secrets_.add_argument("--k8s", action="store_true", help="kubectl create secret commands")
-    secrets_.set_defaults(fn=_cmd_secrets)
+    secrets_.set_defaults(fn=cmd_secrets)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

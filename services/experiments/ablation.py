@@ -23,6 +23,10 @@ then the problems), so they hold what varies between training runs as well as be
 each seed's own final accuracy is shown beside them. It writes `ablation.md`
 (the table), `ablation.json` (every figure, per run and per rung) and `ablation.svg` (accuracy and
 entropy against generated responses, mean and standard deviation over seeds).
+
+This module runs the ladder, reads the runs back and holds the command; the rungs and their
+overrides are in `ablation_ladder.py`, the figures of runs and rungs (the bootstrap) in
+`ablation_stats.py`, and the table, the data and the plot in `ablation_report.py`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,139 +47,11 @@ import numpy as np
 from contracts.config import DapoConfig, load_config
 from contracts.eval_stats import EVAL_ROUNDS_FILE, read_rounds
 from contracts.keys import Counter
-from services.experiments.provenance import provenance
+from services.experiments.ablation_ladder import LADDER, Rung, rung_overrides, seed_overrides
+from services.experiments.ablation_report import Report, write_report
+from services.experiments.ablation_stats import EARLY_GAIN, Ladder, RunResult, mean_over_budget
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Rung:
-    key: str
-    """Directory name and table key."""
-    label: str
-    adds: dict[str, str]
-    """The overrides this rung adds to the one before it."""
-    why: str
-    """What the technique should change on a task that exercises it."""
-
-
-NAIVE_GRPO = {
-    "algorithm.clip_high": "0.2",  # symmetric clip: epsilon_high = epsilon_low
-    "algorithm.loss_agg": "seq-mean-token-mean",  # sample-level loss
-    "algorithm.gatekeeper": "false",  # no dynamic sampling
-    "reward.overlong.enabled": "false",  # no soft overlong punishment
-    "reward.overlong.filter": "false",  # no overlong filtering
-}
-"""GRPO as the paper's first row: symmetric clip 0.2, sample-level loss, every group trained,
-truncated responses scored like any other. Everything else (no KL, the +-1 rule reward, the
-learning rate, batch sizes) stays the config's."""
-
-LADDER: tuple[Rung, ...] = (
-    Rung("grpo", "naive GRPO", {}, "the baseline"),
-    Rung(
-        "overlong_filter",
-        "+ overlong filtering",
-        {"reward.overlong.filter": "true"},
-        "truncated responses stop teaching 'wrong' to reasoning that was cut off rather than "
-        "mistaken",
-    ),
-    Rung(
-        "clip_higher",
-        "+ clip-higher",
-        {"algorithm.clip_high": "0.28"},
-        "low-probability tokens can gain more per update, which keeps entropy from collapsing",
-    ),
-    Rung(
-        "soft_overlong",
-        "+ soft overlong punishment",
-        {"reward.overlong.enabled": "true"},
-        "responses that run into the last buffer_len tokens lose reward in proportion, steering "
-        "length",
-    ),
-    Rung(
-        "token_loss",
-        "+ token-level loss",
-        {"algorithm.loss_agg": "token-mean"},
-        "every token weighs the same, so long responses count fully and long bad patterns are "
-        "punished",
-    ),
-    Rung(
-        "dapo",
-        "+ dynamic sampling (DAPO)",
-        {"algorithm.gatekeeper": "true"},
-        "all-correct and all-wrong groups (zero advantage) stop diluting the batch",
-    ),
-)
-
-
-def rung_overrides(index: int) -> dict[str, str]:
-    """The full overrides of rung `index`:
-    naive GRPO plus every technique up to and including it."""
-    out = dict(NAIVE_GRPO)
-    for rung in LADDER[: index + 1]:
-        out.update(rung.adds)
-    return out
-
-
-EARLY_GAIN = 0.10
-"""A second, nearer target the table reports beside `gain`: at toy scale and a fixed budget not
-every rung gets to +25 points, and how early each starts to learn still tells rungs apart."""
-
-
-@dataclass
-class RunResult:
-    """What the table needs from one run."""
-
-    rung: str
-    seed: int
-    base_acc: float
-    """The run's first round (the base weights); the same in every run when evaluation is
-    paired."""
-    final_acc: float
-    samples: int
-    """Responses requested for training over the run (issued prompt jobs x group size)."""
-    samples_to_target: float | None
-    """Responses generated when an evaluation first reached the common base + gain; None: not
-    reached."""
-    samples_to_early_target: float | None
-    """The same for base + EARLY_GAIN (10 points): how fast a rung starts learning."""
-    filtered_share: float
-    truncation_rate: float
-    final_entropy: float
-    wall_s: float
-    steps: int
-    acc_curve: list[tuple[float, float]] = field(default_factory=list)
-    """(responses generated, eval accuracy) of every evaluation round."""
-    entropy_curve: list[tuple[float, float]] = field(default_factory=list)
-    """(responses generated, mean token entropy of the step's training batch)."""
-    base_problems: list[float] = field(default_factory=list, repr=False)
-    """Per-problem accuracy of the first round (the report's common base)."""
-    final_problems: list[float] = field(default_factory=list, repr=False)
-    """Per-problem accuracy of the last round."""
-    mean_problems: list[float] = field(default_factory=list, repr=False)
-    """Per-problem accuracy averaged over the budget (`mean_over_budget`)."""
-
-    def to_json(self) -> dict[str, object]:
-        """Every figure but the per-problem lists (the rung statistics summarise them)."""
-        out = asdict(self)
-        for key in ("base_problems", "final_problems", "mean_problems"):
-            out.pop(key)
-        return out
-
-
-def mean_over_budget(
-    xs: Sequence[float], per_problem: Sequence[Sequence[float]], end: float
-) -> list[float]:
-    """Each problem's accuracy averaged over generated responses from the first round to `end`
-    (the budget): each round's accuracy holds until the next round (the area under the step-wise
-    curve over its length). Linear in the rounds, so the pooled statistics resample it like an
-    accuracy. A second measure beside the final round: it counts how early a rung learned."""
-    rounds = np.asarray(per_problem, dtype=float)
-    bounds = np.asarray([*xs[1:], end], dtype=float)
-    widths = np.clip(bounds - np.asarray(xs, dtype=float), 0.0, None)
-    if widths.sum() <= 0:
-        return [float(v) for v in rounds[-1]]
-    return [float(v) for v in widths @ rounds / widths.sum()]
 
 
 # --- running ----------------------------------------------------------------------------------
@@ -195,12 +70,6 @@ def completed(path: Path) -> bool:
         and summary.get("learner_exit_code") == 0
         and (path / "metrics.jsonl").exists()
     )
-
-
-def seed_overrides(seed: int) -> dict[str, str]:
-    """A seed changes the data order, the learner's and the replicas' randomness; never the base
-    model or the evaluation set, which every rung shares."""
-    return {"data.seed": str(seed), "learner.seed": str(seed), "rollout.seed": str(seed)}
 
 
 def run_command(config: Path, path: Path, overrides: dict[str, str]) -> list[str]:
@@ -358,17 +227,6 @@ def common_base(paths: Sequence[Path]) -> tuple[float, bool]:
     return float(np.mean(firsts)), identical
 
 
-@dataclass
-class Ladder:
-    """The completed runs of a ladder, read against one common base."""
-
-    runs: list[RunResult]
-    base: float
-    """Accuracy of the base weights: the mean of the runs' first rounds."""
-    paired: bool
-    """Every run's first round was the same, problem by problem (paired evaluation)."""
-
-
 def read_ladder(
     out: Path, cfg: DapoConfig, *, seeds: int, gain: float, rungs: Sequence[Rung] = LADDER
 ) -> Ladder:
@@ -391,301 +249,6 @@ def read_ladder(
         for rung, seed, path in done
     ]
     return Ladder(runs, base, paired)
-
-
-# --- the report -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RungStats:
-    """A rung's seeds pooled problem by problem (each problem's accuracy averaged over the
-    seeds' rounds), with 95% intervals from a two-level bootstrap: each resample draws the
-    rung's seeds with replacement and then the problems (the same problems for every rung, so
-    comparisons are paired). The interval so counts both what varies between training runs and
-    what varies between evaluation problems."""
-
-    rung: str
-    runs: int
-    final: float
-    final_ci: tuple[float, float]
-    seeds_final: list[float]
-    vs_first: float | None
-    """Final accuracy minus the first rung's (naive GRPO's), paired over problems."""
-    vs_first_ci: tuple[float, float] | None
-    mean_gain: float
-    """Accuracy averaged over the budget minus the common base (`mean_over_budget`)."""
-    mean_gain_ci: tuple[float, float]
-
-
-def _resampled(per_seed: np.ndarray, problems: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """(resamples,) mean accuracy of a rung under the two-level bootstrap: per resample, its
-    seeds drawn with replacement, each seed's accuracy over that resample's problems."""
-    by_seed = per_seed[:, problems].mean(axis=2)  # (seeds, resamples)
-    seeds, resamples = by_seed.shape
-    drawn = rng.integers(0, seeds, size=(resamples, seeds))
-    out: np.ndarray = by_seed[drawn, np.arange(resamples)[:, None]].mean(axis=1)
-    return out
-
-
-def _interval95(values: np.ndarray) -> tuple[float, float]:
-    return float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))
-
-
-def rung_stats(
-    ladder: Ladder, rungs: Sequence[Rung] = LADDER, *, resamples: int = 2000, seed: int = 0
-) -> list[RungStats]:
-    """One `RungStats` per rung that has runs; the first rung with runs is the reference."""
-    if not ladder.runs:
-        return []
-    base = np.mean([r.base_problems for r in ladder.runs], axis=0)
-    rng = np.random.default_rng(seed)
-    problems = rng.integers(0, base.size, size=(resamples, base.size))
-    per_rung = {}
-    for rung in rungs:
-        rows = [r for r in ladder.runs if r.rung == rung.key]
-        if rows:
-            finals = np.asarray([r.final_problems for r in rows])
-            gains = np.asarray([r.mean_problems for r in rows]) - base
-            per_rung[rung.key] = (
-                rows,
-                finals,
-                gains,
-                _resampled(finals, problems, rng),
-                _resampled(gains, problems, rng),
-            )
-    first = next(iter(per_rung))
-    out = []
-    for key, (rows, finals, gains, final_draws, gain_draws) in per_rung.items():
-        reference = per_rung[first]
-        vs = None if key == first else float(finals.mean() - reference[1].mean())
-        out.append(
-            RungStats(
-                rung=key,
-                runs=len(rows),
-                final=float(finals.mean()),
-                final_ci=_interval95(final_draws),
-                seeds_final=[r.final_acc for r in rows],
-                vs_first=vs,
-                vs_first_ci=None if vs is None else _interval95(final_draws - reference[3]),
-                mean_gain=float(gains.mean()),
-                mean_gain_ci=_interval95(gain_draws),
-            )
-        )
-    return out
-
-
-def _mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
-    if not values:
-        return "-"
-    mean = statistics.fmean(values) / scale
-    std = statistics.stdev(values) / scale if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
-def _reached(samples: Sequence[float | None]) -> str:
-    """Mean ± std over the runs that reached a target, and how many did
-    ("not reached" is counted)."""
-    hit = [s for s in samples if s is not None]
-    if not hit:
-        return f"not reached (0/{len(samples)})"
-    return f"{_mean_std(hit, 1000, 1)} ({len(hit)}/{len(samples)})"
-
-
-def _points(value: float, ci: tuple[float, float]) -> str:
-    """A difference of accuracies in points with its interval: `+7.0 (+4.1..+9.8)`."""
-    low, high = (round(v * 100, 1) + 0.0 for v in ci)  # + 0.0: no "-0.0" from rounding
-    return f"{round(value * 100, 1) + 0.0:+.1f} ({low:+.1f}..{high:+.1f})"
-
-
-def table(ladder: Ladder, *, gain: float, rungs: Sequence[Rung] = LADDER) -> str:
-    first = next((r.label for r in rungs if any(x.rung == r.key for x in ladder.runs)), "-")
-    head = (
-        "| rung | runs | final accuracy (95% CI) | seeds | "
-        f"vs {first}, points (95% CI) | mean gain over the budget, points (95% CI) "
-        f"| responses to base + {EARLY_GAIN * 100:.0f} pts (k) "
-        f"| responses to base + {gain * 100:.0f} pts (k) | groups filtered | truncated "
-        "| entropy at end | wall s / run |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    stats = {st.rung: st for st in rung_stats(ladder, rungs)}
-    for rung in rungs:
-        rows = [r for r in ladder.runs if r.rung == rung.key]
-        if not rows:
-            lines.append(f"| {rung.label} | 0 |" + " - |" * 10)
-            continue
-        st = stats[rung.key]
-        vs = (
-            "-"
-            if st.vs_first is None or st.vs_first_ci is None
-            else (_points(st.vs_first, st.vs_first_ci))
-        )
-        lines.append(
-            f"| {rung.label} | {len(rows)} "
-            f"| {st.final:.3f} ({st.final_ci[0]:.3f}-{st.final_ci[1]:.3f}) "
-            f"| {' '.join(f'{a:.2f}' for a in st.seeds_final)} "
-            f"| {vs} | {_points(st.mean_gain, st.mean_gain_ci)} "
-            f"| {_reached([r.samples_to_early_target for r in rows])} "
-            f"| {_reached([r.samples_to_target for r in rows])} "
-            f"| {_mean_std([r.filtered_share for r in rows], digits=2)} "
-            f"| {_mean_std([r.truncation_rate for r in rows])} "
-            f"| {_mean_std([r.final_entropy for r in rows])} "
-            f"| {statistics.fmean(r.wall_s for r in rows):.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def _on_grid(
-    curves: Sequence[list[tuple[float, float]]], grid: Sequence[float]
-) -> list[list[float]]:
-    """Each curve linearly interpolated at the grid points inside its own range (NaN outside)."""
-    import numpy as np
-
-    out = []
-    for curve in curves:
-        pts = sorted((x, y) for x, y in curve if not math.isnan(x))
-        if not pts:
-            out.append([math.nan] * len(grid))
-            continue
-        xs, ys = [x for x, _ in pts], [y for _, y in pts]
-        values = np.interp(grid, xs, ys, left=math.nan, right=math.nan)
-        out.append([float(v) for v in values])
-    return out
-
-
-def plot(
-    results: Sequence[RunResult],
-    path: Path,
-    *,
-    rungs: Sequence[Rung] = LADDER,
-    points: int = 24,
-    base: float | None = None,
-) -> None:
-    """Two panels against generated responses: eval accuracy and policy entropy, per rung the mean
-    over seeds (curves interpolated onto a common grid) with a band/bars of one standard
-    deviation."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, (acc_ax, ent_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
-    top = max((r.samples for r in results), default=1)
-    grid = [top * i / (points - 1) for i in range(points)]
-    for rung in rungs:
-        rows = [r for r in results if r.rung == rung.key]
-        if not rows:
-            continue
-        for ax, curves in (
-            (acc_ax, [r.acc_curve for r in rows]),
-            (ent_ax, [r.entropy_curve for r in rows]),
-        ):
-            values = _on_grid(curves, grid)
-            xs, means, stds = [], [], []
-            for j, g in enumerate(grid):
-                col = [v[j] for v in values if not math.isnan(v[j])]
-                if col:
-                    xs.append(g / 1000)
-                    means.append(statistics.fmean(col))
-                    stds.append(statistics.stdev(col) if len(col) > 1 else 0.0)
-            if ax is acc_ax:
-                ax.errorbar(xs, means, yerr=stds, label=rung.label, capsize=2, linewidth=1.4)
-            else:
-                ax.plot(xs, means, label=rung.label, linewidth=1.4)
-                ax.fill_between(
-                    xs,
-                    [m - s for m, s in zip(means, stds, strict=True)],
-                    [m + s for m, s in zip(means, stds, strict=True)],
-                    alpha=0.15,
-                )
-    if base is not None and not math.isnan(base):
-        acc_ax.axhline(base, color="grey", linestyle=":", linewidth=1, label="base weights")
-    acc_ax.set(
-        title="evaluation accuracy (mean ± std over seeds)",
-        xlabel="generated responses (thousands)",
-        ylabel="avg@k accuracy",
-    )
-    ent_ax.set(
-        title="policy entropy of training batches",
-        xlabel="generated responses (thousands)",
-        ylabel="mean token entropy (nats)",
-    )
-    for ax in (acc_ax, ent_ax):
-        ax.grid(alpha=0.3)
-    acc_ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-@dataclass
-class Report:
-    markdown: Path
-    data: Path
-    figure: Path
-
-
-def write_report(
-    ladder: Ladder,
-    out: Path,
-    *,
-    gain: float,
-    command: str,
-    wall_s: float,
-    rungs: Sequence[Rung] = LADDER,
-) -> Report:
-    md, data, fig = out / "ablation.md", out / "ablation.json", out / "ablation.svg"
-    results = ladder.runs
-    plot(results, fig, rungs=rungs, base=ladder.base)
-    why = "\n".join(f"- **{r.label}**: {r.why}." for r in rungs)
-    made = provenance()
-    problems = len(results[0].final_problems) if results else 0
-    paired = (
-        "every run's first round was the same, problem by problem (paired evaluation)"
-        if ladder.paired
-        else "the runs' first rounds differed (evaluation not paired: the base is their mean)"
-    )
-    md.write_text(
-        "# DAPO ablation ladder\n\n"
-        f"Command: `{command}`\n\n"
-        f"Date {made['date']}, commit {made['commit']}, machine: {made['machine']}.\n\n"
-        f"Base weights: accuracy {ladder.base:.3f} on {problems} held-out problems; {paired}.\n\n"
-        f"{table(ladder, gain=gain, rungs=rungs)}\n\n"
-        "Columns: final accuracy is the last evaluation round (avg@k) averaged over the rung's "
-        "seeds; its 95% interval comes from a two-level bootstrap (the seeds drawn with "
-        "replacement, then the problems), so it holds both what varies between training runs "
-        "and between evaluation problems; seeds lists each seed's own final accuracy. The "
-        "comparison with the first rung is paired over problems (the same problems resampled in "
-        "both, the seeds of each drawn independently). Mean gain over the budget is each round's "
-        "accuracy "
-        "held until the next one, averaged over the generated responses of the whole budget, "
-        "minus the base: it rewards learning early, not only ending high. Responses to a target "
-        "count the training responses requested until the first evaluation that many points "
-        "above the common base (mean ± std over the seeds that reached it, and how many did); "
-        "groups filtered is the share the gatekeeper dropped; truncated is the share of "
-        "generated training responses cut at max_response_len (kept or filtered); entropy is the "
-        "mean token entropy of the last tenth of training steps. Every run stops at the same "
-        "sample budget.\n\n"
-        f"What each rung adds:\n\n{why}\n\n"
-        f"Wall time: {sum(r.wall_s for r in results) / 60:.1f} min for the {len(results)} runs "
-        f"(each `dapo run` from start to exit); this invocation took {wall_s / 60:.1f} min "
-        "(runs completed earlier are not redone).\n\n"
-        "![curves](ablation.svg)\n"
-    )
-    data.write_text(
-        json.dumps(
-            {
-                **made,
-                "command": command,
-                "gain": gain,
-                "wall_s": wall_s,
-                "base_acc": ladder.base,
-                "paired": ladder.paired,
-                "problems": problems,
-                "rungs": [asdict(st) for st in rung_stats(ladder, rungs)],
-                "runs": [r.to_json() for r in results],
-            },
-            indent=1,
-        )
-    )
-    return Report(md, data, fig)
 
 
 # --- the command ------------------------------------------------------------------------------

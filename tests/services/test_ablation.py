@@ -11,19 +11,10 @@ import pytest
 from contracts.config import load_config
 from contracts.eval_stats import EVAL_ROUNDS_FILE, Round
 from services.cli import main
-from services.experiments.ablation import (
-    LADDER,
-    NAIVE_GRPO,
-    Ladder,
-    common_base,
-    read_run,
-    run_dir,
-    run_ladder,
-    rung_overrides,
-    rung_stats,
-    table,
-    write_report,
-)
+from services.experiments.ablation import common_base, read_run, run_dir, run_ladder
+from services.experiments.ablation_ladder import LADDER, NAIVE_GRPO, rung_overrides
+from services.experiments.ablation_report import table, write_report
+from services.experiments.ablation_stats import Ladder, rung_stats
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ablation.yaml"
