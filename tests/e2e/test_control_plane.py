@@ -87,7 +87,7 @@ def test_endpoints_and_operator_actions_on_a_real_run(tmp_path: Path, artifacts_
             status = call(f"{api}/status")[1]
             (artifacts_dir / "status-sample.json").write_text(json.dumps(status, indent=1))
             assert status["ledger"]["balanced"] and status["policy_version"] >= 4
-            assert {i["kind"] for i in status["instances"]} >= {
+            assert {i["role"] for i in status["instances"]} >= {
                 "learner",
                 "rollout",
                 "reward",
