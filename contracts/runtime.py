@@ -4,7 +4,7 @@ Every stage process (a rollout replica, a reward worker, the gatekeeper; as a `d
 hosted by Ray Serve) runs the same skeleton, `serve_stage`: start the heartbeat, run the stage
 loop until asked to stop, write the final stats, release what the worker holds. The loop
 repeats: reclaim entries abandoned by dead consumers (sooner than `queue.claim_idle_s` when their
-heartbeat is gone: `StreamBus.reclaim`), read new entries, hand them to the worker's `handle`,
+heartbeat is gone: `Transport.reclaim`), read new entries, hand them to the worker's `handle`,
 which finishes each with one atomic hop. A stage brings only a `StageHandler`: its handler, its
 status, how it reads (`StageLoop`) and what to release.
 

@@ -34,7 +34,7 @@ class QueueConfig(Section):
     claim_idle_s: float = Field(300.0, gt=0)
     """Pending entries idle longer than this are reclaimed from any other consumer; must exceed
     the slowest legitimate step of any stage. A consumer whose heartbeat is gone loses its
-    entries sooner, once they sat two `heartbeat_ttl_s` (`StreamBus.reclaim`)."""
+    entries sooner, once they sat two `heartbeat_ttl_s` (`Transport.reclaim`)."""
     max_deliveries: PositiveInt = 3
     """An entry delivered this many times is dead-lettered instead of retried."""
     heartbeat_ttl_s: float = Field(30.0, gt=0)
