@@ -1,11 +1,11 @@
 """A sandbox host: sandbox workers for a stage that runs in another container.
 
-In docker-compose and Kubernetes each stage that runs untrusted code (the rollout replicas'
-tools, the reward workers' checkers) has a sandbox container beside it: the same image, another
-uid, no secret in its environment, no network (compose: `network_mode: none`; Kubernetes: a
-pod shares its network, so the workers' own seccomp and Landlock layers refuse it). This process
-runs there (`dapo sandbox-host`) and listens on a Unix socket in a
-volume the two containers share. The stage's `sandbox.pool.Sandbox` connects to it when
+In docker-compose, Kubernetes and the RayService's worker pods each stage that runs untrusted
+code (the rollout replicas' tools, the reward workers' checkers) has a sandbox container beside
+it: the same image, another uid, no secret in its environment, no network (compose:
+`network_mode: none`; Kubernetes: a pod shares its network, so the workers' own seccomp and
+Landlock layers refuse it). This process runs there (`dapo sandbox-host`) and listens on a Unix
+socket in a volume the two containers share. The stage's `sandbox.pool.Sandbox` connects to it when
 `DAPO_SANDBOX_SOCKET` names the socket, one connection per worker; for each, this host starts a
 worker here exactly as the pool does locally (`sandbox.pool.LocalWorker`: `python -I`, a private
 directory, confined) and relays the frames both ways. The first frame, the worker's hello, is
@@ -17,16 +17,19 @@ that exits closes its connection (the stage sees the worker die).
 
 Only the uids this host is told to serve may connect (`--allow-uid`; by default its own): the
 kernel names the caller's uid (`SO_PEERCRED`), so a process under any other uid that can reach
-the socket, a sandbox worker included (this host's workers run as its uid or another of their
-own), is refused before a worker starts, and counted. What this does NOT guarantee: that the
-caller is a stage of this run rather than another process of an allowed uid, nor fairness
-between callers beyond `max_workers`.
+the socket is refused before a worker starts, and counted (`refused_uids`). Deployed, the host
+serves the stage's uid alone, so this host's own workers (which run as its uid or another of
+their own) are refused too; a connection from the host's own uid that it does not serve is its
+container's health probe, closed without a word. What this does NOT guarantee: that the caller
+is a stage of this run rather than another process of an allowed uid, nor fairness between
+callers beyond `max_workers`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import socket
@@ -71,8 +74,9 @@ class SandboxHost:
         self.socket_path = socket_path
         self.max_workers = max_workers
         self.allowed_uids = frozenset({os.getuid()}) if allowed_uids is None else allowed_uids
-        self.refused = 0
-        """Connections refused for their caller's uid."""
+        self.refused_uids = 0
+        """Connections refused for their caller's uid (health probes not counted)."""
+        self._warned_at: dict[int, float] = {}  # uid -> when its last refusal was logged
         self.network_namespace = network_namespace_available()
         self.own_uid = other_uid_available()
         self._active = threading.BoundedSemaphore(max_workers)
@@ -84,7 +88,8 @@ class SandboxHost:
         Path(socket_path).unlink(missing_ok=True)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(socket_path)
-        # The stage runs under another uid: the directory's permissions say who may connect.
+        # The stage runs under another uid: anyone who can enter the directory may connect, and
+        # the caller's uid decides whether it gets a worker (`_admit`).
         os.chmod(socket_path, 0o666)
         self._listener.listen(max_workers)
 
@@ -106,14 +111,7 @@ class SandboxHost:
                 if self._stop.is_set():
                     return
                 raise
-            uid = peer_uid(conn)
-            if uid not in self.allowed_uids:
-                self.refused += 1
-                log.warning(
-                    "refused a connection from uid %d: this host serves uids %s (--allow-uid)",
-                    uid,
-                    sorted(self.allowed_uids),
-                )
+            if not self._admit(conn):
                 conn.close()
                 continue
             if not self._active.acquire(blocking=False):
@@ -121,6 +119,31 @@ class SandboxHost:
                 conn.close()
                 continue
             threading.Thread(target=self._session, args=(conn,), daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Whether the caller of `conn` may have a worker: its uid is one this host serves. A
+        refusal is counted and logged (once a minute per uid, so a caller cannot flood the log);
+        this host's own uid, unserved, is its health probe and is neither."""
+        try:
+            uid = peer_uid(conn)
+        except OSError as exc:  # the kernel did not say who called: nobody we serve
+            self.refused_uids += 1
+            log.warning("refused a connection whose caller's uid is unknown: %s", exc)
+            return False
+        if uid in self.allowed_uids:
+            return True
+        if uid == os.getuid():
+            return False
+        self.refused_uids += 1
+        now = time.monotonic()
+        if now - self._warned_at.get(uid, -math.inf) >= 60.0:
+            self._warned_at[uid] = now
+            log.warning(
+                "refused a connection from uid %d: this host serves uids %s (--allow-uid)",
+                uid,
+                sorted(self.allowed_uids),
+            )
+        return False
 
     def pids(self) -> list[int]:
         """The workers running now (each the leader of its process group)."""
@@ -168,8 +191,8 @@ class SandboxHost:
 def peer_uid(conn: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket, as the kernel recorded it when
     that process connected (Linux `SO_PEERCRED`: pid, uid, gid)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    _pid, uid, _gid = struct.unpack("iII", creds)
     return int(uid)
 
 
