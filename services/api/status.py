@@ -168,7 +168,10 @@ def _instances(raw: Iterable[Any], skipped: _Skipped) -> list[dict[str, Any]]:
 
 
 def _instance(hb: dict[str, Any]) -> dict[str, Any] | None:
-    role, inst_id, age = hb.get("role"), hb.get("id"), _finite(hb.get("age_s"))
+    # `kind`: what a process of an earlier release calls its role, while a rolling upgrade has
+    # both (its learner must not look down to the API meanwhile).
+    role = hb.get("role", hb.get("kind"))
+    inst_id, age = hb.get("id"), _finite(hb.get("age_s"))
     if not isinstance(role, str) or not isinstance(inst_id, str) or age is None:
         return None
     return {
@@ -480,8 +483,8 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(f"{'role':<11}{'id':<34}{'pid':>8}{'version':>9}{'heartbeat age':>15}")
     for i in status["instances"]:
         lines.append(
-            f"{_safe(i['role']):<11}{_safe(i['id']):<34}{_dash(i['pid']):>8}{_dash(i['policy_version']):>9}"
-            f"{i['heartbeat_age_s']:>14.1f}s"
+            f"{_safe(i['role']):<11}{_safe(i['id']):<34}{_dash(i['pid']):>8}"
+            f"{_dash(i['policy_version']):>9}{i['heartbeat_age_s']:>14.1f}s"
         )
     return "\n".join(lines)
 

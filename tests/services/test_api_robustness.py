@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -215,6 +216,20 @@ def test_a_malformed_learner_heartbeat_means_not_ready(api: tuple[FastAPI, Strea
     ready = client.get("/readyz")
     assert ready.status_code == 503 and "learner heartbeat" in ready.json()["detail"]
     assert client.get("/status").json()["learner_state"] == "down"
+
+
+def test_a_heartbeat_of_the_release_before_the_role_rename_still_counts(
+    api: tuple[FastAPI, StreamBus],
+) -> None:
+    """A process of the previous release names its role `kind`: during a rolling upgrade its
+    learner must not look down to a new API (503 from /readyz)."""
+    app, bus = api
+    old = {"kind": "learner", "id": "learner-0", "host": "h", "pid": 1, "at": time.time()}
+    heartbeat(bus, "learner-0", json.dumps(old), role="learner")
+    client = TestClient(app, base_url=LOCAL)
+    assert client.get("/readyz").status_code == 200
+    rows = client.get("/status").json()["instances"]
+    assert ("learner", "learner-0") in {(i["role"], i["id"]) for i in rows}
 
 
 def test_status_table_escapes_control_characters(api: tuple[FastAPI, StreamBus]) -> None:
