@@ -10,7 +10,7 @@ write one checkpoint store. The learner therefore takes a lease before it touche
 - A daemon thread renews the lease every `ttl_s / 3` with a compare-and-extend script, so a long
   step never loses it; a process that stops renewing (killed, paused, partitioned) loses it
   `ttl_s` later and the next learner may take over.
-- The token is the fence: the learner's bus carries it (`StreamBus.hold_fence`) and every write
+- The token is the fence: the learner's bus carries it (`BusCore.hold_fence`) and every write
   of the run state (ledger hops, issuing prompts, counters, policy version, learner state,
   weight announcements) is a script that checks, inside Redis, that the lease still holds the
   token. A learner that lost the lease, even one that was paused and does not know it yet, gets

@@ -7,11 +7,11 @@ metrics are named `task/<name>/<metric>`, the name made safe for every consumer 
 Prometheus labels, Redis hash fields) by `task_label`.
 
 `data.gym` (`contracts.config.gym.GymDataSpec`) names one reasoning-gym task or a weighted
-mixture of several; the launcher generates the training and evaluation files from it
-(`services.data.gym`). Each row's `extra_info` carries a `GymEntry` under `GYM_ENTRY_KEY`: what
-the task's own scorer needs, which runs in the reward stage's sandbox (`reward.gym_checker`). A
-row that carries one is scored by its task's scorer unless `reward.function` or
-`reward.verifier_by_source` says otherwise.
+mixture of several; the prepare step (`services.data.prepare`) generates the training and
+evaluation files from it (`services.data.gym`). Each row's `extra_info` carries a `GymEntry`
+under `GYM_ENTRY_KEY`: what the task's own scorer needs, which runs in the reward stage's sandbox
+(`reward.gym_checker`). A row that carries one is scored by its task's scorer unless
+`reward.function` or `reward.verifier_by_source` says otherwise.
 
 Standard library only: the reward stage's sandbox workers import this (through
 `reward.gym_checker`), and every import there costs each worker's start and memory.

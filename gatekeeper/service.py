@@ -14,8 +14,8 @@ filtered, responses right, responses and their tokens (`contracts.tasks.TaskStat
 the learner, the API and the run summary report each task's accuracy, pass rate and length.
 
 Evaluation groups (`PromptJob.eval`) are never gated or trained: the gatekeeper reduces each to
-an `EvalResult` (counts only) and forwards it to the evaluation lane, where learner rank 0 adds
-up each round.
+an `EvalResult` (its signed job and counts) and forwards it to the evaluation lane, where learner
+rank 0 adds up each round.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@
   dapo lora merge ADAPTER --out DIR [--base DIR]                     adapter + base -> one model
   dapo redis-users [--namespace NS]                                  the Redis users by role
   dapo redis-functions                                               the bus's Redis functions
-  dapo sandbox-host --socket PATH                                    sandbox workers for a stage
+  dapo sandbox-host --socket PATH [--allow-uid UID]                  sandbox workers for a stage
   dapo secrets [--k8s]                                               fresh secrets for a deployment
 
 Every service command takes `--config FILE` plus dotted overrides; the Redis URL comes from the
@@ -353,10 +353,10 @@ def _add_deployment(sub: Subcommands) -> None:
     host = sub.add_parser(
         "sandbox-host",
         help="start sandbox workers for a stage in another container, over a Unix socket",
-        description="Listen on SOCKET and start a confined sandbox worker for each connection: "
-        "the container beside a rollout replica or a reward worker (its DAPO_SANDBOX_SOCKET) "
-        "in docker-compose and Kubernetes, under another uid, with no secret and no network. "
-        "See sandbox/host.py.",
+        description="Listen on SOCKET and start a confined sandbox worker for each connection "
+        "from a uid it serves: the container beside a rollout replica or a reward stage (its "
+        "DAPO_SANDBOX_SOCKET) in docker-compose, Kubernetes and the RayService's worker pods, "
+        "under another uid, with no secret and no network. See sandbox/host.py.",
     )
     host.add_argument("--socket", required=True, help="the Unix socket to listen on")
     host.add_argument("--max-workers", type=int, default=64, help="workers at once")

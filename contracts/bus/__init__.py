@@ -42,7 +42,9 @@ The bus is split by concern, all behind the same fenced writes (`core`):
 hands each stage only the concerns it uses, typed by concern (`RolloutReplica(transport=bus,
 run_state=bus)`), so a constructor says what it touches and mypy refuses a stage a method of a
 concern it was not given. Only the application (the launcher, the API, `dapo status`) and a
-process's own assembly (`ServiceContext`, the learner's `build_*` steps) hold the whole bus.
+process's own assembly (`ServiceContext`, the learner's `rank0_collaborators`) hold the whole
+bus. What every concern shares (the core: counters through `incr`, the consumer groups, the
+fence) is reachable from each, so the types tell the concerns apart, not the core.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from contracts.bus import StreamBus, connect
 from contracts.config import build_config
 from contracts.keys import Counter, Keys
 from contracts.schemas import (
+    SCHEMA_VERSION,
     EvalResult,
     EvalTag,
     RolloutGroup,
@@ -183,7 +184,7 @@ def test_the_evaluation_lane_takes_only_results_of_jobs_the_learner_signed(
     for g in (forged, unsigned):
         wrong = judged(g, [False] * len(g.responses))
         bus.redis.xadd(bus.keys.evals.stream, encode_eval_result(EvalResult.of(wrong)))
-    garbage = {"v": "7", "kind": "eval", "group_id": "e9", "meta": "[[[["}
+    garbage = {"v": str(SCHEMA_VERSION), "kind": "eval", "group_id": "e9", "meta": "[[[["}
     bus.redis.xadd(bus.keys.evals.stream, garbage)  # dead-lettered by the default rule
     lane = EvalLane(
         [([1], "4", "src")],

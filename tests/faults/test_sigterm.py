@@ -33,17 +33,17 @@ def test_every_service_exits_cleanly_on_sigterm_and_the_run_goes_on(tmp_path: Pa
             tmp_path, server.url, f"learner.total_steps={STEPS}", "checkpoint.every_steps=5"
         )
         exit_s = {}
-        for kind in ("rollout", "reward", "gatekeeper", "learner"):
+        for role in ("rollout", "reward", "gatekeeper", "learner"):
             wait_for("progress", lambda: learner_step(r) >= 4 + 5 * len(exit_s))
-            before = pids(r, kind)
-            pid = pid_of(r, kind)
+            before = pids(r, role)
+            pid = pid_of(r, role)
             os.kill(pid, signal.SIGTERM)
             start = time.monotonic()
-            wait_for(f"the {kind} to exit", lambda pid=pid: process_gone(pid), timeout_s=GRACE_S)
-            exit_s[kind] = round(time.monotonic() - start, 2)
+            wait_for(f"the {role} to exit", lambda pid=pid: process_gone(pid), timeout_s=GRACE_S)
+            exit_s[role] = round(time.monotonic() - start, 2)
             wait_for(
-                f"a restarted {kind}",
-                lambda kind=kind, before=before: pids(r, kind) - before,
+                f"a restarted {role}",
+                lambda role=role, before=before: pids(r, role) - before,
                 timeout_s=60,
             )
         logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))

@@ -40,13 +40,13 @@ def test_kill_rollout_reward_and_gatekeeper_mid_run(tmp_path: Path) -> None:
         r = redis.Redis.from_url(server.url)
         proc = start_run(tmp_path, server.url, "learner.total_steps=30", "queue.claim_idle_s=3600")
         recovery = {}
-        for kind in ("rollout", "reward", "gatekeeper"):
+        for role in ("rollout", "reward", "gatekeeper"):
             wait_for("progress", lambda: learner_step(r) >= 4 + 6 * len(recovery))
             at = learner_step(r)
-            os.kill(pid_of(r, kind), signal.SIGKILL)
+            os.kill(pid_of(r, role), signal.SIGKILL)
             start = time.monotonic()
-            wait_for(f"training after killing the {kind}", lambda at=at: learner_step(r) >= at + 2)
-            recovery[kind] = round(time.monotonic() - start, 1)
+            wait_for(f"training after killing the {role}", lambda at=at: learner_step(r) >= at + 2)
+            recovery[role] = round(time.monotonic() - start, 1)
         summary = finish(proc, tmp_path)
     print(
         f"seconds from SIGKILL to two more training steps: {recovery}; run "
