@@ -29,6 +29,7 @@ from contracts.keys import (
     Stage,
 )
 from contracts.schemas import group_id_of_fields, is_evaluation, job_signed
+from contracts.signing import WeightKey
 
 log = logging.getLogger(__name__)
 
@@ -388,6 +389,31 @@ class Transport(RedisHygiene):
             outcome=dead if group_id else None,
             counter=Counter.DEAD_LETTERS if group_id else Counter.POISON_MESSAGES,
         )
+
+    def retire_unsigned(self, key: WeightKey, reason: str) -> int:
+        """Dead-letter as the run's own (counted `dead` or `eval_dead`) every entry left in a
+        stage stream whose job `key` does not verify, leaving the others to be worked on; how
+        many. For `dapo run --resume` under a new learner key, before any service starts: every
+        service would otherwise refuse the earlier incarnation's jobs as foreign (poison), and
+        the ledger, which counted them issued, would never balance again. It takes every entry
+        of every stage, pending or not: call it only while no stage runs."""
+        retired = 0
+        for stage in self.keys.stages:
+            pending: Any = self.redis.xpending_range(
+                stage.stream, stage.group, min="-", max="+", count=1_000_000
+            )
+            ids: list[Any] = [_entry_id(p) for p in pending]
+            claimed: Any = (
+                self.redis.xclaim(stage.stream, stage.group, self.consumer, 0, ids) if ids else []
+            )
+            entries = [(eid.decode(), f) for eid, f in claimed if f is not None]
+            entries += self.read(stage, count=1_000_000, block_ms=None)
+            for entry_id, fields in entries:
+                if job_signed(fields, key):
+                    self.hand_back(stage, entry_id, fields)
+                else:
+                    retired += self.dead_letter(stage, entry_id, fields, reason, foreign=False)
+        return retired
 
     def _dead_letter_by_id(self, stage: Stage, entry_id: str, reason: str) -> None:
         got: Any = self.redis.xrange(stage.stream, min=entry_id, max=entry_id, count=1)

@@ -35,7 +35,7 @@ from contracts.keys import RunField
 from contracts.runtime import CHECKPOINT_REFUSED_FILE
 from contracts.signing import KEY_ENV as WEIGHTS_KEY_ENV
 from contracts.signing import PUBLIC_KEY_ENV as WEIGHTS_PUBLIC_KEY_ENV
-from contracts.signing import new_weights_key, public_key_text
+from contracts.signing import new_weights_key, public_key_text, weights_public_key
 from contracts.weight_sync import HOST_ENV as WEIGHTS_HOST_ENV
 from reward.service import check_reward_function
 from rollout.engine import REPLICA_NAME_ENV
@@ -89,7 +89,7 @@ def run_local(
     config_path = _write_service_config(cfg, out)
     server, url = _start_redis(cfg, out, allow_redis6)
     env = _shared_env(prepared.env, url)
-    bus = _open_run(cfg, url, resume)
+    bus = _open_run(cfg, url, resume, keys)
     from contracts.runtime import free_port
 
     api_port = cfg.api.port or free_port()
@@ -183,7 +183,7 @@ def _shared_env(prepared: dict[str, str], url: str) -> dict[str, str]:
     return env
 
 
-def _open_run(cfg: DapoConfig, url: str, resume: bool) -> StreamBus:
+def _open_run(cfg: DapoConfig, url: str, resume: bool, keys: tuple[str, str]) -> StreamBus:
     """The supervisor's bus on a fresh run (namespace cleared, old checkpoints set aside) or a
     resumed one. It must keep supervising while Redis is full: its writes fail, not pause."""
     bus = open_bus(url, cfg.queue.namespace, "launcher", pause_when_full=False)
@@ -193,7 +193,25 @@ def _open_run(cfg: DapoConfig, url: str, resume: bool) -> StreamBus:
         _set_aside_checkpoints(cfg.checkpoint_dir)
     bus.clear_run_field(RunField.FINISHED)  # a resumed run is not finished until it says so
     bus.ensure_groups()
+    if resume:
+        _retire_earlier_jobs(bus, keys)
     return bus
+
+
+def _retire_earlier_jobs(bus: StreamBus, keys: tuple[str, str]) -> None:
+    """A run resumed under another learner key (a fresh one each `dapo run` without
+    DAPO_WEIGHTS_KEY) finds its earlier jobs signed by a key nobody holds now: every service
+    would refuse them as foreign and the ledger never balance. Dead-letter them as the run's own,
+    counted, before anything starts; the learner issues new jobs in their place."""
+    public = weights_public_key({WEIGHTS_PUBLIC_KEY_ENV: keys[1]})
+    reason = "resumed under another learner key: its job is signed by the run's earlier one"
+    if retired := bus.as_consumer("launcher-resume").retire_unsigned(public, reason):
+        log.warning(
+            "%d jobs of the run's earlier incarnation were signed by another key: dead-lettered "
+            "(set %s to keep a run's key across --resume)",
+            retired,
+            WEIGHTS_KEY_ENV,
+        )
 
 
 def _give_credentials(

@@ -203,3 +203,36 @@ def test_the_evaluation_lane_takes_only_results_of_jobs_the_learner_signed(
     snap = bus.ledger()
     assert (snap.eval_issued, snap.evaluated, snap.eval_dead, snap.balanced) == (1, 1, 0, True)
     assert bus.counters()[Counter.POISON_MESSAGES] == 3
+
+
+def test_a_run_resumed_under_a_new_key_retires_the_jobs_of_its_earlier_key(
+    redis_url: str,
+) -> None:
+    """`dapo run --resume` without the run's key signs with a new one: the jobs left in flight,
+    pending or not yet delivered, are dead-lettered as the run's own (the ledger balances), and
+    those the new key signed stay to be worked on."""
+    bus = StreamBus(connect(redis_url), Keys("t"), consumer="c1")
+    bus.ensure_groups()
+    earlier, now = Ed25519PrivateKey.generate(), WEIGHTS_KEY
+    old_a, old_b, new = (make_group() for _ in range(3))
+    for i, g in enumerate((old_a, old_b, new)):
+        g.job.group_id = f"g{i}"
+    jobs = [
+        encode_job(old_a.job, earlier),
+        encode_job(old_b.job, earlier),
+        encode_job(new.job, now),
+    ]
+    assert bus.issue(jobs) == 3
+    # One earlier job went on to the rollouts stream and was read there by a replica that died.
+    [(entry_id, _)] = bus.read(bus.keys.prompts, count=1, block_ms=10)
+    old_a.job = sign_job(old_a.job, earlier)
+    assert bus.hop(
+        bus.keys.prompts, entry_id, downstream=bus.keys.rollouts.stream, fields=encode_group(old_a)
+    )
+    bus.as_consumer("dead-reward").read(bus.keys.rollouts, count=1, block_ms=10)
+    retired = bus.as_consumer("resume").retire_unsigned(now.public_key(), "an earlier key")
+    assert retired == 2 and set(dead(bus)) == {"g0", "g1"}
+    snap = bus.ledger()
+    assert (snap.issued, snap.dead, snap.in_flight, snap.balanced) == (3, 2, 1, True)
+    [(_, fields)] = bus.as_consumer("replica").read(bus.keys.prompts, count=10, block_ms=10)
+    assert fields[b"group_id"] == b"g2"  # the new key's job, still there to be generated
