@@ -18,8 +18,8 @@ from contracts.bus import transport as bus_transport
 from contracts.keys import Counter, Keys
 from contracts.runtime import StopFlag
 from contracts.signing import sign
-from learner.weight_publisher import WeightPublisher
 from rollout.weight_receiver import WeightReceiver
+from tests.contracts.test_weight_sync import publisher as weight_publisher
 from tests.helpers import WEIGHTS_KEY, wait_for
 
 
@@ -50,15 +50,7 @@ def test_malformed_heartbeats_are_skipped_and_counted(bus: StreamBus) -> None:
     live = bus.live_instances("rollout")
     assert [i["id"] for i in live] == ["r0"] and live[0]["policy_version"] == 4
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(GARBAGE_HEARTBEATS)
-    publisher = WeightPublisher(
-        run_state=bus,
-        telemetry=bus,
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=5.0,
-        bucket_mb=1,
-        key=WEIGHTS_KEY,
-    )
+    publisher = weight_publisher(bus, timeout_s=5.0)
     assert publisher.replica_versions() == {"r0": 4}  # the learner's weight sync reads the same
     assert bus.counters()[Counter.BAD_REDIS_VALUES] == len(
         GARBAGE_HEARTBEATS
@@ -115,15 +107,7 @@ def test_a_malformed_announcement_is_skipped_and_the_next_one_lands(
             bus.redis.xadd(bus.keys.weights, {"ann": raw, "sig": sign(WEIGHTS_KEY, raw)})
         bus.redis.xadd(bus.keys.weights, {"other": b"field"})
         named = [("w", torch.ones(3))]
-        publisher = WeightPublisher(
-            run_state=bus,
-            telemetry=bus,
-            host="127.0.0.1",
-            backend="gloo",
-            timeout_s=10.0,
-            bucket_mb=1,
-            key=WEIGHTS_KEY,
-        )
+        publisher = weight_publisher(bus)
         publisher.stage(1, iter(named), named)
         assert publisher.publish()
         wait_for("version 1 applied", lambda: sub.between_steps() == 1, timeout_s=30, every_s=0.01)
@@ -157,15 +141,7 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def test_the_weight_sync_store_listens_on_the_configured_host_only(bus: StreamBus) -> None:
-    publisher = WeightPublisher(
-        run_state=bus,
-        telemetry=bus,
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=5.0,
-        bucket_mb=1,
-        key=WEIGHTS_KEY,
-    )
+    publisher = weight_publisher(bus, timeout_s=5.0)
     assert listening_addresses(publisher.port) == {
         socket.inet_aton("127.0.0.1")[::-1].hex().upper()
     }

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,16 +88,16 @@ def beat(bus: StreamBus, rid: str, version: int = 0) -> None:
     bus.redis.set(bus.keys.heartbeat("rollout", rid), json.dumps(info), ex=60)
 
 
-def publisher(bus: StreamBus) -> WeightPublisher:
-    return WeightPublisher(
-        run_state=bus,
-        telemetry=bus,
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=10.0,
-        bucket_mb=1,
-        key=WEIGHTS_KEY,
-    )
+def publisher(bus: StreamBus, **options: Any) -> WeightPublisher:
+    """The learner's publisher on loopback over gloo, as these tests use it; `options` override."""
+    settings: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "backend": "gloo",
+        "timeout_s": 10.0,
+        "bucket_mb": 1,
+        "key": WEIGHTS_KEY,
+    }
+    return WeightPublisher(run_state=bus, telemetry=bus, **(settings | options))
 
 
 def subscriber(
@@ -481,16 +482,7 @@ def test_the_weight_sync_store_listens_on_the_port_a_network_policy_opens(
         with pytest.raises(ConfigError, match=PORT_ENV):
             weights_port({PORT_ENV: bad})
     port = free_port()
-    publisher = WeightPublisher(
-        run_state=bus,
-        telemetry=bus,
-        host="127.0.0.1",
-        port=port,
-        backend="gloo",
-        timeout_s=5,
-        bucket_mb=1,
-        key=WEIGHTS_KEY,
-    )
-    assert publisher.port == port
+    listening = publisher(bus, port=port, timeout_s=5)  # held: its store closes with it
+    assert listening.port == port
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass  # the store accepts connections there
